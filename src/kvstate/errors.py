@@ -1,0 +1,78 @@
+"""One exception hierarchy for everything kvstate raises on purpose.
+
+Two tiers, as in STYLE.md: caller mistakes (``KVStateError`` subclasses that show
+what was expected, what was found and the fix) and unsupported combinations
+(``UnsupportedError``), which name the model or feature.
+"""
+
+from __future__ import annotations
+
+
+class KVStateError(Exception):
+    """Base class of every error kvstate raises on purpose."""
+
+    def __init__(self, message: str, *, expected: object = None, found: object = None,
+                 fix: str | None = None) -> None:
+        parts = [message]
+        if expected is not None:
+            parts.append(f"expected: {expected}")
+        if found is not None:
+            parts.append(f"found: {found}")
+        if fix:
+            parts.append(f"fix: {fix}")
+        super().__init__("; ".join(parts))
+        self.expected = expected
+        self.found = found
+        self.fix = fix
+
+
+class InputError(KVStateError, ValueError):
+    """Malformed user input: wrong rank, dtype or shape of ``input_ids`` and friends."""
+
+
+class MaskError(InputError):
+    """The attention mask does not cover processed + new tokens, or contradicts the state."""
+
+
+class PositionError(InputError):
+    """Explicit positions do not continue the state's logical next position."""
+
+
+class EmptyStateError(PositionError):
+    """A continuation at position > 0 was asked of a state that holds nothing (seed 002)."""
+
+
+class BatchMismatchError(InputError):
+    """The input's batch size differs from the state's."""
+
+
+class DeviceMismatchError(InputError):
+    """State tensors live on another device than the model."""
+
+
+class DtypeMismatchError(InputError):
+    """State tensors have another dtype than the model's K/V."""
+
+
+class FingerprintMismatchError(KVStateError):
+    """The state was produced by a different model (weights, config or dtype)."""
+
+
+class RollbackError(KVStateError):
+    """A rollback asked for tokens that a layer no longer retains."""
+
+
+class UnsupportedError(KVStateError, NotImplementedError):
+    """The model family or feature has no kvstate support; the message names it."""
+
+
+class UnsupportedModelError(UnsupportedError):
+    """No adapter is registered for this ``model_type``."""
+
+
+class DefaultModelError(KVStateError):
+    """The embedded default model could not be located or loaded."""
+
+
+class VerificationError(KVStateError):
+    """``kvstate verify`` found a kvstate path that differs from the fresh reference."""

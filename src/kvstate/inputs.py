@@ -1,0 +1,118 @@
+"""Validation of everything a caller hands to a ``Session``, done once per call.
+
+Each check turns a broken resume contract into a typed error that shows the
+expected value, the value found, and the fix. The per-token path never re-checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .errors import (
+    BatchMismatchError,
+    DeviceMismatchError,
+    DtypeMismatchError,
+    EmptyStateError,
+    FingerprintMismatchError,
+    InputError,
+    MaskError,
+    PositionError,
+)
+from .fingerprint import Fingerprint
+from .state import State
+
+
+def as_ids(input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+           device: torch.device) -> torch.Tensor:
+    """``input_ids`` as an int64 ``[B, L]`` tensor on ``device``."""
+    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise InputError("input_ids must be token ids", expected="int tensor [B, L]",
+                         found=f"{ids.dtype} tensor of shape {tuple(ids.shape)}",
+                         fix="pass tokenizer(..., return_tensors='pt').input_ids")
+    return ids.to(device=device, dtype=torch.long)
+
+
+def check_batch(state: State, batch_size: int) -> None:
+    if not state.is_empty and state.batch_size != batch_size:
+        raise BatchMismatchError("input batch differs from the state's batch",
+                                 expected=state.batch_size, found=batch_size,
+                                 fix="pass one row per state row, or reset() / fork() first")
+
+
+def full_mask(state: State, n_total: int, attention_mask: torch.Tensor | None,
+              device: torch.device) -> torch.Tensor:
+    """The bool mask ``[B, n_total]`` over processed + new slots.
+
+    ``None`` means "no padding in the new slots". A given mask must cover processed +
+    new tokens, and agree with the state on the processed part.
+    """
+    B, T = state.batch_size, state.tokens_seen
+    if attention_mask is None:
+        new = torch.ones(B, n_total - T, dtype=torch.bool, device=device)
+        return torch.cat([state.mask, new], dim=1)
+    mask = attention_mask.to(device=device)
+    if mask.dim() != 2 or tuple(mask.shape) != (B, n_total):
+        raise MaskError("attention_mask must cover processed + new tokens",
+                        expected=f"shape ({B}, {n_total}) = processed {T} + new {n_total - T}",
+                        found=tuple(mask.shape),
+                        fix="pass the full-length mask, as with a transformers cache")
+    mask = mask.bool()
+    if not torch.equal(mask[:, :T], state.mask):
+        raise MaskError("attention_mask disagrees with the processed tokens' padding",
+                        expected=state.mask.int().tolist(), found=mask[:, :T].int().tolist(),
+                        fix="reuse the mask the state was built with (session.state.mask)")
+    return mask
+
+
+def new_positions(state: State, new_mask: torch.Tensor,
+                  position_ids: torch.Tensor | None) -> torch.Tensor:
+    """Logical positions ``[B, Q]`` of the new slots; pads get 0, as ``generate`` does."""
+    pos = state.next_position[:, None] + new_mask.long().cumsum(-1) - 1
+    pos = pos.masked_fill(~new_mask, 0)
+    if position_ids is None:
+        return pos
+    given = position_ids.to(pos.device).long()
+    if given.numel() == pos.numel() and torch.equal(given.reshape(pos.shape)[new_mask], pos[new_mask]):
+        return pos
+    if state.is_empty:
+        raise EmptyStateError(
+            "position_ids continue a sequence, but the state is empty (seed 002)",
+            expected=pos.tolist(), found=position_ids.tolist(),
+            fix="feed the earlier tokens first, or omit position_ids")
+    raise PositionError("position_ids do not continue the state", expected=pos.tolist(),
+                        found=position_ids.tolist(),
+                        fix="omit position_ids, or pass state.next_position + offsets")
+
+
+def check_model(state: State, fingerprint: Fingerprint, model_dtype: torch.dtype,
+                device: torch.device) -> None:
+    """Refuse a state produced by another model, or stored on another device or dtype."""
+    if state.fingerprint is not None and state.fingerprint != fingerprint:
+        raise FingerprintMismatchError(
+            "state belongs to a different model", expected=fingerprint.to_dict(),
+            found=state.fingerprint.to_dict(),
+            fix="load the model the state was made with, or reset() to start afresh: "
+            + "; ".join(state.fingerprint.differences(fingerprint)))
+    if state.device.type != device.type:
+        raise DeviceMismatchError("state and model are on different devices", expected=str(device),
+                                  found=str(state.device), fix="state.to(model.device)")
+    kv_dtype = state.kv_dtype
+    if kv_dtype is not None and kv_dtype != model_dtype:
+        raise DtypeMismatchError("state K/V dtype differs from the model's",
+                                 expected=str(model_dtype), found=str(kv_dtype),
+                                 fix="load the model in the state's dtype, or reset()")
+
+
+def common_prefix(state: State, ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """Longest prefix (in slots) on which the state and the request agree for every row."""
+    n = min(state.tokens_seen, ids.shape[1])
+    same_mask = state.mask[:, :n] == mask[:, :n]
+    same_tok = (state.tokens[:, :n] == ids[:, :n]) | ~mask[:, :n]
+    agree = (same_mask & same_tok).all(dim=0)
+    bad = (~agree).nonzero()
+    return int(bad[0]) if bad.numel() else n

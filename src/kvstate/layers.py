@@ -1,0 +1,171 @@
+"""Per-layer generation state: one small protocol, the same verbs for every kind.
+
+Layout, stated once: keys and values are ``[B, H, S, D]`` (batch, KV heads, slots
+stored, head dim), as in transformers; ``positions`` is ``[B, S]`` int64, the
+logical (RoPE) position of every stored slot.
+
+Two quantities are kept apart and never inferred from tensor contents:
+
+* ``tokens_seen`` - how many token slots (padding included) have passed through
+  the layer; transformers builds masks from it;
+* ``slots`` - how many of them are stored right now (``S``).
+
+Layer states are immutable: every verb returns a new object and no tensor is ever
+written in place. That is what makes ``Session.fork`` free and safe.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+import torch
+
+from .errors import RollbackError
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+class LayerState(ABC):
+    """The protocol every per-layer state implements."""
+
+    @property
+    @abstractmethod
+    def kind(self) -> str:
+        """Layer kind, e.g. ``full_attention`` or ``sliding_attention``."""
+
+    @property
+    @abstractmethod
+    def tokens_seen(self) -> int:
+        """Token slots processed by this layer, padding included."""
+
+    @property
+    @abstractmethod
+    def slots(self) -> int:
+        """Slots currently stored (``S``)."""
+
+    @abstractmethod
+    def rollback_limit(self, n_tokens: int) -> str | None:
+        """Why the layer cannot return to ``n_tokens`` seen, or None if it can."""
+
+    @abstractmethod
+    def truncated(self, n_tokens: int) -> LayerState:
+        """The state after ``n_tokens`` tokens; raises ``RollbackError`` if impossible."""
+
+    @abstractmethod
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Named tensors, for saving and byte counts."""
+
+    @abstractmethod
+    def meta(self) -> dict[str, object]:
+        """JSON-able scalars that complete ``tensors()``."""
+
+    @abstractmethod
+    def to(self, device: torch.device | str) -> LayerState:
+        """A copy on another device."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+class AttentionLayerState(LayerState):
+    """K/V of one attention layer: full attention, or a sliding window.
+
+    Args:
+        keys, values: ``[B, H, S, D]`` retained slots, oldest first.
+        positions: ``[B, S]`` int64 logical position of each retained slot.
+        tokens_seen: token slots processed so far (``>= S``).
+        window: sliding window size, or None for full attention.
+        reserve: extra slots a sliding layer keeps beyond ``window - 1`` so that
+            the state can roll back by up to ``reserve`` tokens.
+    """
+
+    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None,
+                 positions: torch.Tensor | None, tokens_seen: int,
+                 window: int | None = None, reserve: int = 0) -> None:
+        self.keys = keys
+        self.values = values
+        self.positions = positions
+        self._tokens_seen = tokens_seen
+        self.window = window
+        self.reserve = reserve
+
+    @property
+    def kind(self) -> str:
+        return FULL_ATTENTION if self.window is None else SLIDING_ATTENTION
+
+    @classmethod
+    def empty(cls, window: int | None = None, reserve: int = 0) -> AttentionLayerState:
+        return cls(None, None, None, 0, window, reserve)
+
+    @property
+    def tokens_seen(self) -> int:
+        return self._tokens_seen
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[-2])
+
+    @property
+    def keep(self) -> int | None:
+        """Slots this layer retains after an update (None: all of them)."""
+        return None if self.window is None else self.window - 1 + self.reserve
+
+    def needed(self, n_tokens: int) -> int:
+        """Slots the next query needs when ``n_tokens`` have been seen."""
+        return n_tokens if self.window is None else min(n_tokens, self.window - 1)
+
+    def appended(self, keys: torch.Tensor, values: torch.Tensor,
+                 positions: torch.Tensor, tokens_seen: int) -> AttentionLayerState:
+        """A new state whose retained slots end with the given ones.
+
+        ``keys``/``values`` ``[B, H, S', D]`` and ``positions`` ``[B, S']`` are the
+        full retained tensors after the update; this trims them to ``keep``.
+        """
+        keep = self.keep
+        if keep is not None and keys.shape[-2] > keep:
+            keys, values, positions = keys[:, :, -keep:], values[:, :, -keep:], positions[:, -keep:]
+        return AttentionLayerState(keys, values, positions, tokens_seen, self.window, self.reserve)
+
+    def rollback_limit(self, n_tokens: int) -> str | None:
+        drop = self.tokens_seen - n_tokens
+        if drop < 0:
+            return f"cannot roll forward from {self.tokens_seen} to {n_tokens} tokens"
+        if self.slots - drop < self.needed(n_tokens):
+            return (f"{self.kind} layer (window {self.window}) retains {self.slots} slots of "
+                    f"{self.tokens_seen} tokens; returning to {n_tokens} tokens needs "
+                    f"{self.needed(n_tokens)} of them but only {max(self.slots - drop, 0)} remain")
+        return None
+
+    def truncated(self, n_tokens: int) -> AttentionLayerState:
+        reason = self.rollback_limit(n_tokens)
+        if reason is not None:
+            raise RollbackError(
+                "cannot roll back this layer", expected=f"<= {self.reserve} tokens beyond the window",
+                found=reason, fix="create the Session with a larger sliding_reserve, or reset() "
+                "and re-feed the history")
+        drop = self.tokens_seen - n_tokens
+        if drop == 0:
+            return self
+        if self.slots - drop == 0:
+            return AttentionLayerState(None, None, None, n_tokens, self.window, self.reserve)
+        end = self.slots - drop
+        return AttentionLayerState(self.keys[:, :, :end], self.values[:, :, :end],  # type: ignore[index]
+                                   self.positions[:, :end], n_tokens,  # type: ignore[index]
+                                   self.window, self.reserve)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self.keys is None:
+            return {}
+        return {"keys": self.keys, "values": self.values, "positions": self.positions}  # type: ignore[dict-item]
+
+    def meta(self) -> dict[str, object]:
+        return {"kind": self.kind, "tokens_seen": self.tokens_seen, "slots": self.slots,
+                "window": self.window, "reserve": self.reserve}
+
+    def to(self, device: torch.device | str) -> AttentionLayerState:
+        if self.keys is None:
+            return self
+        return AttentionLayerState(self.keys.to(device), self.values.to(device),  # type: ignore[union-attr]
+                                   self.positions.to(device), self.tokens_seen,  # type: ignore[union-attr]
+                                   self.window, self.reserve)

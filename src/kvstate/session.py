@@ -1,0 +1,326 @@
+"""``Session``: one explicit ``State`` for one loaded transformers model.
+
+Every call states its contract instead of guessing it: the processed tokens are in
+``state.tokens``; new tokens always go in with a full-length mask and explicit
+logical positions; a request's history is compared with the processed tokens, and
+only the unprocessed suffix is fed. Two paths share the state:
+
+* ``extend`` - a plain forward per chunk (and the manual decode loop, one token a call);
+* ``generate`` - ``model.generate`` with a real transformers cache built from the state.
+
+States are immutable, so ``fork`` is O(1) and forks can never see each other's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from . import _compat
+from .adapters import adapter_for
+from .errors import InputError, UnsupportedError
+from .fingerprint import Fingerprint, fingerprint
+from .inputs import as_ids, check_batch, check_model, common_prefix, full_mask, new_positions
+from .state import State
+
+IdsLike = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """How the last ``generate`` call used the state.
+
+    ``reused`` slots came from the state, ``fed`` slots went through the model before
+    the first new token, and ``mode`` is one of ``continue``, ``rollback``,
+    ``recompute`` (rollback impossible, so the history was re-fed from scratch) or
+    ``stored-logits`` (history fully processed; first token from ``last_logits``).
+    """
+
+    reused: int
+    fed: int
+    mode: str
+
+
+class Session:
+    """Owns the generation state of one conversation batch on one model.
+
+    Args:
+        model: a transformers causal LM whose family kvstate supports.
+        tokenizer: optional; only hashed into the state's fingerprint.
+        chunk_size: longest run of tokens fed in one forward by ``extend``.
+        sliding_reserve: extra slots each sliding-window layer keeps beyond its
+            window, so the state can roll back that many tokens (memory: reserve x
+            sliding layers x K/V bytes per token).
+        state: start from this state instead of an empty one (checked against the model).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, tokenizer: object | None = None,
+                 chunk_size: int = 512, sliding_reserve: int = 64,
+                 state: State | None = None, _fingerprint: Fingerprint | None = None) -> None:
+        if chunk_size < 1 or sliding_reserve < 0:
+            raise InputError("invalid Session settings", expected="chunk_size >= 1, sliding_reserve >= 0",
+                             found={"chunk_size": chunk_size, "sliding_reserve": sliding_reserve})
+        self.model = model
+        self._adapter = adapter_for(model)
+        self._config = self._adapter.text_config(model)
+        self.chunk_size = chunk_size
+        self.sliding_reserve = sliding_reserve
+        self._fingerprint = _fingerprint or fingerprint(model, tokenizer)
+        self.last_plan: ResumePlan | None = None
+        self._state = self._empty(1) if state is None else self._adopt(state)
+
+    # ----- read-only views -------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        """The current state (immutable; tensors are shared, never written in place)."""
+        return self._state
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Processed token ids ``[B, T]`` (a copy)."""
+        return self._state.tokens.clone()
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return self._fingerprint
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # ----- state verbs -----------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget everything: outputs then equal a freshly loaded model's."""
+        self._adapter.reset_model(self.model)
+        self._state = self._empty(1)
+
+    def fork(self) -> Session:
+        """An independent session on the same model, starting from this state. O(1)."""
+        return Session(self.model, chunk_size=self.chunk_size, sliding_reserve=self.sliding_reserve,
+                       state=self._state, _fingerprint=self._fingerprint)
+
+    def truncate(self, n_tokens: int) -> None:
+        """Roll back to the first ``n_tokens`` slots; ``RollbackError`` if a layer cannot."""
+        self._state = self._state.truncated(n_tokens)
+
+    # ----- feeding tokens --------------------------------------------------------------
+    def extend(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None, *,
+               position_ids: torch.Tensor | None = None, **model_inputs: Any) -> torch.Tensor:
+        """Process new tokens and return the last position's logits ``[B, V]``.
+
+        Args:
+            input_ids: ``[B, Q]`` new (unprocessed) token ids.
+            attention_mask: ``[B, T + Q]`` over processed + new slots, or None for no
+                padding in the new slots.
+            position_ids: optional ``[B, Q]``; must equal the positions that continue
+                the state (checked), since kvstate assigns them itself.
+        """
+        ids = as_ids(input_ids, self.device)
+        state = self._state_for_batch(ids.shape[0])
+        if ids.shape[1] == 0:
+            raise InputError("extend needs at least one new token", expected="Q >= 1", found=0)
+        mask = full_mask(state, state.tokens_seen + ids.shape[1], attention_mask, self.device)
+        positions = new_positions(state, mask[:, state.tokens_seen:], position_ids)
+        self._state = self._feed(state, ids, mask, positions, model_inputs)
+        assert self._state.last_logits is not None
+        return self._state.last_logits
+
+    def generate(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None,
+                 **generate_kwargs: Any) -> Any:
+        """Continue the *full* history ``input_ids`` ``[B, L]``, like ``model.generate``.
+
+        Reuses the longest processed prefix, rolls back where the layers allow (else
+        re-feeds from scratch), feeds only the unprocessed suffix, and returns the new
+        token ids ``[B, N]``. With ``return_dict_in_generate=True`` the transformers
+        output object is returned, its ``sequences`` holding only the new tokens.
+        """
+        if generate_kwargs.get("num_beams", 1) > 1 or generate_kwargs.get("num_return_sequences", 1) > 1:
+            raise UnsupportedError("beam search and multiple return sequences keep one cache per "
+                                   "beam", found=generate_kwargs, fix="use num_beams=1, or fork() "
+                                   "per sample")
+        ids = as_ids(input_ids, self.device)
+        state = self._state_for_batch(ids.shape[0])
+        mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
+                else attention_mask.to(self.device).bool())
+        if mask.shape != ids.shape:
+            raise InputError("attention_mask must match input_ids", expected=tuple(ids.shape),
+                             found=tuple(mask.shape), fix="pass the full-history mask")
+        self._state = self._resume_point(state, ids, mask)
+        if self._state.tokens_seen == ids.shape[1]:
+            return self._from_stored_logits(ids, mask, generate_kwargs)
+        return self._hf_generate(ids, mask, generate_kwargs)
+
+    # ----- internals ---------------------------------------------------------------------
+    def _empty(self, batch_size: int) -> State:
+        layers = self._adapter.empty_layers(self.model, self.sliding_reserve)
+        return State.empty(layers, self._fingerprint, batch_size, self.device)
+
+    def _adopt(self, state: State) -> State:
+        check_model(state, self._fingerprint, self.dtype, self.device)
+        if len(state.layers) != len(self._empty(1).layers):
+            raise InputError("state has another number of layers than the model",
+                             expected=len(self._empty(1).layers), found=len(state.layers))
+        return state
+
+    def _state_for_batch(self, batch_size: int) -> State:
+        state = self._state
+        if state.is_empty and state.batch_size != batch_size:
+            return self._empty(batch_size)
+        check_batch(state, batch_size)
+        return state
+
+    def _feed(self, state: State, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+              model_inputs: dict[str, Any]) -> State:
+        """Forward the new slots in chunks (one chunk when extra model inputs are given)."""
+        T, Q = state.tokens_seen, ids.shape[1]
+        step = Q if model_inputs else self.chunk_size
+        for start in range(0, Q, step):
+            end = min(start + step, Q)
+            state = self._forward(state, ids[:, start:end], mask[:, : T + end],
+                                  positions[:, start:end], model_inputs)
+        return state
+
+    def _forward(self, state: State, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 model_inputs: dict[str, Any]) -> State:
+        cache = _compat.build_cache(state.layers, self._config)
+        self._adapter.restore_extras(self.model, state.extras)
+        with torch.no_grad():
+            out = self.model(input_ids=ids, attention_mask=_mask_arg(mask), position_ids=positions,
+                             use_cache=True, logits_to_keep=1,
+                             **{_compat.CACHE_KWARG: cache}, **model_inputs)
+        layers = _compat.read_cache(_compat.output_cache(out), state.layers, positions)
+        T = state.tokens_seen
+        return self._next_state(state, ids, mask, layers, out.logits[:, -1, :], T)
+
+    def _next_state(self, state: State, fed: torch.Tensor, mask: torch.Tensor, layers: tuple,
+                    logits: torch.Tensor | None, T: int) -> State:
+        n = T + fed.shape[1]
+        return State(tokens=torch.cat([state.tokens, fed], dim=1), mask=mask[:, :n], layers=layers,
+                     next_position=state.next_position + mask[:, T:n].sum(-1),
+                     last_logits=logits,
+                     extras=MappingProxyType(self._adapter.capture_extras(self.model)),
+                     fingerprint=self._fingerprint)
+
+    def _resume_point(self, state: State, ids: torch.Tensor, mask: torch.Tensor) -> State:
+        """The state cut back to what ``ids`` shares with it; records ``last_plan``."""
+        T, L = state.tokens_seen, ids.shape[1]
+        p = common_prefix(state, ids, mask)
+        if p == T == L and state.last_logits is not None:
+            self.last_plan = ResumePlan(reused=T, fed=0, mode="stored-logits")
+            return state
+        target = min(p, L - 1)  # at least one token must go through the model
+        if target == T:
+            mode = "continue"
+        elif not state.rollback_limit(target):
+            state, mode = state.truncated(target), "rollback"
+        else:
+            self._adapter.reset_model(self.model)
+            state, target, mode = self._empty(state.batch_size), 0, "recompute"
+        self.last_plan = ResumePlan(reused=target, fed=L - target, mode=mode)
+        return state
+
+    def _hf_generate(self, ids: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        """``model.generate`` over the unprocessed suffix; adopts the resulting state."""
+        state, T, L = self._state, self._state.tokens_seen, ids.shape[1]
+        suffix_pos = new_positions(state, mask[:, T:], None)
+        # generate slices position_ids to the unprocessed suffix; the prefix part is never read
+        positions = torch.cat([torch.zeros_like(ids[:, :T]), suffix_pos], dim=1)
+        cache = _compat.build_cache(state.layers, self._config)
+        self._adapter.restore_extras(self.model, state.extras)
+        with _compat.capture_logits(self.model) as logits_at, torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
+                                      **{_compat.CACHE_KWARG: cache}, **kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        self._state = self._after_generate(state, sequences, mask, suffix_pos, cache, logits_at)
+        new_tokens = sequences[:, L:]
+        if isinstance(out, torch.Tensor):
+            return new_tokens
+        out.sequences = new_tokens
+        return out
+
+    def _after_generate(self, state: State, sequences: torch.Tensor, mask: torch.Tensor,
+                        suffix_pos: torch.Tensor, cache: Any, logits_at: Any) -> State:
+        """The state after generate: every fed slot, i.e. all but the last new token."""
+        T, L = state.tokens_seen, mask.shape[1]
+        n_new = sequences.shape[1] - L
+        gen_pos = state.next_position[:, None] + mask[:, T:].sum(-1, keepdim=True) \
+            + torch.arange(n_new, device=mask.device)
+        fed_pos = torch.cat([suffix_pos, gen_pos], dim=1)
+        layers = _compat.read_cache(cache, state.layers, fed_pos)
+        seen = layers[0].tokens_seen
+        full = torch.cat([mask, torch.ones_like(sequences[:, L:], dtype=torch.bool)], dim=1)
+        return self._next_state(state, sequences[:, T:seen], full, layers, logits_at(seen), T)
+
+    def _from_stored_logits(self, ids: torch.Tensor, mask: torch.Tensor,
+                            kwargs: dict[str, Any]) -> Any:
+        """First token from ``last_logits`` (no re-feed), the rest through ``generate``."""
+        config, _ = _compat.generation_config(self.model, dict(kwargs))
+        budget = (config.max_new_tokens if config.max_new_tokens is not None
+                  else config.max_length - ids.shape[1])
+        eos = _eos_ids(config)
+        if kwargs.get("return_dict_in_generate") or (ids.shape[0] > 1 and eos):
+            return self._refeed_last(ids, mask, kwargs)
+        assert self._state.last_logits is not None
+        first = _compat.first_token(self.model, config, ids, self._state.last_logits)[:, None]
+        streamer = kwargs.get("streamer")
+        if streamer is not None:
+            streamer.put(ids.cpu())
+            streamer.put(first[:, 0].cpu())
+        if budget <= 1 or bool(torch.isin(first, torch.tensor(eos, device=first.device)).all()):
+            if streamer is not None:
+                streamer.end()
+            return first
+        rest_kwargs = dict(kwargs, streamer=None if streamer is None else _SkipFirstPut(streamer))
+        if config.max_new_tokens is not None:
+            rest_kwargs["max_new_tokens"] = budget - 1
+        if config.min_new_tokens:
+            rest_kwargs["min_new_tokens"] = max(config.min_new_tokens - 1, 0)
+        rest = self._hf_generate(torch.cat([ids, first], 1), torch.cat([mask, torch.ones_like(first, dtype=torch.bool)], 1),
+                                 rest_kwargs)
+        return torch.cat([first, rest], dim=1)
+
+    def _refeed_last(self, ids: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        """Fallback for the fully processed case: roll back one slot and let generate run."""
+        L = ids.shape[1]
+        if self._state.rollback_limit(L - 1):
+            self._state = self._empty(ids.shape[0])
+            self.last_plan = ResumePlan(reused=0, fed=L, mode="recompute")
+        else:
+            self._state = self._state.truncated(L - 1)
+            self.last_plan = ResumePlan(reused=L - 1, fed=1, mode="rollback")
+        return self._hf_generate(ids, mask, kwargs)
+
+
+class _SkipFirstPut:
+    """Streamer proxy that drops the prompt echo of a continuation ``generate`` call."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.skipped = inner, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.skipped:
+            self.inner.put(value)
+        self.skipped = True
+
+    def end(self) -> None:
+        self.inner.end()
+
+
+def _mask_arg(mask: torch.Tensor) -> torch.Tensor | None:
+    """Drop an all-ones mask, as ``generate`` does, so both paths run the same kernels."""
+    return None if bool(mask.all()) else mask.long()
+
+
+def _eos_ids(config: Any) -> list[int]:
+    eos = config.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
