@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import SLIDING, WINDOW, assert_logits_close, prompt, tiny_model
 
 from kvstate import Session
+from tiny import SLIDING, WINDOW, assert_logits_close, prompt, tiny_model
 
 ARCHS = ["llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text"]
 N_NEW = 16
@@ -239,3 +239,20 @@ def test_multi_turn_chat_reuses_everything(model):
     reply2 = s.generate(turn2, max_new_tokens=8, do_sample=False)
     assert s.last_plan.reused == turn1.shape[1] + 8 - 1 and s.last_plan.fed == 7
     assert torch.equal(reply2, greedy(model, turn2, n=8)[0])
+
+
+def test_stored_logits_path_honours_stopping_rules():
+    model = tiny_model("llama")
+    ids = prompt(20)
+    ones = torch.ones_like(ids)
+    eos = int(Session(model).extend(ids).argmax())  # make the first token an EOS
+    cases = [dict(max_new_tokens=5, eos_token_id=eos),
+             dict(max_new_tokens=6, min_new_tokens=3, eos_token_id=eos),
+             dict(max_length=26)]
+    for kw in cases:
+        ref = model.generate(ids, attention_mask=ones, do_sample=False, **kw)
+        s = Session(model)
+        s.extend(ids)
+        out = s.generate(ids, do_sample=False, **kw)
+        assert s.last_plan.mode == "stored-logits"
+        assert torch.equal(out, ref[:, ids.shape[1]:]), kw

@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny import WINDOW, prompt, tiny_model
 
 import kvstate
 from kvstate import Session
@@ -23,6 +22,7 @@ from kvstate.errors import (
     RollbackError,
     UnsupportedModelError,
 )
+from tiny import WINDOW, prompt, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -98,6 +98,9 @@ def generation_config(model: object, kwargs: dict[str, object]) -> tuple[Generat
 def first_token(model: object, config: GenerationConfig, input_ids: torch.Tensor,
                 logits: torch.Tensor) -> torch.Tensor:
     """Pick the next token ``[B]`` from stored ``logits`` ``[B, V]`` the way ``generate`` would."""
+    config = copy.deepcopy(config)  # the helper below turns special tokens into tensors in place
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True,  # type: ignore[attr-defined]
+                                  device=input_ids.device, batch_size=input_ids.shape[0])
     processors = model._get_logits_processor(  # type: ignore[attr-defined]
         generation_config=config, input_ids_seq_length=input_ids.shape[-1],
         encoder_input_ids=input_ids, prefix_allowed_tokens_fn=None, logits_processor=None,

@@ -17,6 +17,7 @@ written in place. That is what makes ``Session.fork`` free and safe.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+
 import torch
 
 from .errors import RollbackError

@@ -13,6 +13,7 @@ States are immutable, so ``fork`` is O(1) and forks can never see each other's t
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -103,9 +104,14 @@ class Session:
         self._state = self._empty(1)
 
     def fork(self) -> Session:
-        """An independent session on the same model, starting from this state. O(1)."""
-        return Session(self.model, chunk_size=self.chunk_size, sliding_reserve=self.sliding_reserve,
-                       state=self._state, _fingerprint=self._fingerprint)
+        """An independent session on the same model, starting from this state. O(1).
+
+        States are immutable and kvstate never writes a tensor in place, so both
+        sessions share tensors until one of them moves on.
+        """
+        twin = copy.copy(self)  # same model, so the adoption checks would be redundant
+        twin.last_plan = None
+        return twin
 
     def truncate(self, n_tokens: int) -> None:
         """Roll back to the first ``n_tokens`` slots; ``RollbackError`` if a layer cannot."""
@@ -165,9 +171,11 @@ class Session:
 
     def _adopt(self, state: State) -> State:
         check_model(state, self._fingerprint, self.dtype, self.device)
-        if len(state.layers) != len(self._empty(1).layers):
-            raise InputError("state has another number of layers than the model",
-                             expected=len(self._empty(1).layers), found=len(state.layers))
+        expected = [(layer.kind, layer.meta().get("window")) for layer in self._empty(1).layers]
+        found = [(layer.kind, layer.meta().get("window")) for layer in state.layers]
+        if found != expected:
+            raise InputError("state layers do not match the model's layers", expected=expected,
+                             found=found, fix="load the state into the model it was made with")
         return state
 
     def _state_for_batch(self, batch_size: int) -> State:
@@ -263,28 +271,21 @@ class Session:
                             kwargs: dict[str, Any]) -> Any:
         """First token from ``last_logits`` (no re-feed), the rest through ``generate``."""
         config, _ = _compat.generation_config(self.model, dict(kwargs))
-        budget = (config.max_new_tokens if config.max_new_tokens is not None
-                  else config.max_length - ids.shape[1])
-        eos = _eos_ids(config)
-        if kwargs.get("return_dict_in_generate") or (ids.shape[0] > 1 and eos):
-            return self._refeed_last(ids, mask, kwargs)
+        if kwargs.get("return_dict_in_generate") or (ids.shape[0] > 1 and _eos_ids(config)):
+            return self._refeed_last(ids, mask, kwargs)  # per-row stops and logit outputs
         assert self._state.last_logits is not None
         first = _compat.first_token(self.model, config, ids, self._state.last_logits)[:, None]
         streamer = kwargs.get("streamer")
         if streamer is not None:
             streamer.put(ids.cpu())
             streamer.put(first[:, 0].cpu())
-        if budget <= 1 or bool(torch.isin(first, torch.tensor(eos, device=first.device)).all()):
+        if _finished(config, first, ids.shape[1]):
             if streamer is not None:
                 streamer.end()
             return first
-        rest_kwargs = dict(kwargs, streamer=None if streamer is None else _SkipFirstPut(streamer))
-        if config.max_new_tokens is not None:
-            rest_kwargs["max_new_tokens"] = budget - 1
-        if config.min_new_tokens:
-            rest_kwargs["min_new_tokens"] = max(config.min_new_tokens - 1, 0)
-        rest = self._hf_generate(torch.cat([ids, first], 1), torch.cat([mask, torch.ones_like(first, dtype=torch.bool)], 1),
-                                 rest_kwargs)
+        ones = torch.ones_like(first, dtype=torch.bool)
+        rest = self._hf_generate(torch.cat([ids, first], 1), torch.cat([mask, ones], 1),
+                                 _rest_kwargs(kwargs, config, streamer))
         return torch.cat([first, rest], dim=1)
 
     def _refeed_last(self, ids: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, Any]) -> Any:
@@ -317,6 +318,24 @@ class _SkipFirstPut:
 def _mask_arg(mask: torch.Tensor) -> torch.Tensor | None:
     """Drop an all-ones mask, as ``generate`` does, so both paths run the same kernels."""
     return None if bool(mask.all()) else mask.long()
+
+
+def _finished(config: Any, first: torch.Tensor, prompt_len: int) -> bool:
+    """Whether generation stops right after the first token (budget or EOS on every row)."""
+    budget = (config.max_new_tokens if config.max_new_tokens is not None
+              else config.max_length - prompt_len)
+    eos = torch.tensor(_eos_ids(config), dtype=first.dtype, device=first.device)
+    return budget <= 1 or bool(torch.isin(first, eos).all())
+
+
+def _rest_kwargs(kwargs: dict[str, Any], config: Any, streamer: Any) -> dict[str, Any]:
+    """Generate kwargs for the continuation after one token was already produced."""
+    rest = dict(kwargs, streamer=None if streamer is None else _SkipFirstPut(streamer))
+    if config.max_new_tokens is not None:
+        rest["max_new_tokens"] = config.max_new_tokens - 1
+    if config.min_new_tokens:
+        rest["min_new_tokens"] = max(config.min_new_tokens - 1, 0)
+    return rest
 
 
 def _eos_ids(config: Any) -> list[int]:
