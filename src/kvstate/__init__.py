@@ -4,9 +4,11 @@ from .adapters import Adapter, register, supported_model_types
 from .errors import (
     KVStateError,
     RollbackError,
+    StateFileError,
     UnsupportedError,
     UnsupportedModelError,
 )
+from .files import inspect_state, load_state, save_state
 from .fingerprint import Fingerprint, fingerprint
 from .layers import AttentionLayerState, LayerState
 from .session import ResumePlan, Session
@@ -22,10 +24,14 @@ __all__ = [
     "RollbackError",
     "Session",
     "State",
+    "StateFileError",
     "UnsupportedError",
     "UnsupportedModelError",
     "fingerprint",
+    "inspect_state",
+    "load_state",
     "register",
+    "save_state",
     "supported_model_types",
 ]
 __version__ = "0.1.0"

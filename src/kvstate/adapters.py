@@ -31,6 +31,14 @@ class Adapter:
         return tuple(AttentionLayerState.empty(window, sliding_reserve if window else 0)
                      for _kind, window in _compat.layer_specs(self.text_config(model)))
 
+    def kv_shape(self, model: torch.nn.Module) -> tuple[int, int]:
+        """``(H, D)``: KV heads and head dim of the attention layers' K/V."""
+        config = self.text_config(model)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # type: ignore[attr-defined]
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)  # type: ignore[attr-defined]
+        return int(heads), int(head_dim)
+
     def capture_extras(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Model-side values to store in the state after a forward."""
         return {}

@@ -76,3 +76,11 @@ class DefaultModelError(KVStateError):
 
 class VerificationError(KVStateError):
     """``kvstate verify`` found a kvstate path that differs from the fresh reference."""
+
+
+class StateFileError(KVStateError):
+    """A state file is truncated, corrupted, of another format version, or malformed."""
+
+
+class LayoutMismatchError(KVStateError):
+    """The state's layers (count, kinds, heads, head dim) do not fit the model."""

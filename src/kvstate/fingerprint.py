@@ -76,7 +76,11 @@ def _strip(value: object) -> object:
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """SHA-256 over strided samples of the first, middle and last named parameters."""
+    """SHA-256 over strided samples of the first, middle and last named parameters.
+
+    Samples are rounded to bfloat16 first, so the same weights loaded in fp32 or bf16
+    agree (what a state loaded with an explicit dtype cast relies on).
+    """
     named = list(model.named_parameters())
     picks = sorted({0, len(named) // 2, len(named) - 1}) if named else []
     h = hashlib.sha256()
@@ -84,9 +88,9 @@ def weights_digest(model: torch.nn.Module) -> str:
         name, param = named[i]
         flat = param.detach().reshape(-1)
         step = max(1, flat.numel() // _SAMPLE_ELEMENTS)
-        sample = flat[::step][:_SAMPLE_ELEMENTS].to("cpu", torch.float32).contiguous()
+        sample = flat[::step][:_SAMPLE_ELEMENTS].to("cpu", torch.bfloat16).contiguous()
         h.update(name.encode())
-        h.update(sample.numpy().tobytes())
+        h.update(sample.view(torch.int16).numpy().tobytes())
     return h.hexdigest()
 
 

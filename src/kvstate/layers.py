@@ -68,6 +68,11 @@ class LayerState(ABC):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
+    @classmethod
+    @abstractmethod
+    def from_parts(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> LayerState:
+        """Rebuild from ``meta()`` and ``tensors()``; inputs are already validated."""
+
 
 class AttentionLayerState(LayerState):
     """K/V of one attention layer: full attention, or a sliding window.
@@ -160,6 +165,14 @@ class AttentionLayerState(LayerState):
             return {}
         return {"keys": self.keys, "values": self.values, "positions": self.positions}  # type: ignore[dict-item]
 
+    @classmethod
+    def from_parts(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> AttentionLayerState:
+        window = meta["window"]
+        return cls(tensors.get("keys"), tensors.get("values"), tensors.get("positions"),
+                   int(meta["tokens_seen"]),  # type: ignore[call-overload]
+                   None if window is None else int(window),  # type: ignore[call-overload]
+                   int(meta.get("reserve") or 0))  # type: ignore[call-overload]
+
     def meta(self) -> dict[str, object]:
         return {"kind": self.kind, "tokens_seen": self.tokens_seen, "slots": self.slots,
                 "window": self.window, "reserve": self.reserve}
@@ -170,3 +183,10 @@ class AttentionLayerState(LayerState):
         return AttentionLayerState(self.keys.to(device), self.values.to(device),  # type: ignore[union-attr]
                                    self.positions.to(device), self.tokens_seen,  # type: ignore[union-attr]
                                    self.window, self.reserve)
+
+
+# Layer kinds a state file may name, resolved to the class that rebuilds them.
+LAYER_KINDS: dict[str, type[LayerState]] = {
+    FULL_ATTENTION: AttentionLayerState,
+    SLIDING_ATTENTION: AttentionLayerState,
+}

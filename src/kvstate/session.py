@@ -14,7 +14,8 @@ States are immutable, so ``fork`` is O(1) and forks can never see each other's t
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 
 from . import _compat
 from .adapters import adapter_for
-from .errors import InputError, UnsupportedError
+from .errors import InputError, LayoutMismatchError, UnsupportedError
 from .fingerprint import Fingerprint, fingerprint
 from .inputs import as_ids, check_batch, check_model, common_prefix, full_mask, new_positions
 from .state import State
@@ -117,6 +118,28 @@ class Session:
         """Roll back to the first ``n_tokens`` slots; ``RollbackError`` if a layer cannot."""
         self._state = self._state.truncated(n_tokens)
 
+    # ----- files -------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
+             compact: str | None = None) -> int:
+        """Write the state to one crash-safe file (see ``kvstate.save_state``); returns bytes."""
+        return self._state.save(path, metadata=metadata, compact=compact)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], model: torch.nn.Module, *, cast_dtype: bool = False,
+             tokenizer: object | None = None, chunk_size: int = 512) -> Session:
+        """A session on ``model`` continuing the state saved at ``path``.
+
+        The state is checked against the model (fingerprint, layers, heads, dtype) and
+        moved to the model's device. ``cast_dtype=True`` opts in to casting a state of
+        another dtype; the cast is recorded in ``state.metadata``.
+        """
+        from .files import load_state
+
+        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        state = load_state(path, map_location=device, dtype=dtype if cast_dtype else None)
+        reserve = max((int(layer.meta().get("reserve") or 0) for layer in state.layers), default=0)
+        return cls(model, tokenizer=tokenizer, chunk_size=chunk_size, sliding_reserve=reserve, state=state)
+
     # ----- feeding tokens --------------------------------------------------------------
     def extend(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None, *,
                position_ids: torch.Tensor | None = None, **model_inputs: Any) -> torch.Tensor:
@@ -174,8 +197,18 @@ class Session:
         expected = [(layer.kind, layer.meta().get("window")) for layer in self._empty(1).layers]
         found = [(layer.kind, layer.meta().get("window")) for layer in state.layers]
         if found != expected:
-            raise InputError("state layers do not match the model's layers", expected=expected,
-                             found=found, fix="load the state into the model it was made with")
+            raise LayoutMismatchError("state layers do not match the model's layers",
+                                      expected=f"{len(expected)} layers {expected}",
+                                      found=f"{len(found)} layers {found}",
+                                      fix="load the state into the model it was made with")
+        heads, head_dim = self._adapter.kv_shape(self.model)
+        for i, layer in enumerate(state.layers):
+            keys = layer.tensors().get("keys")
+            if keys is not None and (keys.shape[1], keys.shape[3]) != (heads, head_dim):
+                raise LayoutMismatchError(f"layer {i} K/V head shape differs from the model's",
+                                          expected=f"(kv_heads, head_dim) = {(heads, head_dim)}",
+                                          found=(keys.shape[1], keys.shape[3]),
+                                          fix="load the state into the model it was made with")
         return state
 
     def _state_for_batch(self, batch_size: int) -> State:

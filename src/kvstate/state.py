@@ -9,7 +9,9 @@ Shapes (``B`` batch rows, ``T`` token slots processed, ``V`` vocabulary):
 * ``last_logits`` ``[B, V]`` - logits at the last processed slot, so a resume whose
   input is already processed needs no re-feed;
 * ``extras`` - named model-side tensors (e.g. Qwen-VL ``rope_deltas``);
-* ``fingerprint`` - the model the state belongs to.
+* ``fingerprint`` - the model the state belongs to;
+* ``metadata`` - str -> str notes: the user's, plus ``kvstate.*`` records of lossy
+  storage or dtype casts applied on load.
 
 ``T`` is *tokens seen*; each layer separately reports *slots stored*. States are
 never modified: operations return new states that share unchanged tensors.
@@ -17,6 +19,7 @@ never modified: operations return new states that share unchanged tensors.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -39,6 +42,7 @@ class State:
     last_logits: torch.Tensor | None = None
     extras: Mapping[str, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
     fingerprint: Fingerprint | None = None
+    metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def empty(cls, layers: tuple[LayerState, ...], fingerprint: Fingerprint | None = None,
@@ -121,6 +125,13 @@ class State:
             next_position=self.next_position.to(device),
             last_logits=None if self.last_logits is None else self.last_logits.to(device),
             extras=MappingProxyType({k: v.to(device) for k, v in self.extras.items()}))
+
+    def save(self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
+             compact: str | None = None) -> int:
+        """Write this state to one crash-safe file; see ``kvstate.statefile``. Returns bytes."""
+        from .files import save_state
+
+        return save_state(self, path, metadata=metadata, compact=compact)
 
     def summary(self) -> dict[str, object]:
         """JSON-able overview: batch, tokens, per-layer kinds and lengths, bytes."""

@@ -1,0 +1,227 @@
+"""``State`` <-> (kvstate header, named tensors), and optional compact K/V storage.
+
+Header fields (format ``kvstate.state``, version 1; documented in docs/state-file.md):
+``format``, ``version``, ``fingerprint``, ``batch_size``, ``tokens_seen``, ``tokens``
+(``[B][T]`` ints), ``mask`` (per row, runs ``[start, count]`` of real slots),
+``next_position``, ``layers`` (``kind``, ``tokens_seen``, ``slots``, ``window``,
+``reserve``, ``positions`` as per-row runs ``[start, count]`` of consecutive
+positions), ``has_last_logits``, ``extras`` (names), ``storage`` (``exact``,
+``bfloat16``, ``float16`` or ``int8``), ``kv_dtype``, ``metadata`` (str -> str)
+and ``checksums``.
+
+Only retained slots are written: a sliding layer's K/V that views larger storage is
+made contiguous first, so the file holds at most its window plus reserve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from .errors import StateFileError
+from .fingerprint import Fingerprint
+from .layers import LAYER_KINDS
+from .state import State
+from .statefile import crc32
+
+FORMAT = "kvstate.state"
+VERSION = 1
+COMPACT = ("bfloat16", "float16", "int8")
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64}
+
+
+def encode(state: State, metadata: Mapping[str, str] | None = None,
+           compact: str | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The header and the tensors that represent ``state`` in a file."""
+    if compact is not None and compact not in COMPACT:
+        raise StateFileError("unknown compact storage", expected=COMPACT, found=compact,
+                             fix="pass compact=None for exact storage")
+    meta = {**state.metadata, **(metadata or {})}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise StateFileError("metadata must map str to str", found=meta)
+    tensors: dict[str, torch.Tensor] = {}
+    layers = []
+    for i, layer in enumerate(state.layers):
+        parts = dict(layer.tensors())
+        positions = parts.pop("positions", None)
+        layers.append({**layer.meta(), "positions": None if positions is None else _runs(positions)})
+        for name, t in parts.items():
+            tensors.update(_pack(f"layers.{i}.{name}", t.contiguous(), compact))
+    if state.last_logits is not None:
+        tensors["last_logits"] = state.last_logits.contiguous()
+    for name, t in state.extras.items():
+        tensors[f"extras.{name}"] = t.contiguous()
+    header = {
+        "format": FORMAT, "version": VERSION,
+        "fingerprint": None if state.fingerprint is None else state.fingerprint.to_dict(),
+        "batch_size": state.batch_size, "tokens_seen": state.tokens_seen,
+        "tokens": state.tokens.tolist(), "mask": _mask_runs(state.mask),
+        "next_position": state.next_position.tolist(), "layers": layers,
+        "has_last_logits": state.last_logits is not None, "extras": sorted(state.extras),
+        "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "metadata": meta,
+    }
+    header["checksums"] = {name: crc32(t) for name, t in tensors.items()}
+    return header, tensors
+
+
+def decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
+    """Rebuild a ``State``; every field is validated and defects raise ``StateFileError``."""
+    try:
+        return _decode(header, tensors)
+    except StateFileError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise StateFileError("state header is malformed", found=f"{type(exc).__name__}: {str(exc)[:160]}",
+                             fix="re-save the state with this kvstate version") from exc
+
+
+def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
+    _check_version(header)
+    B, T = _int(header, "batch_size"), _int(header, "tokens_seen")
+    tokens = torch.tensor(_list(header, "tokens"), dtype=torch.long).reshape(B, T)
+    mask = _mask_from_runs(_list(header, "mask"), B, T)
+    kv_dtype = _DTYPE_NAMES.get(header.get("kv_dtype") or "float32")
+    if kv_dtype is None:
+        raise StateFileError("unknown kv_dtype", expected=sorted(_DTYPE_NAMES), found=header.get("kv_dtype"))
+    layers = tuple(_layer(i, spec, tensors, B, T, kv_dtype, header.get("storage"))
+                   for i, spec in enumerate(_list(header, "layers")))
+    extras = {name: tensors[f"extras.{name}"] for name in _list(header, "extras")}
+    last = tensors["last_logits"] if header.get("has_last_logits") is True else None
+    if last is not None and (last.dim() != 2 or last.shape[0] != B):
+        raise StateFileError("last_logits has the wrong shape", expected=f"[{B}, V]", found=tuple(last.shape))
+    meta = dict(header.get("metadata") or {})
+    if header.get("storage") != "exact":
+        meta["kvstate.storage"] = f"{header.get('storage')} (lossy)"
+    fp = header.get("fingerprint")
+    return State(tokens=tokens, mask=mask, layers=layers,
+                 next_position=torch.tensor(_list(header, "next_position"), dtype=torch.long).reshape(B),
+                 last_logits=last, extras=MappingProxyType(extras),
+                 fingerprint=None if fp is None else Fingerprint.from_dict(fp),
+                 metadata=MappingProxyType({str(k): str(v) for k, v in meta.items()}))
+
+
+def _check_version(header: dict[str, Any]) -> None:
+    if header.get("format") != FORMAT:
+        raise StateFileError("not a kvstate state file", expected=FORMAT, found=header.get("format"))
+    if header.get("version") != VERSION:
+        raise StateFileError("unsupported state file version", expected=VERSION,
+                             found=header.get("version"), fix="load it with the kvstate version that wrote it")
+
+
+def _layer(i: int, spec: dict[str, Any], tensors: dict[str, torch.Tensor], B: int, T: int,
+           kv_dtype: torch.dtype, storage: str | None) -> Any:
+    cls = LAYER_KINDS.get(spec.get("kind"))  # type: ignore[arg-type]
+    if cls is None:
+        raise StateFileError(f"layer {i} has an unknown kind", expected=sorted(LAYER_KINDS),
+                             found=spec.get("kind"), fix="upgrade kvstate")
+    slots, seen = _int(spec, "slots"), _int(spec, "tokens_seen")
+    parts = {name: _unpack(f"layers.{i}.{name}", tensors, kv_dtype, storage)
+             for name in ("keys", "values") if f"layers.{i}.{name}" in tensors}
+    for name, t in parts.items():
+        if t.dim() != 4 or t.shape[0] != B or t.shape[2] != slots:
+            raise StateFileError(f"layer {i} {name} has the wrong shape", expected=f"[{B}, H, {slots}, D]",
+                                 found=tuple(t.shape))
+    if slots and (len(parts) != 2 or parts["keys"].shape != parts["values"].shape or seen < slots):
+        raise StateFileError(f"layer {i} K/V are incomplete or inconsistent", found=spec)
+    if slots:
+        parts["positions"] = _positions_from_runs(spec.get("positions"), B, slots)
+    return cls.from_parts(spec, parts)
+
+
+def _pack(name: str, t: torch.Tensor, compact: str | None) -> dict[str, torch.Tensor]:
+    if compact is None:
+        return {name: t}
+    if compact != "int8":
+        return {name: t.to(_DTYPE_NAMES[compact])}
+    # per-channel symmetric int8: one scale per (row, head, dim) over the slots
+    scale = (t.float().abs().amax(dim=2, keepdim=True) / 127).clamp_min(1e-12)
+    return {name: torch.round(t.float() / scale).clamp(-127, 127).to(torch.int8), f"{name}.scale": scale}
+
+
+def _unpack(name: str, tensors: dict[str, torch.Tensor], kv_dtype: torch.dtype,
+            storage: str | None) -> torch.Tensor:
+    t = tensors[name]
+    if storage == "int8":
+        return (t.float() * tensors[f"{name}.scale"]).to(kv_dtype)
+    if storage in ("exact", "bfloat16", "float16"):
+        return t.to(kv_dtype)
+    raise StateFileError("unknown storage", expected=("exact", *COMPACT), found=storage)
+
+
+def _runs(positions: torch.Tensor) -> list[list[list[int]]]:
+    """Per row, runs ``[start, count]`` of consecutive positions (one run when uncompressed)."""
+    out = []
+    for row in positions.tolist():
+        runs: list[list[int]] = []
+        for p in row:
+            if runs and runs[-1][0] + runs[-1][1] == p:
+                runs[-1][1] += 1
+            else:
+                runs.append([p, 1])
+        out.append(runs)
+    return out
+
+
+def _positions_from_runs(runs: Any, B: int, S: int) -> torch.Tensor:
+    if not isinstance(runs, list) or len(runs) != B:
+        raise StateFileError("positions have the wrong number of rows", expected=B, found=runs)
+    rows = []
+    for row in runs:
+        counts = [_pair(r)[1] for r in row]
+        if sum(counts) != S:  # checked before allocating anything
+            raise StateFileError("positions do not cover the stored slots", expected=S, found=sum(counts))
+        rows.append(torch.cat([torch.arange(a, a + n) for a, n in map(_pair, row)]))
+    return torch.stack(rows)
+
+
+def _mask_runs(mask: torch.Tensor) -> list[list[list[int]]]:
+    out = []
+    for row in mask.tolist():
+        runs: list[list[int]] = []
+        for i, real in enumerate(row):
+            if real and runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1][1] += 1
+            elif real:
+                runs.append([i, 1])
+        out.append(runs)
+    return out
+
+
+def _mask_from_runs(runs: list, B: int, T: int) -> torch.Tensor:
+    if len(runs) != B:
+        raise StateFileError("mask has the wrong number of rows", expected=B, found=len(runs))
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, row in enumerate(runs):
+        for start, count in map(_pair, row):
+            if start + count > T:
+                raise StateFileError("mask run past the end", expected=f"<= {T}", found=start + count)
+            mask[b, start:start + count] = True
+    return mask
+
+
+def _pair(run: Any) -> tuple[int, int]:
+    if not (isinstance(run, list) and len(run) == 2 and all(type(x) is int for x in run) and run[1] >= 0):
+        raise StateFileError("malformed run", expected="[start, count] ints", found=str(run)[:80])
+    return run[0], run[1]
+
+
+def _int(d: dict[str, Any], key: str) -> int:
+    value = d.get(key)
+    if type(value) is not int or value < 0:
+        raise StateFileError(f"header field {key!r} must be a non-negative int", found=value)
+    return value
+
+
+def _list(d: dict[str, Any], key: str) -> list:
+    value = d.get(key)
+    if not isinstance(value, list):
+        raise StateFileError(f"header field {key!r} must be a list", found=type(value).__name__)
+    return value
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")

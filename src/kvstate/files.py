@@ -1,0 +1,92 @@
+"""Saving, loading and inspecting state files (the public face of ``statefile`` + ``codec``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from . import codec, statefile
+from .errors import StateFileError
+from .state import State
+
+
+def save_state(state: State, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
+               compact: str | None = None) -> int:
+    """Write ``state`` to ``path`` atomically; returns the file size in bytes.
+
+    ``compact`` (``"bfloat16"``, ``"float16"`` or ``"int8"``) stores K/V lossily in
+    fewer bytes; the header records it and a loaded state notes it in ``metadata``.
+    """
+    header, tensors = codec.encode(state, metadata, compact)
+    return statefile.write(path, tensors, header)
+
+
+def load_state(path: str | os.PathLike[str], *, map_location: torch.device | str | None = None,
+               dtype: torch.dtype | None = None) -> State:
+    """Read and validate a state file. Never unpickles; defects raise ``StateFileError``.
+
+    Args:
+        map_location: device for every tensor (default: CPU).
+        dtype: cast K/V, logits and floating extras to this dtype (explicit opt-in; the
+            cast is recorded in ``state.metadata["kvstate.cast"]``).
+    """
+    state = codec.decode(*statefile.read(path))
+    if dtype is not None and state.kv_dtype not in (None, dtype):
+        state = _cast(state, dtype)
+    return state if map_location is None else state.to(map_location)
+
+
+def _cast(state: State, dtype: torch.dtype) -> State:
+    source = str(state.kv_dtype).removeprefix("torch.")
+    target = str(dtype).removeprefix("torch.")
+    layers = tuple(type(layer).from_parts(layer.meta(), {
+        k: v.to(dtype) if v.is_floating_point() else v for k, v in layer.tensors().items()})
+        for layer in state.layers)
+    extras = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.extras.items()}
+    fingerprint = None if state.fingerprint is None else replace(state.fingerprint, dtype=target)
+    return replace(state, layers=layers, extras=MappingProxyType(extras),
+                   last_logits=None if state.last_logits is None else state.last_logits.to(dtype),
+                   fingerprint=fingerprint,
+                   metadata=MappingProxyType({**state.metadata, "kvstate.cast": f"{source} -> {target}"}))
+
+
+def inspect_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON-able description of a state file (schema: docs/inspect.schema.json).
+
+    Reads the header only; tensor bytes are counted from their declared sizes.
+    """
+    header, entries, size = statefile.read_header(path)
+    codec._check_version(header)
+    try:
+        return _describe(path, header, entries, size)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise StateFileError("state header is malformed", found=f"{type(exc).__name__}: {exc}",
+                             fix="re-save the state") from exc
+
+
+def _describe(path: str | os.PathLike[str], header: dict[str, Any], entries: dict[str, Any],
+              size: int) -> dict[str, Any]:
+    tensor_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in entries.values())
+    layers = []
+    for i, spec in enumerate(header.get("layers", [])):
+        starts = [run[0] for row in spec.get("positions") or [] for run in row]
+        ends = [run[0] + run[1] - 1 for row in spec.get("positions") or [] for run in row]
+        layer_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for name, e in entries.items()
+                          if name.startswith(f"layers.{i}."))
+        layers.append({"index": i, "kind": spec.get("kind"), "tokens_seen": spec.get("tokens_seen"),
+                       "slots": spec.get("slots"), "window": spec.get("window"),
+                       "positions": [min(starts), max(ends)] if starts else None, "bytes": layer_bytes})
+    return {
+        "path": str(path), "format": header["format"], "version": header["version"],
+        "model": header.get("fingerprint"), "batch_size": header.get("batch_size"),
+        "tokens_seen": header.get("tokens_seen"), "next_position": header.get("next_position"),
+        "storage": header.get("storage"), "kv_dtype": header.get("kv_dtype"),
+        "file_bytes": size, "tensor_bytes": tensor_bytes, "has_last_logits": header.get("has_last_logits"),
+        "extras": {name: entries.get(f"extras.{name}", {}).get("shape") for name in header.get("extras", [])},
+        "metadata": header.get("metadata", {}), "layers": layers,
+    }

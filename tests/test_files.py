@@ -1,0 +1,189 @@
+"""State files (issue 3): lossless, portable across processes, bounded, refused when foreign."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from kvstate import Session, StateFileError, inspect_state, load_state
+from kvstate.errors import DtypeMismatchError, FingerprintMismatchError, LayoutMismatchError
+from tiny import CONFIGS, WINDOW, prompt, tiny_model
+
+ARCHS = sorted(CONFIGS)
+N_NEW = 16
+
+
+def continue_greedy(session, ids):
+    out = session.generate(ids, max_new_tokens=N_NEW, do_sample=False, return_dict_in_generate=True,
+                           output_logits=True)
+    return out.sequences, out.logits[0]
+
+
+def assert_states_equal(a, b):
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask)
+    assert torch.equal(a.next_position, b.next_position)
+    assert (a.last_logits is None) == (b.last_logits is None)
+    if a.last_logits is not None:
+        assert torch.equal(a.last_logits, b.last_logits)
+    assert a.fingerprint == b.fingerprint and dict(a.extras).keys() == dict(b.extras).keys()
+    assert len(a.layers) == len(b.layers)
+    for x, y in zip(a.layers, b.layers, strict=True):
+        assert x.meta() == y.meta()
+        tx, ty = x.tensors(), y.tensors()
+        assert tx.keys() == ty.keys()
+        for name in tx:
+            assert tx[name].dtype == ty[name].dtype and torch.equal(tx[name], ty[name]), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_round_trip_is_lossless(arch, tmp_path):
+    s = Session(tiny_model(arch))
+    s.generate(prompt(3 * WINDOW), max_new_tokens=5, do_sample=False)
+    s.save(tmp_path / "s.kvs", metadata={"conversation": "42"})
+    loaded = load_state(tmp_path / "s.kvs")
+    assert_states_equal(s.state, loaded)
+    assert loaded.metadata == {"conversation": "42"}
+
+
+CHILD = r"""
+import sys, torch
+from safetensors.torch import save_file
+from kvstate import Session
+from kvstate.tiny import tiny_model, tiny_prompt
+folder, archs = sys.argv[1], sys.argv[2:]
+out = {}
+for arch in archs:
+    s = Session.load(f"{folder}/{arch}.kvs", tiny_model(arch))  # fresh instance, new process
+    ids = torch.cat([s.tokens, tiny_prompt(5, seed=77)], 1)
+    o = s.generate(ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+                   output_logits=True)
+    out[f"{arch}.tokens"], out[f"{arch}.logits"] = o.sequences.contiguous(), o.logits[0].contiguous()
+save_file(out, f"{folder}/child.safetensors")
+"""
+
+
+def test_resume_in_another_process_on_a_fresh_instance(tmp_path):
+    expected = {}
+    for arch in ARCHS:
+        s = Session(tiny_model(arch))
+        s.extend(prompt(3 * WINDOW))
+        s.save(tmp_path / f"{arch}.kvs")
+        ids = torch.cat([s.tokens, prompt(5, seed=77)], 1)
+        expected[arch] = continue_greedy(s, ids)  # the never-saved session
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), *ARCHS], check=True, timeout=300)
+    with safe_open(str(tmp_path / "child.safetensors"), "pt") as f:
+        for arch in ARCHS:
+            assert torch.equal(f.get_tensor(f"{arch}.tokens"), expected[arch][0]), arch
+            assert torch.equal(f.get_tensor(f"{arch}.logits"), expected[arch][1]), arch  # bitwise
+
+
+def test_sliding_file_holds_only_retained_slots(tmp_path):
+    s = Session(tiny_model("gemma3_text"), sliding_reserve=4)
+    s.extend(prompt(10 * WINDOW))
+    size = s.save(tmp_path / "s.kvs")
+    header = inspect_state(tmp_path / "s.kvs")
+    tensor_bytes = header["tensor_bytes"]
+    assert size == (tmp_path / "s.kvs").stat().st_size
+    assert size <= tensor_bytes * 1.01 + 64 * 1024
+    for layer in header["layers"]:
+        if layer["kind"] == "sliding_attention":
+            assert layer["slots"] == WINDOW - 1 + 4  # window - 1 + reserve, not 10 windows
+    full_kv = 2 * 1 * 2 * 10 * WINDOW * 8 * 4
+    assert tensor_bytes < 2 * full_kv  # 1 full layer + 3 window-sized ones, far below 4 full layers
+
+
+def test_views_of_larger_storage_are_not_written_whole(tmp_path):
+    s = Session(tiny_model("gemma3_text"), sliding_reserve=0)
+    s.extend(prompt(10 * WINDOW))
+    layer = s.state.layers[0]
+    assert layer.keys.untyped_storage().nbytes() > layer.keys.numel() * 4  # a view, as transformers makes
+    s.save(tmp_path / "s.kvs")
+    info = inspect_state(tmp_path / "s.kvs")
+    assert info["layers"][0]["bytes"] == 2 * layer.keys.numel() * 4
+
+
+def test_foreign_states_are_refused(tmp_path):
+    s = Session(tiny_model("llama"))
+    s.extend(prompt(12))
+    s.save(tmp_path / "s.kvs")
+    with pytest.raises(FingerprintMismatchError) as info:
+        Session.load(tmp_path / "s.kvs", tiny_model("llama", seed=5))  # same config, other weights
+    assert "weights_digest" in str(info.value)
+    with pytest.raises((FingerprintMismatchError, LayoutMismatchError)):
+        Session.load(tmp_path / "s.kvs", tiny_model("qwen3"))
+    anonymous = replace(load_state(tmp_path / "s.kvs"), fingerprint=None)  # skip to the layout check
+    with pytest.raises(LayoutMismatchError, match="layers"):
+        Session(tiny_model("gemma3_text"), state=anonymous)
+
+
+def test_dtype_cast_is_opt_in_and_recorded(tmp_path):
+    s = Session(tiny_model("llama"))
+    s.extend(prompt(12))
+    s.save(tmp_path / "s.kvs")
+    bf16 = tiny_model("llama").to(torch.bfloat16)
+    with pytest.raises(DtypeMismatchError):
+        Session.load(tmp_path / "s.kvs", bf16)
+    cast = Session.load(tmp_path / "s.kvs", bf16, cast_dtype=True)
+    assert cast.state.metadata["kvstate.cast"] == "float32 -> bfloat16"
+    assert cast.state.kv_dtype == torch.bfloat16
+    assert cast.extend(prompt(2, seed=3)).shape == (1, 128)
+
+
+def test_map_location(tmp_path):
+    s = Session(tiny_model("llama"))
+    s.extend(prompt(6))
+    s.save(tmp_path / "s.kvs")
+    state = load_state(tmp_path / "s.kvs", map_location="meta")
+    assert state.device.type == "meta" and state.layers[0].keys.device.type == "meta"
+
+
+@pytest.mark.parametrize("compact,bound", [("bfloat16", 2e-2), ("float16", 2e-3), ("int8", 5e-2)])
+def test_compact_storage_is_recorded_and_bounded(tmp_path, compact, bound):
+    model = tiny_model("llama")
+    s = Session(model)
+    s.extend(prompt(30))
+    exact = s.save(tmp_path / "exact.kvs")
+    small = s.save(tmp_path / "small.kvs", compact=compact)
+    assert small < exact
+    loaded = Session.load(tmp_path / "small.kvs", model)
+    assert loaded.state.metadata["kvstate.storage"] == f"{compact} (lossy)"
+    assert inspect_state(tmp_path / "small.kvs")["storage"] == compact
+    nxt = prompt(1, seed=4)
+    ref, got = s.fork().extend(nxt), loaded.extend(nxt)
+    rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert 0 < rel < bound, rel  # lossy, but close
+
+
+def test_real_safetensors_and_exact_size(tmp_path):
+    s = Session(tiny_model("qwen3"))
+    s.extend(prompt(9))
+    size = s.save(tmp_path / "s.kvs")
+    with safe_open(str(tmp_path / "s.kvs"), "pt") as f:
+        meta = json.loads(f.metadata()["kvstate"])
+        assert meta["format"] == "kvstate.state" and meta["version"] == 1
+        assert torch.equal(f.get_tensor("layers.0.keys"), s.state.layers[0].keys)
+    assert size == Path(tmp_path / "s.kvs").stat().st_size
+
+
+def test_wrong_version_and_garbage(tmp_path):
+    from kvstate import statefile
+
+    s = Session(tiny_model("llama"))
+    s.extend(prompt(4))
+    s.save(tmp_path / "s.kvs")
+    header, tensors = statefile.read(tmp_path / "s.kvs")
+    statefile.write(tmp_path / "v2.kvs", tensors, {**header, "version": 2})
+    with pytest.raises(StateFileError, match="version"):
+        load_state(tmp_path / "v2.kvs")
+    (tmp_path / "junk.kvs").write_bytes(b"\xff" * 8 + b"{}")
+    with pytest.raises(StateFileError, match="oversized"):
+        load_state(tmp_path / "junk.kvs")
+    with pytest.raises(StateFileError, match="cannot read"):
+        load_state(tmp_path / "missing.kvs")
