@@ -13,6 +13,9 @@ EPILOG = """examples:
   kvstate verify --model tiny:gemma3_text
   kvstate verify --prompt-file chat.txt --new-tokens 32 --json
   kvstate verify --list                 # supported model families
+  kvstate prefill --prompt-file doc.txt --out doc.kvs     # prompt caching from the shell
+  kvstate generate --state doc.kvs --prompt " Summary:"   # starts answering at once
+  kvstate inspect doc.kvs [--json]
 """
 
 
@@ -33,6 +36,20 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--new-tokens", type=int, default=16, help="greedy tokens to compare (default 16)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.add_argument("--list", action="store_true", help="list supported model types and exit")
+    i = sub.add_parser("inspect", help="describe a state file (header only)")
+    i.add_argument("file", type=Path)
+    i.add_argument("--json", action="store_true", help="JSON (schema: docs/inspect.schema.json)")
+    p = sub.add_parser("prefill", help="process a prompt once and save the state to a file")
+    p.add_argument("--model", default="default", help="'default' or a local folder")
+    p.add_argument("--prompt-file", type=Path, required=True, help="text file with the prompt")
+    p.add_argument("--out", type=Path, required=True, help="state file to write")
+    p.add_argument("--chunk-size", type=int, default=256, help="tokens per forward (progress granularity)")
+    g = sub.add_parser("generate", help="continue a saved state with more text; prints the answer")
+    g.add_argument("--model", default="default", help="'default' or a local folder")
+    g.add_argument("--state", type=Path, required=True, help="state file from `kvstate prefill`")
+    g.add_argument("--prompt", default="", help="text appended after the saved tokens")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--save", type=Path, help="also save the continued conversation here")
     return parser
 
 
@@ -66,19 +83,14 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Any) -> Any:
 
 def _verify(args: argparse.Namespace) -> int:
     from . import supported_model_types
-    from .errors import KVStateError
     from .verify import verify
 
     if args.list:
         print("\n".join(supported_model_types()))
         return 0
-    try:
-        model, tokenizer = _load(args.model)
-        report = verify(model, _prompt_ids(args, tokenizer), new_tokens=args.new_tokens,
-                        name=args.model, progress=sys.stderr.isatty() or not args.json)
-    except KVStateError as exc:
-        print(f"kvstate: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+    model, tokenizer = _load(args.model)
+    report = verify(model, _prompt_ids(args, tokenizer), new_tokens=args.new_tokens,
+                    name=args.model, progress=sys.stderr.isatty() or not args.json)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -86,11 +98,85 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from .files import inspect_state
+
+    info = inspect_state(args.file)
+    print(json.dumps(info, indent=2) if args.json else _inspect_table(info))
+    return 0
+
+
+def _inspect_table(info: dict[str, Any]) -> str:
+    model = info["model"] or {}
+    lines = [
+        f"state file   {info['path']}",
+        f"format       {info['format']} v{info['version']}, storage {info['storage']}, kv {info['kv_dtype']}",
+        f"model        {model.get('model_type')} {model.get('architectures')}, dtype {model.get('dtype')}, "
+        f"config {str(model.get('config_hash'))[:12]}, weights {str(model.get('weights_digest'))[:12]}",
+        f"tokens       {info['tokens_seen']} seen, batch {info['batch_size']}, "
+        f"next position {info['next_position']}, last logits {'yes' if info['has_last_logits'] else 'no'}",
+        f"bytes        {info['file_bytes']:,} file, {info['tensor_bytes']:,} tensors",
+        f"extras       {info['extras'] or '(none)'}",
+        f"metadata     {info['metadata'] or '(none)'}",
+        f"{'layer':>5}  {'kind':<18} {'seen':>6} {'slots':>6} {'window':>6}  {'positions':<13} {'bytes':>10}",
+    ]
+    for layer in info["layers"]:
+        pos = "-" if layer["positions"] is None else f"{layer['positions'][0]}..{layer['positions'][1]}"
+        lines.append(f"{layer['index']:>5}  {layer['kind']:<18} {layer['tokens_seen']:>6} {layer['slots']:>6} "
+                     f"{layer['window'] if layer['window'] is not None else '-':>6}  {pos:<13} {layer['bytes']:>10,}")
+    return "\n".join(lines)
+
+
+def _prefill(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from .session import Session
+
+    model, tokenizer = _load(args.model)
+    ids = tokenizer(args.prompt_file.read_text(), return_tensors="pt").input_ids
+    session = Session(model, tokenizer=tokenizer, chunk_size=args.chunk_size)
+    with tqdm(total=ids.shape[1], desc="prefill", unit="tok", file=sys.stderr) as bar:
+        for start in range(0, ids.shape[1], args.chunk_size):
+            session.extend(ids[:, start:start + args.chunk_size])
+            bar.update(min(args.chunk_size, ids.shape[1] - start))
+    size = session.save(args.out, metadata={"prompt_file": str(args.prompt_file)})
+    print(f"saved {ids.shape[1]} tokens to {args.out} ({size:,} bytes)", file=sys.stderr)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+    from transformers import TextStreamer
+
+    from .session import Session
+
+    model, tokenizer = _load(args.model)
+    start = time.perf_counter()
+    session = Session.load(args.state, model, tokenizer=tokenizer)
+    new = tokenizer(args.prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    history = torch.cat([session.tokens, new], 1)
+    session.generate(history, max_new_tokens=args.max_new_tokens, do_sample=False,
+                     streamer=TextStreamer(tokenizer, skip_prompt=True))
+    plan = session.last_plan
+    print(f"[kvstate] reused {plan.reused} tokens from {args.state}, fed {plan.fed}; "
+          f"{time.perf_counter() - start:.1f}s after load", file=sys.stderr)
+    if args.save:
+        session.save(args.save)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "verify":
-        return _verify(args)
-    return 2  # unreachable: argparse requires a command
+    commands = {"verify": _verify, "inspect": _inspect, "prefill": _prefill, "generate": _generate}
+    from .errors import KVStateError
+
+    try:
+        return commands[args.command](args)
+    except KVStateError as exc:
+        print(f"kvstate: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -108,16 +108,23 @@ def read(path: str | os.PathLike[str], *, verify: bool = True) -> tuple[dict, di
     """Read and validate a state file: (kvstate header, tensors on CPU)."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)  # the one copy: tensors view into it
+            got = f.readinto(data)
     except OSError as exc:
         raise StateFileError("cannot read state file", found=f"{path}: {exc}",
                              fix="check the path and permissions") from exc
+    if got != len(data):
+        raise StateFileError("file changed size while being read", expected=len(data), found=got)
     return parse(data, path, verify=verify)
 
 
-def parse(data: bytes, source: str | os.PathLike[str] = "<bytes>", *,
+def parse(data: bytes | bytearray, source: str | os.PathLike[str] = "<bytes>", *,
           verify: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Validate the bytes of a whole state file: (kvstate header, tensors on CPU)."""
+    """Validate the bytes of a whole state file: (kvstate header, tensors on CPU).
+
+    Tensors view into ``data`` when it is a ``bytearray`` (no copy); ``bytes`` are copied once.
+    """
     path = Path(source)
     entries, header, start = _parse_header(data, path, len(data))
     tensors = _tensors(data, start, entries, path)
@@ -160,7 +167,7 @@ def _parse_header(data: bytes, path: Path, file_size: int,
         raise StateFileError("file ends inside its header", expected=f"{8 + n} bytes",
                              found=f"{len(data)} bytes in {path}", fix="the file is truncated")
     try:
-        entries = json.loads(data[8:8 + n].decode("utf-8"))
+        entries = json.loads(bytes(data[8:8 + n]).decode("utf-8"))
         header = json.loads(entries["__metadata__"]["kvstate"])
     except (ValueError, RecursionError, TypeError, KeyError) as exc:
         raise StateFileError("header is not a kvstate safetensors header",
@@ -207,11 +214,11 @@ def _check_layout(entries: dict, data_size: int, path: Path) -> None:
                              found=f"{data_size} in {path}", fix="the file is corrupt or extended")
 
 
-def _tensors(data: bytes, start: int, entries: dict, path: Path) -> dict[str, torch.Tensor]:
-    buffer = bytearray(data[start:])  # one copy, so tensors own writable memory
+def _tensors(data: bytes | bytearray, start: int, entries: dict, path: Path) -> dict[str, torch.Tensor]:
+    buffer = data if isinstance(data, bytearray) else bytearray(data)  # writable memory for frombuffer
     out = {}
     for name, e in entries.items():
-        a, b = e["data_offsets"]
+        a, b = (start + o for o in e["data_offsets"])
         dtype = _DTYPES[e["dtype"]]
         if b == a:
             out[name] = torch.empty(e["shape"], dtype=dtype)

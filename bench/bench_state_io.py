@@ -1,0 +1,146 @@
+"""State-file benchmark (issue 3) on the real Gemma-3-270M, CPU, fp32, at 1,024 and 2,048 tokens.
+
+Side by side, in one run:
+* save / load throughput (MB of retained K/V per second) and file size for
+  - ``Session.save`` / ``Session.load`` (atomic write + fsync, checksums verified, model checks),
+  - ``torch.save`` / ``torch.load`` of the transformers ``DynamicCache`` (pickle),
+  - ``safetensors.torch.save_file`` / ``load_file`` of the same retained tensors (physical reference);
+* time to first token: load from file + first token vs re-prefilling the prompt;
+* compact storage: bytes saved vs max |Δlogit| and greedy agreement over 32 tokens.
+
+Writes ``bench/results/state_io.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvstate import Session, codec
+from kvstate.default_model import load_default_model
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def prompt_ids(tokenizer, n: int) -> torch.Tensor:
+    text = " ".join(f"Entry {i}: the committee reviewed budget line {i % 29} and approved it." for i in range(n))
+    return tokenizer(text, return_tensors="pt").input_ids[:, :n]
+
+
+def io_row(model, ids, folder: Path, repeats: int) -> dict:
+    session = Session(model)
+    session.extend(ids)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+    _, tensors = codec.encode(session.state)
+    kv_mb = sum(t.numel() * t.element_size() for n, t in tensors.items() if n.startswith("layers.")) / 1e6
+    ours, pickled, raw = folder / "s.kvs", folder / "cache.pt", folder / "raw.safetensors"
+
+    def save_fsync():  # the physical reference with the same durability as ours
+        save_file(tensors, raw)
+        fd = os.open(raw, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    def load_touch():  # load_file maps lazily; clone() reads every byte, as a real load must
+        return {k: v.clone() for k, v in load_file(raw).items()}
+
+    times = {
+        "kvstate_save": median_time(lambda: session.save(ours), repeats),
+        "torch_save": median_time(lambda: torch.save(cache, pickled), repeats),
+        "safetensors_save": median_time(lambda: save_file(tensors, raw), repeats),
+        "safetensors_save_fsync": median_time(save_fsync, repeats),
+        "kvstate_load": median_time(lambda: Session.load(ours, model), repeats),
+        "torch_load": median_time(lambda: torch.load(pickled, weights_only=False), repeats),
+        "safetensors_load": median_time(lambda: load_file(raw), repeats),
+        "safetensors_load_touch": median_time(load_touch, repeats),
+    }
+    return {
+        "tokens": ids.shape[1], "retained_kv_mb": kv_mb,
+        "file_mb": {"kvstate": ours.stat().st_size / 1e6, "torch_save": pickled.stat().st_size / 1e6,
+                    "safetensors": raw.stat().st_size / 1e6},
+        "mb_per_s": {k: kv_mb / v for k, v in times.items()},
+        "kvstate_vs_safetensors": {"save": times["safetensors_save"] / times["kvstate_save"],
+                                   "save_both_fsync": times["safetensors_save_fsync"] / times["kvstate_save"],
+                                   "load": times["safetensors_load"] / times["kvstate_load"],
+                                   "load_both_read_all": times["safetensors_load_touch"] / times["kvstate_load"]},
+    }
+
+
+def ttft_row(model, ids, folder: Path, repeats: int) -> dict:
+    Session(model).save(folder / "empty.kvs")  # warm the code path
+    s = Session(model)
+    s.extend(ids)
+    s.save(folder / "p.kvs")
+
+    def from_file():
+        Session.load(folder / "p.kvs", model).generate(ids, max_new_tokens=1, do_sample=False)
+
+    def prefill():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+
+    a, b = median_time(prefill, repeats), median_time(from_file, repeats)
+    return {"tokens": ids.shape[1], "prefill_s": a, "load_and_first_token_s": b, "ratio": a / b}
+
+
+def compact_rows(model, ids, folder: Path) -> list[dict]:
+    s = Session(model)
+    s.extend(ids)
+    follow = ids[:, 1:9]
+    ref = s.fork()
+    ref_logits = ref.extend(follow)
+    ref_tokens = ref.generate(torch.cat([ids, follow], 1), max_new_tokens=32, do_sample=False)
+    exact = s.save(folder / "exact.kvs")
+    rows = []
+    for compact in ("bfloat16", "float16", "int8"):
+        size = s.save(folder / f"{compact}.kvs", compact=compact)
+        loaded = Session.load(folder / f"{compact}.kvs", model)
+        logits = loaded.extend(follow)
+        tokens = loaded.generate(torch.cat([ids, follow], 1), max_new_tokens=32, do_sample=False)
+        agree = int((tokens == ref_tokens)[0].int().cumprod(0).sum())
+        rows.append({"storage": compact, "bytes_saved_pct": 100 * (1 - size / exact),
+                     "max_abs_dlogit": (logits - ref_logits).abs().max().item(),
+                     "relative": ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item(),
+                     "greedy_agree_of_32": agree})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_default_model()
+    result: dict = {"model": "gemma3-270m (fp32, sdpa)", "io": [], "ttft": [], "compact": None}
+    with tempfile.TemporaryDirectory(dir=RESULTS.parent) as tmp:
+        folder = Path(tmp)
+        for n in args.tokens:
+            ids = prompt_ids(tokenizer, n)
+            result["io"].append(io_row(model, ids, folder, args.repeats))
+            result["ttft"].append(ttft_row(model, ids, folder, args.repeats))
+        result["compact"] = compact_rows(model, prompt_ids(tokenizer, args.tokens[0]), folder)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "state_io.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

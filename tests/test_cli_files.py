@@ -1,0 +1,69 @@
+"""`kvstate inspect`, `prefill` and `generate` (issue 3, point 7 and the shell workflow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from kvstate import Session, load_state
+from kvstate.cli import main
+from tiny import WINDOW, prompt, tiny_model
+
+SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "inspect.schema.json").read_text())
+
+
+@pytest.fixture
+def state_file(tmp_path):
+    s = Session(tiny_model("gemma3_text"), sliding_reserve=3)
+    s.extend(prompt(3 * WINDOW))
+    path = tmp_path / "s.kvs"
+    s.save(path, metadata={"who": "test"})
+    return path, s.state
+
+
+def test_inspect_json_matches_state_and_schema(state_file, capsys):
+    path, state = state_file
+    assert main(["inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    jsonschema.validate(info, SCHEMA)
+    assert info["tokens_seen"] == state.tokens_seen and info["batch_size"] == 1
+    assert info["model"] == state.fingerprint.to_dict() and info["metadata"] == {"who": "test"}
+    assert info["file_bytes"] == path.stat().st_size
+    for got, layer in zip(info["layers"], state.layers, strict=True):
+        assert (got["kind"], got["tokens_seen"], got["slots"], got["window"]) == (
+            layer.kind, layer.tokens_seen, layer.slots, layer.meta()["window"])
+        assert got["positions"] == [int(layer.positions.min()), int(layer.positions.max())]
+        assert got["bytes"] == layer.keys.nbytes + layer.values.nbytes
+
+
+def test_inspect_table(state_file, capsys):
+    path, state = state_file
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "gemma3_text" in out and f"{state.tokens_seen} seen" in out and "sliding_attention" in out
+    assert f"{3 * WINDOW - WINDOW + 1 - 3}..{3 * WINDOW - 1}" in out  # retained window positions
+
+
+def test_inspect_corrupt_file_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.kvs"
+    bad.write_bytes(b"not a state file at all")
+    assert main(["inspect", str(bad)]) == 2
+    assert "StateFileError" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_prefill_then_generate_on_default_model(tmp_path, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Alice has three apples and Bob has two. Together they have")
+    out = tmp_path / "doc.kvs"
+    assert main(["prefill", "--prompt-file", str(doc), "--out", str(out)]) == 0
+    saved = load_state(out)
+    assert saved.tokens_seen > 5 and saved.fingerprint.tokenizer_hash is not None
+    assert main(["generate", "--state", str(out), "--prompt", " exactly", "--max-new-tokens", "4",
+                 "--save", str(tmp_path / "after.kvs")]) == 0
+    err = capsys.readouterr().err
+    assert f"reused {saved.tokens_seen} tokens" in err and "fed 1" in err  # only the new token went in
+    assert load_state(tmp_path / "after.kvs").tokens_seen == saved.tokens_seen + 1 + 4 - 1
