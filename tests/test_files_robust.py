@@ -126,7 +126,7 @@ def synthetic_state(slots: int, seed: int) -> State:
                                        torch.randn(1, 2, slots, 64, generator=gen),
                                        torch.arange(slots)[None], slots) for _ in range(4))
     return State(tokens=torch.randint(0, 100, (1, slots), generator=gen),
-                 mask=torch.ones(1, slots, dtype=torch.bool), layers=layers,
+                 mask=torch.ones(1, slots, dtype=torch.bool), positions=torch.arange(slots)[None], layers=layers,
                  next_position=torch.tensor([slots]), last_logits=torch.randn(1, 50, generator=gen))
 
 

@@ -43,7 +43,8 @@ def test_state_truncation_moves_positions_back_and_drops_logits():
     k, v, p = kv(S=6)
     layer = AttentionLayerState.empty().appended(k, v, p, 6)
     mask = torch.tensor([[False, True, True, True, True, True]])
-    state = State(tokens=torch.arange(6)[None], mask=mask, layers=(layer,),
+    positions = torch.tensor([[0, 0, 1, 2, 3, 4]])
+    state = State(tokens=torch.arange(6)[None], mask=mask, positions=positions, layers=(layer,),
                   next_position=torch.tensor([5]), last_logits=torch.zeros(1, 3))
     cut = state.truncated(3)
     assert cut.next_position.tolist() == [2] and cut.last_logits is None

@@ -11,81 +11,154 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
+)
 
 from .errors import UnsupportedError
-from .layers import AttentionLayerState, LayerState
+from .layers import AttentionLayerState, HybridLayerState, LayerState, RecurrentLayerState
 
 CACHE_KWARG = "cache"  # was "past_key_values" before 5.24
-
-
-def output_cache(outputs: object) -> DynamicCache:
-    """The cache a forward returned (``outputs.cache`` since 5.24)."""
-    return outputs.cache  # type: ignore[attr-defined]
 
 
 def layer_specs(config: object) -> list[tuple[str, int | None]]:
     """``(kind, window)`` per decoder layer, decided exactly as transformers decides it."""
     specs: list[tuple[str, int | None]] = []
     for i, layer in enumerate(DynamicCache(config=config).layers):  # type: ignore[arg-type]
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            specs.append(("sliding_attention", int(layer.sliding_window)))
-        elif type(layer) is DynamicLayer:
-            specs.append(("full_attention", None))
-        else:
+        kind = _KIND_OF.get(type(layer))
+        if kind is None:
             raise UnsupportedError(
                 f"layer {i} uses transformers cache layer {type(layer).__name__}",
-                expected="full or sliding-window attention layers",
-                found=type(layer).__name__, fix="use a model family kvstate supports "
-                "(`kvstate verify --list`)")
+                expected=" / ".join(c.__name__ for c in _KIND_OF), found=type(layer).__name__,
+                fix="use a model family kvstate supports (`kvstate verify --list`)")
+        window = int(layer.sliding_window) if kind == "sliding_attention" else None
+        specs.append((kind, window))
     return specs
 
 
-def build_cache(layers: tuple[LayerState, ...], config: object) -> DynamicCache:
-    """A transformers ``DynamicCache`` whose layers hold the state's tensors (no copies).
+_KIND_OF: dict[type, str] = {
+    DynamicLayer: "full_attention",
+    DynamicSlidingWindowLayer: "sliding_attention",
+    LinearAttentionLayer: "recurrent",
+    LinearAttentionAndFullAttentionLayer: "hybrid",
+}
 
-    Sliding layers record their past so that they return every slot they were
-    given; ``read_cache`` trims them back to the window plus reserve.
+
+def build_cache(layers: tuple[LayerState, ...], config: object) -> DynamicCache:
+    """A transformers ``DynamicCache`` holding the state's tensors.
+
+    K/V are shared, not copied (transformers concatenates, never writes them in place).
+    Conv and recurrent states are cloned, because models update those in place.
+    Sliding layers record their past so that they return every slot they were given;
+    ``read_cache`` trims them back to the window plus reserve.
     """
     cache = DynamicCache(config=config)  # type: ignore[arg-type]
     for hf_layer, layer in zip(cache.layers, layers, strict=True):
-        if not isinstance(layer, AttentionLayerState):
-            raise UnsupportedError("cannot convert layer to a transformers cache layer",
-                                   found=type(layer).__name__)
-        if isinstance(hf_layer, DynamicSlidingWindowLayer):
-            hf_layer.activate_past_recording()
-            hf_layer.cumulative_length = layer.tokens_seen
-        if layer.keys is not None:
-            hf_layer.lazy_initialization(layer.keys, layer.values)
-            hf_layer.keys, hf_layer.values = layer.keys, layer.values
+        if isinstance(layer, HybridLayerState):
+            _fill_attention(hf_layer, layer.attention)
+            _fill_recurrent(hf_layer, layer.recurrent)
+        elif isinstance(layer, RecurrentLayerState):
+            _fill_recurrent(hf_layer, layer)
+        else:
+            _fill_attention(hf_layer, layer)  # type: ignore[arg-type]
     return cache
 
 
-def read_cache(cache: DynamicCache, layers: tuple[LayerState, ...],
-               new_positions: torch.Tensor) -> tuple[LayerState, ...]:
-    """New layer states after transformers appended the tokens at ``new_positions`` ``[B, Q]``."""
+def _fill_attention(hf_layer: Any, layer: AttentionLayerState) -> None:
+    if isinstance(hf_layer, DynamicSlidingWindowLayer):
+        hf_layer.activate_past_recording()
+        hf_layer.cumulative_length = layer.tokens_seen
+    if layer.keys is not None:
+        DynamicLayer.lazy_initialization(hf_layer, layer.keys, layer.values)
+        if isinstance(hf_layer, DynamicSlidingWindowLayer):
+            hf_layer._sliding_window_tensor = hf_layer._sliding_window_tensor.to(layer.keys.device)
+        hf_layer.keys, hf_layer.values = layer.keys, layer.values
+
+
+def _fill_recurrent(hf_layer: Any, layer: RecurrentLayerState) -> None:
+    for i, conv in layer.conv.items():
+        hf_layer.conv_states[i] = conv.clone()
+        hf_layer.conv_kernel_size[i] = conv.shape[-1]
+        hf_layer.is_conv_states_initialized[i] = True
+        hf_layer.has_previous_state[i] = True  # without it the next chunk is treated as a prefill
+        hf_layer.device, hf_layer.dtype = conv.device, conv.dtype
+    for i, rec in layer.recurrent.items():
+        hf_layer.recurrent_states[i] = rec.clone()
+        hf_layer.is_recurrent_states_initialized[i] = True
+        hf_layer.has_previous_state[i] = True
+        hf_layer.device = hf_layer.device or rec.device
+
+
+def read_cache(cache: DynamicCache, layers: tuple[LayerState, ...], new_positions: torch.Tensor,
+               tokens_seen: int) -> tuple[LayerState, ...]:
+    """New layer states after transformers appended tokens fed at ``new_positions`` ``[B, Q(, R)]``.
+
+    ``tokens_seen`` is the slot count after the call, counted by the caller (pure
+    recurrent caches have no sequence length to ask).
+    """
     out: list[LayerState] = []
     for hf_layer, layer in zip(cache.layers, layers, strict=True):
-        assert isinstance(layer, AttentionLayerState)
-        seen = cache_tokens_seen(hf_layer)
-        keys, values = hf_layer.keys, hf_layer.values
-        added = seen - layer.tokens_seen
-        old = layer.positions if layer.positions is not None else new_positions[:, :0]
-        # Fed tokens are appended in order; a rolled-back extra step drops the last ones.
-        positions = torch.cat([old, new_positions[:, :added]], dim=1)
-        positions = positions[:, positions.shape[1] - keys.shape[-2]:]
-        out.append(layer.appended(keys, values, positions, seen))
+        if isinstance(layer, HybridLayerState):
+            out.append(HybridLayerState(_read_attention(hf_layer, layer.attention, new_positions),
+                                        _read_recurrent(hf_layer, tokens_seen)))
+        elif isinstance(layer, RecurrentLayerState):
+            out.append(_read_recurrent(hf_layer, tokens_seen))
+        else:
+            out.append(_read_attention(hf_layer, layer, new_positions))  # type: ignore[arg-type]
     return tuple(out)
 
 
+def _read_attention(hf_layer: Any, layer: AttentionLayerState, new_positions: torch.Tensor) -> AttentionLayerState:
+    seen = cache_tokens_seen(hf_layer)
+    added = seen - layer.tokens_seen
+    old = layer.positions if layer.positions is not None else new_positions[:, :0]
+    # Fed tokens are appended in order; a rolled-back extra step drops the last ones.
+    positions = torch.cat([old, new_positions[:, :added]], dim=1)
+    positions = positions[:, positions.shape[1] - hf_layer.keys.shape[-2]:]
+    return layer.appended(hf_layer.keys, hf_layer.values, positions, seen)
+
+
+def _read_recurrent(hf_layer: Any, tokens_seen: int) -> RecurrentLayerState:
+    conv = {i: t for i, t in hf_layer.conv_states.items() if t is not None}
+    rec = {i: t for i, t in hf_layer.recurrent_states.items() if t is not None}
+    return RecurrentLayerState(conv, rec, tokens_seen)
+
+
 def cache_tokens_seen(hf_layer: object) -> int:
-    """Tokens seen by one transformers cache layer (its own notion, per class)."""
+    """Tokens seen by one transformers attention cache layer (its own notion, per class)."""
     if isinstance(hf_layer, DynamicSlidingWindowLayer):
         return int(hf_layer.cumulative_length)
-    return int(hf_layer.get_seq_length())  # type: ignore[attr-defined]
+    return int(DynamicLayer.get_seq_length(hf_layer))  # type: ignore[arg-type]
+
+
+def set_rope_deltas(model: Any, value: torch.Tensor | None) -> None:
+    """Qwen-VL keeps its M-RoPE offset on the inner model (``model.model.rope_deltas``)."""
+    model.model.rope_deltas = value
+
+
+def rope_index(model: Any, ids: torch.Tensor, image_tokens: torch.Tensor, grid: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+    """Qwen-VL M-RoPE positions ``[3, B, Q]`` of a chunk that starts at position 0."""
+    positions, _ = model.model.get_rope_index(ids, image_tokens.int(), image_grid_thw=grid,
+                                              attention_mask=mask.long())
+    return positions
+
+
+def recurrent_gemma_blocks(model: Any) -> list[Any]:
+    """RecurrentGemma's recurrent blocks (``temporal_block`` of recurrent layers), by layer index."""
+    return [getattr(layer, "temporal_block", None) for layer in model.model.layers]
+
+
+def recurrent_gemma_zero(model: Any, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Zero RecurrentGemma's module-held conv and RG-LRU states (its ``_setup_cache``)."""
+    model.model._setup_cache(model.config, batch_size, device, dtype)
 
 
 def generation_config(model: object, kwargs: dict[str, object]) -> tuple[GenerationConfig, dict]:
@@ -112,22 +185,23 @@ def first_token(model: object, config: GenerationConfig, input_ids: torch.Tensor
 
 
 @contextmanager
-def capture_logits(model: torch.nn.Module) -> Iterator[Callable[[int], torch.Tensor | None]]:
-    """Record each forward's last-position logits keyed by the cache length after it.
+def capture_logits(model: torch.nn.Module, start: int) -> Iterator[Callable[[int], torch.Tensor | None]]:
+    """Record each forward's last-position logits, keyed by slots processed after it.
 
-    Yields ``lookup(tokens_seen) -> logits [B, V] | None``. Keyed, not "latest", because
-    generate may run one extra step and roll it back (``DeferredStopCheck``).
+    Yields ``lookup(tokens_seen) -> logits [B, V] | None``. The key counts the tokens
+    fed since ``start`` (so models whose outputs carry no cache work too), and it is a
+    key, not "the latest", because generate may run one extra step and roll it back.
     """
     seen: dict[int, torch.Tensor] = {}
+    fed = [start]
 
-    def hook(_module: object, _args: object, _kwargs: object, output: object) -> None:
-        cache = output_cache(output)
-        if cache is None or not cache.layers:
-            return
-        n = cache_tokens_seen(cache.layers[0])
+    def hook(_module: object, _args: object, kwargs: dict[str, Any], output: object) -> None:
+        ids = kwargs.get("input_ids")
+        embeds = kwargs.get("inputs_embeds")
+        fed[0] += int(ids.shape[1] if ids is not None else embeds.shape[1])  # type: ignore[union-attr]
         if len(seen) > 4:
             seen.pop(min(seen))
-        seen[n] = output.logits[:, -1, :].detach()  # type: ignore[attr-defined]
+        seen[fed[0]] = output.logits[:, -1, :].detach()  # type: ignore[attr-defined]
 
     handle = model.register_forward_hook(hook, with_kwargs=True)
     try:

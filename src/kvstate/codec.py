@@ -5,9 +5,11 @@ Header fields (format ``kvstate.state``, version 1; documented in docs/state-fil
 (``[B][T]`` ints), ``mask`` (per row, runs ``[start, count]`` of real slots),
 ``next_position``, ``layers`` (``kind``, ``tokens_seen``, ``slots``, ``window``,
 ``reserve``, ``positions`` as per-row runs ``[start, count]`` of consecutive
-positions), ``has_last_logits``, ``extras`` (names), ``storage`` (``exact``,
-``bfloat16``, ``float16`` or ``int8``), ``kv_dtype``, ``metadata`` (str -> str)
-and ``checksums``.
+positions, or ``"tensor"`` for multimodal positions stored as a tensor),
+``checkpoints`` (``tokens_seen`` and per-layer ``meta`` of each snapshot),
+``has_last_logits``, ``extras`` (names), ``storage`` (``exact``, ``bfloat16``,
+``float16`` or ``int8``), ``kv_dtype``, ``metadata`` (str -> str) and ``checksums``.
+The position of every processed slot is the tensor ``positions``.
 
 Only retained slots are written: a sliding layer's K/V that views larger storage is
 made contiguous first, so the file holds at most its window plus reserve.
@@ -24,7 +26,7 @@ import torch
 from .errors import StateFileError
 from .fingerprint import Fingerprint
 from .layers import LAYER_KINDS
-from .state import State
+from .state import Checkpoint, State
 from .statefile import crc32
 
 FORMAT = "kvstate.state"
@@ -43,14 +45,12 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
     meta = {**state.metadata, **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise StateFileError("metadata must map str to str", found=meta)
-    tensors: dict[str, torch.Tensor] = {}
-    layers = []
-    for i, layer in enumerate(state.layers):
-        parts = dict(layer.tensors())
-        positions = parts.pop("positions", None)
-        layers.append({**layer.meta(), "positions": None if positions is None else _runs(positions)})
-        for name, t in parts.items():
-            tensors.update(_pack(f"layers.{i}.{name}", t.contiguous(), compact))
+    tensors: dict[str, torch.Tensor] = {"positions": state.positions.contiguous()}
+    layers = [_encode_layer(f"layers.{i}.", layer, tensors, compact) for i, layer in enumerate(state.layers)]
+    checkpoints = [{"tokens_seen": c.tokens_seen,
+                    "layers": {str(i): _encode_layer(f"checkpoints.{k}.layers.{i}.", layer, tensors, compact)
+                               for i, layer in c.layers.items()}}
+                   for k, c in enumerate(state.checkpoints)]
     if state.last_logits is not None:
         tensors["last_logits"] = state.last_logits.contiguous()
     for name, t in state.extras.items():
@@ -60,12 +60,29 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "fingerprint": None if state.fingerprint is None else state.fingerprint.to_dict(),
         "batch_size": state.batch_size, "tokens_seen": state.tokens_seen,
         "tokens": state.tokens.tolist(), "mask": _mask_runs(state.mask),
-        "next_position": state.next_position.tolist(), "layers": layers,
+        "next_position": state.next_position.tolist(), "layers": layers, "checkpoints": checkpoints,
         "has_last_logits": state.last_logits is not None, "extras": sorted(state.extras),
         "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "metadata": meta,
     }
     header["checksums"] = {name: crc32(t) for name, t in tensors.items()}
     return header, tensors
+
+
+def _encode_layer(prefix: str, layer: Any, tensors: dict[str, torch.Tensor], compact: str | None) -> dict:
+    """Add one layer's tensors under ``prefix``; returns its header entry."""
+    parts = dict(layer.tensors())
+    positions = parts.pop("positions", None)
+    entry = {**layer.meta(), "positions": None}
+    if positions is not None and positions.dim() == 2:
+        entry["positions"] = _runs(positions)
+    elif positions is not None:
+        entry["positions"] = "tensor"  # multimodal [B, S, R]; position_range is [min, count] for inspect
+        low, high = int(positions.min()), int(positions.max())
+        entry["position_range"] = [low, high - low + 1]
+        tensors[f"{prefix}positions"] = positions.contiguous()
+    for name, t in parts.items():
+        tensors.update(_pack(f"{prefix}{name}", t.contiguous(), compact if name in ("keys", "values") else None))
+    return entry
 
 
 def decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
@@ -84,11 +101,18 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
     B, T = _int(header, "batch_size"), _int(header, "tokens_seen")
     tokens = torch.tensor(_list(header, "tokens"), dtype=torch.long).reshape(B, T)
     mask = _mask_from_runs(_list(header, "mask"), B, T)
+    positions = tensors["positions"]
+    if positions.dtype != torch.long or tuple(positions.shape[:2]) != (B, T) or positions.dim() not in (2, 3):
+        raise StateFileError("positions have the wrong shape", expected=f"int64 [{B}, {T}(, R)]",
+                             found=f"{positions.dtype} {tuple(positions.shape)}")
     kv_dtype = _DTYPE_NAMES.get(header.get("kv_dtype") or "float32")
     if kv_dtype is None:
         raise StateFileError("unknown kv_dtype", expected=sorted(_DTYPE_NAMES), found=header.get("kv_dtype"))
-    layers = tuple(_layer(i, spec, tensors, B, T, kv_dtype, header.get("storage"))
+    storage = header.get("storage")
+    layers = tuple(_layer(f"layers.{i}.", spec, tensors, B, kv_dtype, storage)
                    for i, spec in enumerate(_list(header, "layers")))
+    checkpoints = tuple(_checkpoint(k, c, tensors, B, kv_dtype, storage, len(layers))
+                        for k, c in enumerate(_list(header, "checkpoints")))
     extras = {name: tensors[f"extras.{name}"] for name in _list(header, "extras")}
     last = tensors["last_logits"] if header.get("has_last_logits") is True else None
     if last is not None and (last.dim() != 2 or last.shape[0] != B):
@@ -97,7 +121,7 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
     if header.get("storage") != "exact":
         meta["kvstate.storage"] = f"{header.get('storage')} (lossy)"
     fp = header.get("fingerprint")
-    return State(tokens=tokens, mask=mask, layers=layers,
+    return State(tokens=tokens, mask=mask, positions=positions, layers=layers, checkpoints=checkpoints,
                  next_position=torch.tensor(_list(header, "next_position"), dtype=torch.long).reshape(B),
                  last_logits=last, extras=MappingProxyType(extras),
                  fingerprint=None if fp is None else Fingerprint.from_dict(fp),
@@ -112,24 +136,49 @@ def _check_version(header: dict[str, Any]) -> None:
                              found=header.get("version"), fix="load it with the kvstate version that wrote it")
 
 
-def _layer(i: int, spec: dict[str, Any], tensors: dict[str, torch.Tensor], B: int, T: int,
+def _checkpoint(k: int, entry: Any, tensors: dict[str, torch.Tensor], B: int, kv_dtype: torch.dtype,
+                storage: str | None, n_layers: int) -> Checkpoint:
+    layers = {}
+    for key, spec in dict(entry["layers"]).items():
+        i = int(key)
+        if not 0 <= i < n_layers:
+            raise StateFileError("checkpoint names a layer that does not exist", expected=f"0..{n_layers - 1}", found=i)
+        layers[i] = _layer(f"checkpoints.{k}.layers.{i}.", spec, tensors, B, kv_dtype, storage)
+    return Checkpoint(_int(entry, "tokens_seen"), MappingProxyType(layers))
+
+
+def _layer(prefix: str, spec: dict[str, Any], tensors: dict[str, torch.Tensor], B: int,
            kv_dtype: torch.dtype, storage: str | None) -> Any:
     cls = LAYER_KINDS.get(spec.get("kind"))  # type: ignore[arg-type]
     if cls is None:
-        raise StateFileError(f"layer {i} has an unknown kind", expected=sorted(LAYER_KINDS),
+        raise StateFileError(f"{prefix} has an unknown layer kind", expected=sorted(LAYER_KINDS),
                              found=spec.get("kind"), fix="upgrade kvstate")
     slots, seen = _int(spec, "slots"), _int(spec, "tokens_seen")
-    parts = {name: _unpack(f"layers.{i}.{name}", tensors, kv_dtype, storage)
-             for name in ("keys", "values") if f"layers.{i}.{name}" in tensors}
-    for name, t in parts.items():
-        if t.dim() != 4 or t.shape[0] != B or t.shape[2] != slots:
-            raise StateFileError(f"layer {i} {name} has the wrong shape", expected=f"[{B}, H, {slots}, D]",
-                                 found=tuple(t.shape))
-    if slots and (len(parts) != 2 or parts["keys"].shape != parts["values"].shape or seen < slots):
-        raise StateFileError(f"layer {i} K/V are incomplete or inconsistent", found=spec)
+    parts = {name[len(prefix):]: t for name, t in tensors.items()
+             if name.startswith(prefix) and not name.endswith(".scale") and name[len(prefix):] != "positions"}
+    for name in ("keys", "values"):
+        if name in parts:
+            parts[name] = _unpack(f"{prefix}{name}", tensors, kv_dtype, storage)
+            t = parts[name]
+            if t.dim() != 4 or t.shape[0] != B or t.shape[2] != slots:
+                raise StateFileError(f"{prefix}{name} has the wrong shape", expected=f"[{B}, H, {slots}, D]",
+                                     found=tuple(t.shape))
+    if slots and ("keys" not in parts or "values" not in parts or parts["keys"].shape != parts["values"].shape
+                  or seen < slots):
+        raise StateFileError(f"{prefix} K/V are incomplete or inconsistent", found=spec)
     if slots:
-        parts["positions"] = _positions_from_runs(spec.get("positions"), B, slots)
+        parts["positions"] = _layer_positions(prefix, spec.get("positions"), tensors, B, slots)
     return cls.from_parts(spec, parts)
+
+
+def _layer_positions(prefix: str, runs: Any, tensors: dict[str, torch.Tensor], B: int, S: int) -> torch.Tensor:
+    if runs != "tensor":
+        return _positions_from_runs(runs, B, S)
+    positions = tensors[f"{prefix}positions"]
+    if positions.dtype != torch.long or positions.dim() != 3 or tuple(positions.shape[:2]) != (B, S):
+        raise StateFileError(f"{prefix}positions have the wrong shape", expected=f"int64 [{B}, {S}, R]",
+                             found=f"{positions.dtype} {tuple(positions.shape)}")
+    return positions
 
 
 def _pack(name: str, t: torch.Tensor, compact: str | None) -> dict[str, torch.Tensor]:

@@ -44,15 +44,23 @@ def load_state(path: str | os.PathLike[str], *, map_location: torch.device | str
 def _cast(state: State, dtype: torch.dtype) -> State:
     source = str(state.kv_dtype).removeprefix("torch.")
     target = str(dtype).removeprefix("torch.")
-    layers = tuple(type(layer).from_parts(layer.meta(), {
-        k: v.to(dtype) if v.is_floating_point() else v for k, v in layer.tensors().items()})
-        for layer in state.layers)
+    layers = tuple(_cast_layer(layer, dtype) for layer in state.layers)
+    checkpoints = tuple(replace(c, layers=MappingProxyType({i: _cast_layer(layer, dtype)
+                                                            for i, layer in c.layers.items()}))
+                        for c in state.checkpoints)
     extras = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.extras.items()}
     fingerprint = None if state.fingerprint is None else replace(state.fingerprint, dtype=target)
-    return replace(state, layers=layers, extras=MappingProxyType(extras),
+    return replace(state, layers=layers, checkpoints=checkpoints, extras=MappingProxyType(extras),
                    last_logits=None if state.last_logits is None else state.last_logits.to(dtype),
                    fingerprint=fingerprint,
                    metadata=MappingProxyType({**state.metadata, "kvstate.cast": f"{source} -> {target}"}))
+
+
+def _cast_layer(layer: Any, dtype: torch.dtype) -> Any:
+    """K/V and conv windows follow the model dtype; recurrent states stay float32, as transformers keeps them."""
+    return type(layer).from_parts(layer.meta(), {
+        k: v.to(dtype) if k in ("keys", "values") or k.startswith("conv.") else v
+        for k, v in layer.tensors().items()})
 
 
 def inspect_state(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -74,8 +82,10 @@ def _describe(path: str | os.PathLike[str], header: dict[str, Any], entries: dic
     tensor_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in entries.values())
     layers = []
     for i, spec in enumerate(header.get("layers", [])):
-        starts = [run[0] for row in spec.get("positions") or [] for run in row]
-        ends = [run[0] + run[1] - 1 for row in spec.get("positions") or [] for run in row]
+        runs = spec.get("positions")
+        runs = [[spec["position_range"]]] if runs == "tensor" else runs or []
+        starts = [run[0] for row in runs for run in row]
+        ends = [run[0] + run[1] - 1 for row in runs for run in row]
         layer_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for name, e in entries.items()
                           if name.startswith(f"layers.{i}."))
         layers.append({"index": i, "kind": spec.get("kind"), "tokens_seen": spec.get("tokens_seen"),

@@ -69,24 +69,22 @@ def full_mask(state: State, n_total: int, attention_mask: torch.Tensor | None,
     return mask
 
 
-def new_positions(state: State, new_mask: torch.Tensor,
-                  position_ids: torch.Tensor | None) -> torch.Tensor:
-    """Logical positions ``[B, Q]`` of the new slots; pads get 0, as ``generate`` does."""
-    pos = state.next_position[:, None] + new_mask.long().cumsum(-1) - 1
-    pos = pos.masked_fill(~new_mask, 0)
-    if position_ids is None:
-        return pos
-    given = position_ids.to(pos.device).long()
-    if given.numel() == pos.numel() and torch.equal(given.reshape(pos.shape)[new_mask], pos[new_mask]):
-        return pos
+def check_positions(state: State, given: torch.Tensor | None, expected: torch.Tensor,
+                    new_mask: torch.Tensor) -> None:
+    """A caller's ``position_ids`` must equal the ones that continue the state (model layout)."""
+    if given is None:
+        return
+    given = given.to(expected.device).long()
+    real = new_mask if expected.dim() == 2 else new_mask.expand(expected.shape[0], *new_mask.shape)
+    if given.shape == expected.shape and torch.equal(given[real], expected[real]):
+        return
     if state.is_empty:
         raise EmptyStateError(
             "position_ids continue a sequence, but the state is empty (seed 002)",
-            expected=pos.tolist(), found=position_ids.tolist(),
+            expected=expected.tolist(), found=given.tolist(),
             fix="feed the earlier tokens first, or omit position_ids")
-    raise PositionError("position_ids do not continue the state", expected=pos.tolist(),
-                        found=position_ids.tolist(),
-                        fix="omit position_ids, or pass state.next_position + offsets")
+    raise PositionError("position_ids do not continue the state", expected=expected.tolist(),
+                        found=given.tolist(), fix="omit position_ids, or pass state.next_position + offsets")
 
 
 def check_model(state: State, fingerprint: Fingerprint, model_dtype: torch.dtype,

@@ -12,6 +12,10 @@ Two quantities are kept apart and never inferred from tensor contents:
 
 Layer states are immutable: every verb returns a new object and no tensor is ever
 written in place. That is what makes ``Session.fork`` free and safe.
+
+Recurrent layers (conv + SSM / linear-attention / RG-LRU states) have no slots and
+cannot be cropped; ``checkpointed`` marks them, and ``State`` keeps snapshots of
+them at call boundaries so that rollback stays possible there.
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ from .errors import RollbackError
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+RECURRENT = "recurrent"
+HYBRID = "hybrid"
 
 
 class LayerState(ABC):
     """The protocol every per-layer state implements."""
+
+    checkpointed: bool = False  # True: cannot roll back, so State snapshots it at boundaries
 
     @property
     @abstractmethod
@@ -185,8 +193,117 @@ class AttentionLayerState(LayerState):
                                    self.window, self.reserve)
 
 
+class RecurrentLayerState(LayerState):
+    """Conv and recurrent states of one layer, keyed by state index.
+
+    Args:
+        conv: ``{i: [B, C, K]}`` conv windows (K as transformers stores it).
+        recurrent: ``{i: [B, ...]}`` SSM / linear-attention / RG-LRU states.
+        tokens_seen: tokens folded into these states.
+    """
+
+    checkpointed = True
+
+    def __init__(self, conv: dict[int, torch.Tensor], recurrent: dict[int, torch.Tensor],
+                 tokens_seen: int) -> None:
+        self.conv = dict(conv)
+        self.recurrent = dict(recurrent)
+        self._tokens_seen = tokens_seen
+
+    @property
+    def kind(self) -> str:
+        return RECURRENT
+
+    @property
+    def tokens_seen(self) -> int:
+        return self._tokens_seen
+
+    @property
+    def slots(self) -> int:
+        return 0
+
+    def rollback_limit(self, n_tokens: int) -> str | None:
+        if n_tokens == self.tokens_seen:
+            return None
+        return (f"recurrent layer has folded {self.tokens_seen} tokens into its state and cannot "
+                f"return to {n_tokens} without a checkpoint")
+
+    def truncated(self, n_tokens: int) -> RecurrentLayerState:
+        reason = self.rollback_limit(n_tokens)
+        if reason is not None:
+            raise RollbackError("cannot roll back a recurrent layer", expected="a checkpoint at that length",
+                                found=reason, fix="truncate to a checkpointed length (state.checkpoints)")
+        return self
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"conv.{i}": t for i, t in self.conv.items()}
+        out.update({f"recurrent.{i}": t for i, t in self.recurrent.items()})
+        return out
+
+    def meta(self) -> dict[str, object]:
+        return {"kind": self.kind, "tokens_seen": self.tokens_seen, "slots": 0, "window": None, "reserve": 0}
+
+    @classmethod
+    def from_parts(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> RecurrentLayerState:
+        conv = {int(k.split(".")[1]): t for k, t in tensors.items() if k.startswith("conv.")}
+        rec = {int(k.split(".")[1]): t for k, t in tensors.items() if k.startswith("recurrent.")}
+        return cls(conv, rec, int(meta["tokens_seen"]))  # type: ignore[call-overload]
+
+    def to(self, device: torch.device | str) -> RecurrentLayerState:
+        return RecurrentLayerState({i: t.to(device) for i, t in self.conv.items()},
+                                   {i: t.to(device) for i, t in self.recurrent.items()}, self.tokens_seen)
+
+
+class HybridLayerState(LayerState):
+    """One layer that holds both attention K/V and recurrent state (e.g. Falcon-H1)."""
+
+    checkpointed = True
+
+    def __init__(self, attention: AttentionLayerState, recurrent: RecurrentLayerState) -> None:
+        self.attention = attention
+        self.recurrent = recurrent
+
+    @property
+    def kind(self) -> str:
+        return HYBRID
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.recurrent.tokens_seen
+
+    @property
+    def slots(self) -> int:
+        return self.attention.slots
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        return self.attention.positions
+
+    def rollback_limit(self, n_tokens: int) -> str | None:
+        return self.recurrent.rollback_limit(n_tokens) or self.attention.rollback_limit(n_tokens)
+
+    def truncated(self, n_tokens: int) -> HybridLayerState:
+        return HybridLayerState(self.attention.truncated(n_tokens), self.recurrent.truncated(n_tokens))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {**self.attention.tensors(), **self.recurrent.tensors()}
+
+    def meta(self) -> dict[str, object]:
+        return {**self.attention.meta(), "kind": self.kind}
+
+    @classmethod
+    def from_parts(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> HybridLayerState:
+        attention = AttentionLayerState.from_parts({**meta, "window": None}, tensors)
+        return cls(attention, RecurrentLayerState.from_parts(meta, tensors))
+
+    def to(self, device: torch.device | str) -> HybridLayerState:
+        return HybridLayerState(self.attention.to(device), self.recurrent.to(device))
+
+
 # Layer kinds a state file may name, resolved to the class that rebuilds them.
 LAYER_KINDS: dict[str, type[LayerState]] = {
     FULL_ATTENTION: AttentionLayerState,
     SLIDING_ATTENTION: AttentionLayerState,
+    RECURRENT: RecurrentLayerState,
+    HYBRID: HybridLayerState,
 }

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -26,8 +26,9 @@ from . import _compat
 from .adapters import adapter_for
 from .errors import InputError, LayoutMismatchError, UnsupportedError
 from .fingerprint import Fingerprint, fingerprint
-from .inputs import as_ids, check_batch, check_model, common_prefix, full_mask, new_positions
-from .state import State
+from .inputs import as_ids, check_batch, check_model, check_positions, common_prefix, full_mask
+from .layers import RecurrentLayerState
+from .state import State, next_position_after
 
 IdsLike = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
 
@@ -57,11 +58,16 @@ class Session:
         sliding_reserve: extra slots each sliding-window layer keeps beyond its
             window, so the state can roll back that many tokens (memory: reserve x
             sliding layers x K/V bytes per token).
+        max_checkpoints: snapshots of non-croppable (recurrent) layers kept for rollback;
+            the oldest is evicted first. Each costs the recurrent layers' bytes
+            (``state.summary()["checkpoint_nbytes"]``). Taken at the end of every call.
+        checkpoint_every: also checkpoint every N tokens inside long ``extend`` calls.
         state: start from this state instead of an empty one (checked against the model).
     """
 
     def __init__(self, model: torch.nn.Module, *, tokenizer: object | None = None,
-                 chunk_size: int = 512, sliding_reserve: int = 64,
+                 chunk_size: int = 512, sliding_reserve: int = 64, max_checkpoints: int = 16,
+                 checkpoint_every: int | None = None,
                  state: State | None = None, _fingerprint: Fingerprint | None = None) -> None:
         if chunk_size < 1 or sliding_reserve < 0:
             raise InputError("invalid Session settings", expected="chunk_size >= 1, sliding_reserve >= 0",
@@ -71,6 +77,8 @@ class Session:
         self._config = self._adapter.text_config(model)
         self.chunk_size = chunk_size
         self.sliding_reserve = sliding_reserve
+        self.max_checkpoints = max_checkpoints
+        self.checkpoint_every = checkpoint_every
         self._fingerprint = _fingerprint or fingerprint(model, tokenizer)
         self.last_plan: ResumePlan | None = None
         self._state = self._empty(1) if state is None else self._adopt(state)
@@ -157,8 +165,11 @@ class Session:
         if ids.shape[1] == 0:
             raise InputError("extend needs at least one new token", expected="Q >= 1", found=0)
         mask = full_mask(state, state.tokens_seen + ids.shape[1], attention_mask, self.device)
-        positions = new_positions(state, mask[:, state.tokens_seen:], position_ids)
-        self._state = self._feed(state, ids, mask, positions, model_inputs)
+        self._check_padding(mask)
+        new_mask = mask[:, state.tokens_seen:]
+        positions = self._adapter.chunk_positions(self.model, state.next_position, ids, new_mask, model_inputs)
+        check_positions(state, position_ids, self._adapter.model_positions(positions), new_mask)
+        self._state = self._feed(state, ids, mask, positions, model_inputs).with_checkpoint(self.max_checkpoints)
         assert self._state.last_logits is not None
         return self._state.last_logits
 
@@ -175,6 +186,7 @@ class Session:
             raise UnsupportedError("beam search and multiple return sequences keep one cache per "
                                    "beam", found=generate_kwargs, fix="use num_beams=1, or fork() "
                                    "per sample")
+        inputs = {k: generate_kwargs.pop(k) for k in self._adapter.input_keys if k in generate_kwargs}
         ids = as_ids(input_ids, self.device)
         state = self._state_for_batch(ids.shape[0])
         mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
@@ -182,15 +194,23 @@ class Session:
         if mask.shape != ids.shape:
             raise InputError("attention_mask must match input_ids", expected=tuple(ids.shape),
                              found=tuple(mask.shape), fix="pass the full-history mask")
+        self._check_padding(mask)
         self._state = self._resume_point(state, ids, mask)
         if self._state.tokens_seen == ids.shape[1]:
             return self._from_stored_logits(ids, mask, generate_kwargs)
-        return self._hf_generate(ids, mask, generate_kwargs)
+        inputs = self._adapter.select_inputs(self.model, ids, self._state.tokens_seen, inputs)
+        self._pre_feed_stepwise(ids, mask, inputs)
+        return self._hf_generate(ids, mask, inputs, generate_kwargs)
 
     # ----- internals ---------------------------------------------------------------------
     def _empty(self, batch_size: int) -> State:
         layers = self._adapter.empty_layers(self.model, self.sliding_reserve)
-        return State.empty(layers, self._fingerprint, batch_size, self.device)
+        return State.empty(layers, self._fingerprint, batch_size, self.device, self._adapter.position_dims)
+
+    def _check_padding(self, mask: torch.Tensor) -> None:
+        if not self._adapter.supports_padding and not bool(mask.all()):
+            raise UnsupportedError(f"padded batches are not supported for {self._adapter.name} models",
+                                   found="attention_mask with padding", fix="run one row per Session")
 
     def _adopt(self, state: State) -> State:
         check_model(state, self._fingerprint, self.dtype, self.device)
@@ -221,84 +241,127 @@ class Session:
     def _feed(self, state: State, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
               model_inputs: dict[str, Any]) -> State:
         """Forward the new slots in chunks (one chunk when extra model inputs are given)."""
-        T, Q = state.tokens_seen, ids.shape[1]
-        step = Q if model_inputs else self.chunk_size
-        for start in range(0, Q, step):
-            end = min(start + step, Q)
-            state = self._forward(state, ids[:, start:end], mask[:, : T + end],
-                                  positions[:, start:end], model_inputs)
+        T, Q, start = state.tokens_seen, ids.shape[1], 0
+        while start < Q:
+            end = min(start + self._chunk(state, Q - start, bool(model_inputs)), Q)
+            state = self._forward(state, ids[:, start:end], mask[:, : T + end], positions[:, start:end],
+                                  model_inputs)
+            if self.checkpoint_every and end < Q and state.tokens_seen % self.checkpoint_every == 0:
+                state = state.with_checkpoint(self.max_checkpoints)
+            start = end
         return state
+
+    def _chunk(self, state: State, remaining: int, whole: bool) -> int:
+        """Tokens in the next forward: stepwise families continue one token at a time."""
+        if self._adapter.stepwise_continuation and not state.is_empty:
+            return 1
+        size = remaining if whole else self.chunk_size
+        if self.checkpoint_every:  # end chunks on checkpoint boundaries
+            size = min(size, self.checkpoint_every - state.tokens_seen % self.checkpoint_every)
+        return size
 
     def _forward(self, state: State, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  model_inputs: dict[str, Any]) -> State:
-        cache = _compat.build_cache(state.layers, self._config)
-        self._adapter.restore_extras(self.model, state.extras)
+        cache = self._adapter.build_cache(self.model, state.layers, state.batch_size)
+        self._adapter.restore_extras(self.model, dict(state.extras))
+        kwargs = dict(model_inputs, input_ids=ids, attention_mask=_mask_arg(mask), use_cache=True,
+                      logits_to_keep=1, **{_compat.CACHE_KWARG: cache})
+        if self._adapter.takes_position_ids:
+            kwargs["position_ids"] = self._adapter.model_positions(positions)
         with torch.no_grad():
-            out = self.model(input_ids=ids, attention_mask=_mask_arg(mask), position_ids=positions,
-                             use_cache=True, logits_to_keep=1,
-                             **{_compat.CACHE_KWARG: cache}, **model_inputs)
-        layers = _compat.read_cache(_compat.output_cache(out), state.layers, positions)
-        T = state.tokens_seen
-        return self._next_state(state, ids, mask, layers, out.logits[:, -1, :], T)
+            out = self.model(**kwargs)
+        seen = state.tokens_seen + ids.shape[1]
+        layers = self._adapter.read_cache(self.model, cache, state.layers, positions, seen)
+        return self._next_state(state, ids, mask, positions, layers, out.logits[:, -1, :])
 
-    def _next_state(self, state: State, fed: torch.Tensor, mask: torch.Tensor, layers: tuple,
-                    logits: torch.Tensor | None, T: int) -> State:
-        n = T + fed.shape[1]
-        return State(tokens=torch.cat([state.tokens, fed], dim=1), mask=mask[:, :n], layers=layers,
-                     next_position=state.next_position + mask[:, T:n].sum(-1),
-                     last_logits=logits,
-                     extras=MappingProxyType(self._adapter.capture_extras(self.model)),
-                     fingerprint=self._fingerprint)
+    def _next_state(self, state: State, fed: torch.Tensor, mask: torch.Tensor, fed_positions: torch.Tensor,
+                    layers: tuple, logits: torch.Tensor | None) -> State:
+        T, n = state.tokens_seen, state.tokens_seen + fed.shape[1]
+        next_position = next_position_after(fed_positions, mask[:, T:n], state.next_position)
+        extras = self._adapter.capture_extras(self.model, next_position, n)
+        return replace(state, tokens=torch.cat([state.tokens, fed], dim=1), mask=mask[:, :n],
+                       positions=torch.cat([state.positions, fed_positions], dim=1), layers=layers,
+                       next_position=next_position, last_logits=logits, extras=MappingProxyType(extras),
+                       fingerprint=self._fingerprint)
 
     def _resume_point(self, state: State, ids: torch.Tensor, mask: torch.Tensor) -> State:
         """The state cut back to what ``ids`` shares with it; records ``last_plan``."""
         T, L = state.tokens_seen, ids.shape[1]
-        p = common_prefix(state, ids, mask)
+        p = self._adapter.safe_prefix(self.model, ids, common_prefix(state, ids, mask))
         if p == T == L and state.last_logits is not None:
             self.last_plan = ResumePlan(reused=T, fed=0, mode="stored-logits")
             return state
-        target = min(p, L - 1)  # at least one token must go through the model
+        target = self._adapter.safe_prefix(self.model, ids, min(p, L - 1))  # feed at least one token
         if target == T:
-            mode = "continue"
+            state, mode = state, "continue"
         elif not state.rollback_limit(target):
             state, mode = state.truncated(target), "rollback"
         else:
-            self._adapter.reset_model(self.model)
-            state, target, mode = self._empty(state.batch_size), 0, "recompute"
+            state, target, mode = self._from_checkpoint(state, target)
         self.last_plan = ResumePlan(reused=target, fed=L - target, mode=mode)
         return state
 
-    def _hf_generate(self, ids: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    def _from_checkpoint(self, state: State, target: int) -> tuple[State, int, str]:
+        """Latest checkpoint at or before ``target`` that every layer can return to, else scratch."""
+        for checkpoint in reversed(state.checkpoints):
+            if checkpoint.tokens_seen <= target and not state.rollback_limit(checkpoint.tokens_seen):
+                return state.truncated(checkpoint.tokens_seen), checkpoint.tokens_seen, "checkpoint"
+        self._adapter.reset_model(self.model)
+        return self._empty(state.batch_size), 0, "recompute"
+
+    def _pre_feed_stepwise(self, ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any]) -> None:
+        """Stepwise families: feed all but the last unprocessed token one at a time first."""
+        state, L = self._state, ids.shape[1]
+        if not self._adapter.stepwise_continuation or state.is_empty or L - state.tokens_seen < 2:
+            return
+        T = state.tokens_seen
+        positions = self._adapter.chunk_positions(self.model, state.next_position, ids[:, T:L - 1],
+                                                  mask[:, T:L - 1], inputs)
+        self._state = self._feed(state, ids[:, T:L - 1], mask[:, :L - 1], positions, inputs)
+
+    def _hf_generate(self, ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any],
+                     kwargs: dict[str, Any]) -> Any:
         """``model.generate`` over the unprocessed suffix; adopts the resulting state."""
-        state, T, L = self._state, self._state.tokens_seen, ids.shape[1]
-        suffix_pos = new_positions(state, mask[:, T:], None)
-        # generate slices position_ids to the unprocessed suffix; the prefix part is never read
-        positions = torch.cat([torch.zeros_like(ids[:, :T]), suffix_pos], dim=1)
-        cache = _compat.build_cache(state.layers, self._config)
-        self._adapter.restore_extras(self.model, state.extras)
-        with _compat.capture_logits(self.model) as logits_at, torch.no_grad():
-            out = self.model.generate(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
-                                      **{_compat.CACHE_KWARG: cache}, **kwargs)
+        state, T = self._state, self._state.tokens_seen
+        suffix_pos = self._adapter.chunk_positions(self.model, state.next_position, ids[:, T:], mask[:, T:], inputs)
+        cache = self._adapter.build_cache(self.model, state.layers, state.batch_size)
+        self._adapter.restore_extras(self.model, dict(state.extras))
+        call = self._generate_inputs(state, ids, mask, suffix_pos)
+        with _compat.capture_logits(self.model, T) as logits_at, torch.no_grad():
+            out = self.model.generate(**call, **inputs, **{_compat.CACHE_KWARG: cache}, **kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        self._state = self._after_generate(state, sequences, mask, suffix_pos, cache, logits_at)
-        new_tokens = sequences[:, L:]
+        new_tokens = sequences[:, call["input_ids"].shape[1]:]
+        self._state = self._after_generate(state, ids, mask, suffix_pos, new_tokens, cache, logits_at)
         if isinstance(out, torch.Tensor):
             return new_tokens
         out.sequences = new_tokens
         return out
 
-    def _after_generate(self, state: State, sequences: torch.Tensor, mask: torch.Tensor,
-                        suffix_pos: torch.Tensor, cache: Any, logits_at: Any) -> State:
+    def _generate_inputs(self, state: State, ids: torch.Tensor, mask: torch.Tensor,
+                         suffix_pos: torch.Tensor) -> dict[str, Any]:
+        """Full history + full mask + explicit positions; generate slices the processed part."""
+        if all(isinstance(layer, RecurrentLayerState) for layer in state.layers):
+            return {"input_ids": ids[:, state.tokens_seen:]}  # pure-recurrent caches are not sliced
+        call: dict[str, Any] = {"input_ids": ids, "attention_mask": mask.long()}
+        if self._adapter.takes_position_ids:
+            positions = torch.cat([state.positions, suffix_pos], dim=1)
+            call["position_ids"] = self._adapter.model_positions(positions)
+        return call
+
+    def _after_generate(self, state: State, ids: torch.Tensor, mask: torch.Tensor, suffix_pos: torch.Tensor,
+                        new_tokens: torch.Tensor, cache: Any, logits_at: Any) -> State:
         """The state after generate: every fed slot, i.e. all but the last new token."""
-        T, L = state.tokens_seen, mask.shape[1]
-        n_new = sequences.shape[1] - L
-        gen_pos = state.next_position[:, None] + mask[:, T:].sum(-1, keepdim=True) \
-            + torch.arange(n_new, device=mask.device)
+        T, L, n_new = state.tokens_seen, ids.shape[1], new_tokens.shape[1]
+        steps = torch.arange(1, n_new, device=ids.device)
+        last = suffix_pos[:, -1:]  # generate continues each position component by +1
+        gen_pos = last + (steps[None, :, None] if last.dim() == 3 else steps[None, :])
         fed_pos = torch.cat([suffix_pos, gen_pos], dim=1)
-        layers = _compat.read_cache(cache, state.layers, fed_pos)
-        seen = layers[0].tokens_seen
-        full = torch.cat([mask, torch.ones_like(sequences[:, L:], dtype=torch.bool)], dim=1)
-        return self._next_state(state, sequences[:, T:seen], full, layers, logits_at(seen), T)
+        full = torch.cat([mask, torch.ones_like(new_tokens[:, 1:], dtype=torch.bool)], dim=1)
+        seen = L + n_new - 1
+        layers = self._adapter.read_cache(self.model, cache, state.layers, fed_pos, seen)
+        fed = torch.cat([ids[:, T:], new_tokens[:, :-1]], dim=1)
+        return self._next_state(state, fed, full, fed_pos, layers, logits_at(seen)).with_checkpoint(
+            self.max_checkpoints)
 
     def _from_stored_logits(self, ids: torch.Tensor, mask: torch.Tensor,
                             kwargs: dict[str, Any]) -> Any:
@@ -317,20 +380,21 @@ class Session:
                 streamer.end()
             return first
         ones = torch.ones_like(first, dtype=torch.bool)
-        rest = self._hf_generate(torch.cat([ids, first], 1), torch.cat([mask, ones], 1),
+        rest = self._hf_generate(torch.cat([ids, first], 1), torch.cat([mask, ones], 1), {},
                                  _rest_kwargs(kwargs, config, streamer))
         return torch.cat([first, rest], dim=1)
 
     def _refeed_last(self, ids: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         """Fallback for the fully processed case: roll back one slot and let generate run."""
         L = ids.shape[1]
-        if self._state.rollback_limit(L - 1):
-            self._state = self._empty(ids.shape[0])
-            self.last_plan = ResumePlan(reused=0, fed=L, mode="recompute")
+        target = self._adapter.safe_prefix(self.model, ids, L - 1)
+        if self._state.rollback_limit(target):
+            self._state, target, mode = self._from_checkpoint(self._state, target)
         else:
-            self._state = self._state.truncated(L - 1)
-            self.last_plan = ResumePlan(reused=L - 1, fed=1, mode="rollback")
-        return self._hf_generate(ids, mask, kwargs)
+            self._state, mode = self._state.truncated(target), "rollback"
+        self.last_plan = ResumePlan(reused=target, fed=L - target, mode=mode)
+        self._pre_feed_stepwise(ids, mask, {})
+        return self._hf_generate(ids, mask, {}, kwargs)
 
 
 class _SkipFirstPut:

@@ -4,6 +4,8 @@ Shapes (``B`` batch rows, ``T`` token slots processed, ``V`` vocabulary):
 
 * ``tokens`` ``[B, T]`` int64 - processed token ids, padding included;
 * ``mask`` ``[B, T]`` bool - False on padding slots;
+* ``positions`` ``[B, T]`` (or ``[B, T, R]`` for multimodal RoPE, e.g. R = 3 for
+  Qwen-VL) int64 - the logical position every processed slot was fed at;
 * ``layers`` - one ``LayerState`` per decoder layer (see ``kvstate.layers``);
 * ``next_position`` ``[B]`` int64 - logical (RoPE) position of each row's next token;
 * ``last_logits`` ``[B, V]`` - logits at the last processed slot, so a resume whose
@@ -15,6 +17,10 @@ Shapes (``B`` batch rows, ``T`` token slots processed, ``V`` vocabulary):
 
 ``T`` is *tokens seen*; each layer separately reports *slots stored*. States are
 never modified: operations return new states that share unchanged tensors.
+
+``checkpoints`` snapshot the layers that cannot be cropped (recurrent / SSM) at call
+boundaries; ``truncated`` uses one to roll such layers back (llama.cpp's context
+checkpoints and mlx-lm's segment checkpoints serve the same purpose).
 """
 
 from __future__ import annotations
@@ -32,24 +38,53 @@ from .layers import LayerState
 
 
 @dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """The non-croppable layers (by index) as they were after ``tokens_seen`` slots."""
+
+    tokens_seen: int
+    layers: Mapping[int, LayerState]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers.values())
+
+
+def next_position_after(positions: torch.Tensor, mask: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Each row's next logical position after slots at ``positions`` ``[B, Q(, R)]``.
+
+    One past the largest position of a real slot (M-RoPE jumps after an image), or
+    ``before`` ``[B]`` when a row has no real slot among them.
+    """
+    if positions.shape[1] == 0:
+        return before
+    flat = positions.amax(-1) if positions.dim() == 3 else positions
+    last = flat.masked_fill(~mask, -1).amax(dim=1)
+    return torch.where(mask.any(dim=1), last + 1, before)
+
+
+@dataclass(frozen=True, eq=False)
 class State:
     """Explicit generation state of one conversation batch. See the module docstring."""
 
     tokens: torch.Tensor
     mask: torch.Tensor
+    positions: torch.Tensor
     layers: tuple[LayerState, ...]
     next_position: torch.Tensor
     last_logits: torch.Tensor | None = None
     extras: Mapping[str, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
     fingerprint: Fingerprint | None = None
     metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    checkpoints: tuple[Checkpoint, ...] = ()
 
     @classmethod
     def empty(cls, layers: tuple[LayerState, ...], fingerprint: Fingerprint | None = None,
-              batch_size: int = 1, device: torch.device | str = "cpu") -> State:
+              batch_size: int = 1, device: torch.device | str = "cpu", position_dims: int = 1) -> State:
         """A state that has seen nothing."""
+        shape = (batch_size, 0) if position_dims == 1 else (batch_size, 0, position_dims)
         return cls(tokens=torch.zeros(batch_size, 0, dtype=torch.long, device=device),
                    mask=torch.zeros(batch_size, 0, dtype=torch.bool, device=device),
+                   positions=torch.zeros(shape, dtype=torch.long, device=device),
                    layers=layers,
                    next_position=torch.zeros(batch_size, dtype=torch.long, device=device),
                    fingerprint=fingerprint)
@@ -84,20 +119,27 @@ class State:
     def device(self) -> torch.device:
         return self.tokens.device
 
+    def checkpoint_at(self, n_tokens: int) -> Checkpoint | None:
+        return next((c for c in self.checkpoints if c.tokens_seen == n_tokens), None)
+
     def rollback_limit(self, n_tokens: int) -> list[str]:
         """Reasons, one per blocking layer, why the state cannot return to ``n_tokens``."""
+        checkpoint = self.checkpoint_at(n_tokens)
         reasons = []
         for i, layer in enumerate(self.layers):
             why = layer.rollback_limit(n_tokens)
-            if why is not None:
+            if why is not None and not (checkpoint is not None and i in checkpoint.layers):
                 reasons.append(f"layer {i}: {why}")
+        if reasons and any(layer.checkpointed for layer in self.layers):
+            reasons.append(f"checkpoints exist at {[c.tokens_seen for c in self.checkpoints]}")
         return reasons
 
     def truncated(self, n_tokens: int) -> State:
         """The state as it was after the first ``n_tokens`` token slots.
 
-        ``last_logits`` is dropped (it belongs to the longer history), so the next
-        call must feed at least one token.
+        Croppable layers are cut; the others come from the checkpoint at ``n_tokens``.
+        ``last_logits`` is dropped (it belongs to the longer history), so the next call
+        must feed at least one token.
         """
         if not 0 <= n_tokens <= self.tokens_seen:
             raise RollbackError("truncate length out of range", expected=f"0..{self.tokens_seen}",
@@ -108,20 +150,38 @@ class State:
         if reasons:
             raise RollbackError(
                 f"cannot roll back from {self.tokens_seen} to {n_tokens} tokens",
-                expected="every layer to retain the slots the shorter prefix needs",
+                expected="every layer to retain the slots (or a checkpoint) the shorter prefix needs",
                 found="; ".join(reasons[:3]) + (" ..." if len(reasons) > 3 else ""),
-                fix="create the Session with a larger sliding_reserve, or reset() and re-feed")
-        mask = self.mask[:, :n_tokens]
-        dropped = self.mask[:, n_tokens:].sum(-1)
-        return replace(self, tokens=self.tokens[:, :n_tokens], mask=mask,
-                       layers=tuple(layer.truncated(n_tokens) for layer in self.layers),
-                       next_position=self.next_position - dropped, last_logits=None)
+                fix="truncate to a checkpointed length, create the Session with a larger "
+                "sliding_reserve, or reset() and re-feed")
+        checkpoint = self.checkpoint_at(n_tokens)
+        layers = tuple(layer.truncated(n_tokens) if layer.rollback_limit(n_tokens) is None
+                       else checkpoint.layers[i]  # type: ignore[union-attr]
+                       for i, layer in enumerate(self.layers))
+        start = torch.zeros_like(self.next_position)
+        return replace(self, tokens=self.tokens[:, :n_tokens], mask=self.mask[:, :n_tokens],
+                       positions=self.positions[:, :n_tokens], layers=layers,
+                       next_position=next_position_after(self.positions[:, :n_tokens],
+                                                         self.mask[:, :n_tokens], start),
+                       last_logits=None,
+                       checkpoints=tuple(c for c in self.checkpoints if c.tokens_seen <= n_tokens))
+
+    def with_checkpoint(self, keep: int) -> State:
+        """This state plus a snapshot of its non-croppable layers; keeps the newest ``keep``."""
+        layers = {i: layer for i, layer in enumerate(self.layers) if layer.checkpointed}
+        if not layers or keep <= 0 or self.checkpoint_at(self.tokens_seen) is not None:
+            return self
+        checkpoints = (*self.checkpoints, Checkpoint(self.tokens_seen, MappingProxyType(layers)))
+        return replace(self, checkpoints=checkpoints[-keep:])
 
     def to(self, device: torch.device | str) -> State:
         """A copy with every tensor on ``device``."""
         return replace(
             self, tokens=self.tokens.to(device), mask=self.mask.to(device),
+            positions=self.positions.to(device),
             layers=tuple(layer.to(device) for layer in self.layers),
+            checkpoints=tuple(Checkpoint(c.tokens_seen, MappingProxyType(
+                {i: layer.to(device) for i, layer in c.layers.items()})) for c in self.checkpoints),
             next_position=self.next_position.to(device),
             last_logits=None if self.last_logits is None else self.last_logits.to(device),
             extras=MappingProxyType({k: v.to(device) for k, v in self.extras.items()}))
@@ -141,6 +201,8 @@ class State:
             "next_position": self.next_position.tolist(),
             "layers": [layer.meta() for layer in self.layers],
             "nbytes": self.nbytes,
+            "checkpoints": [c.tokens_seen for c in self.checkpoints],
+            "checkpoint_nbytes": sum(c.nbytes for c in self.checkpoints),
             "extras": sorted(self.extras),
             "fingerprint": None if self.fingerprint is None else self.fingerprint.to_dict(),
         }

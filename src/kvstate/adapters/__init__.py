@@ -1,0 +1,17 @@
+"""Per-family adapters behind one explicit registry (see ``base`` for the protocol)."""
+
+from .base import Adapter, adapter_for, register, supported_model_types
+from .qwen_vl import QwenVLAdapter
+from .recurrent import RecurrentAdapter, RecurrentGemmaAdapter
+
+__all__ = ["Adapter", "QwenVLAdapter", "RecurrentAdapter", "RecurrentGemmaAdapter", "adapter_for", "register",
+           "supported_model_types"]
+
+# Each registration is exercised by the test matrix (tests/test_core.py, tests/test_families.py).
+register(("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"), Adapter())
+register(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), QwenVLAdapter())
+register(("lfm2", "qwen3_next", "falcon_h1"), RecurrentAdapter())
+register(("mamba2",), RecurrentAdapter(position_ids=False))
+register(("mamba",), RecurrentAdapter(stepwise=True, position_ids=False))
+register(("jamba",), RecurrentAdapter(stepwise=True))
+register(("recurrent_gemma",), RecurrentGemmaAdapter())

@@ -1,0 +1,118 @@
+"""The ``Adapter`` protocol, its generic implementation, and the registry.
+
+An adapter answers the questions that differ between model families: which config
+describes the decoder, which layer kinds it has, how positions are assigned to new
+slots, which model inputs belong to unprocessed tokens, how its state is moved in
+and out of a transformers cache, and which model-side values (outside any cache)
+belong to the state. The generic adapter covers standard decoder-only models.
+Families are registered by ``model_type``; anything else raises ``UnsupportedModelError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _compat
+from ..errors import UnsupportedModelError
+from ..layers import AttentionLayerState, LayerState, RecurrentLayerState
+
+
+class Adapter:
+    """Generic decoder-only family: 1-D positions, state entirely in the cache."""
+
+    name = "generic-decoder"
+    position_dims = 1  # R: positions are [B, S] when 1, else [B, S, R] (multimodal RoPE)
+    stepwise_continuation = False  # transformers drops state on multi-token chunks after position 0
+    takes_position_ids = True
+    supports_padding = True
+    input_keys: tuple[str, ...] = ()  # extra model inputs tied to token slots (e.g. pixel_values)
+
+    def text_config(self, model: torch.nn.Module) -> Any:
+        return model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
+
+    def empty_layers(self, model: torch.nn.Module, sliding_reserve: int) -> tuple[LayerState, ...]:
+        """One empty per-layer state per decoder layer, kinds taken from the config."""
+        layers: list[LayerState] = []
+        for kind, window in _compat.layer_specs(self.text_config(model)):
+            if kind == "recurrent":
+                layers.append(RecurrentLayerState({}, {}, 0))
+            elif kind == "hybrid":
+                from ..layers import HybridLayerState
+
+                layers.append(HybridLayerState(AttentionLayerState.empty(), RecurrentLayerState({}, {}, 0)))
+            else:
+                layers.append(AttentionLayerState.empty(window, sliding_reserve if window else 0))
+        return tuple(layers)
+
+    def kv_shape(self, model: torch.nn.Module) -> tuple[int, int]:
+        """``(H, D)``: KV heads and head dim of the attention layers' K/V."""
+        config = self.text_config(model)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return int(heads), int(head_dim)
+
+    # ----- positions and inputs ------------------------------------------------------
+    def chunk_positions(self, model: torch.nn.Module, next_position: torch.Tensor, ids: torch.Tensor,
+                        new_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """Logical positions ``[B, Q]`` of new slots: consecutive over real slots, pads at 0."""
+        positions = next_position[:, None] + new_mask.long().cumsum(-1) - 1
+        return positions.masked_fill(~new_mask, 0)
+
+    def model_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The ``position_ids`` the model takes for stored positions."""
+        return positions
+
+    def select_inputs(self, model: torch.nn.Module, ids: torch.Tensor, processed: int,
+                      inputs: dict[str, Any]) -> dict[str, Any]:
+        """The extra model inputs that belong to tokens after ``processed`` slots."""
+        return inputs
+
+    def safe_prefix(self, model: torch.nn.Module, ids: torch.Tensor, n: int) -> int:
+        """The longest prefix ``<= n`` that does not split a multimodal item."""
+        return n
+
+    # ----- moving state in and out of the model -------------------------------------------
+    def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
+        return _compat.build_cache(layers, self.text_config(model))
+
+    def read_cache(self, model: torch.nn.Module, cache: Any, layers: tuple[LayerState, ...],
+                   positions: torch.Tensor, tokens_seen: int) -> tuple[LayerState, ...]:
+        return _compat.read_cache(cache, layers, positions, tokens_seen)
+
+    def capture_extras(self, model: torch.nn.Module, next_position: torch.Tensor,
+                       tokens_seen: int) -> dict[str, torch.Tensor]:
+        """Model-side values to store in the state after a forward."""
+        return {}
+
+    def restore_extras(self, model: torch.nn.Module, extras: dict[str, torch.Tensor]) -> None:
+        """Put the state's model-side values back on the model before a forward."""
+
+    def reset_model(self, model: torch.nn.Module) -> None:
+        """Clear model-side values so the model behaves as freshly loaded."""
+
+
+_REGISTRY: dict[str, Adapter] = {}
+
+
+def register(model_types: tuple[str, ...], adapter: Adapter) -> None:
+    """Register ``adapter`` for each ``model_type``."""
+    for model_type in model_types:
+        _REGISTRY[model_type] = adapter
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def adapter_for(model: torch.nn.Module) -> Adapter:
+    """The adapter registered for ``model.config.model_type``."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    adapter = _REGISTRY.get(str(model_type))
+    if adapter is None:
+        raise UnsupportedModelError(
+            f"no kvstate adapter for model_type {model_type!r}",
+            expected="one of " + ", ".join(supported_model_types()), found=model_type,
+            fix="use a supported family, or register an Adapter with kvstate.register")
+    return adapter

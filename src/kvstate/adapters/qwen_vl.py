@@ -1,0 +1,87 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: multimodal RoPE positions as explicit state.
+
+These models keep ``rope_deltas`` (M-RoPE position minus sequence index) on the
+model instance, so a cache continued on a fresh instance drifts (the long seed:
+max |Δlogit| 17.1 with identical K/V). kvstate never relies on it: every slot's
+3-D position ``(t, h, w)`` is stored in the state and every chunk is fed with
+explicit ``position_ids`` ``[3, B, Q]``. Image chunks get positions from the model's
+own ``get_rope_index`` shifted to the row's next position; text continues at
+``max + 1``. ``rope_deltas`` is still kept in ``state.extras`` and written back to
+the model, so plain transformers calls on the same instance agree with the state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _compat
+from ..errors import UnsupportedError
+from .base import Adapter
+
+_VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw")
+
+
+class QwenVLAdapter(Adapter):
+    name = "qwen-vl"
+    position_dims = 3
+    input_keys = ("pixel_values", "image_grid_thw", "mm_token_type_ids", *_VIDEO_INPUTS)
+
+    def chunk_positions(self, model: torch.nn.Module, next_position: torch.Tensor, ids: torch.Tensor,
+                        new_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """``[B, Q, 3]`` positions; image chunks follow ``get_rope_index``, text is 1-D repeated."""
+        if any(inputs.get(k) is not None for k in _VIDEO_INPUTS):
+            raise UnsupportedError("video inputs are not supported yet", found=sorted(inputs),
+                                   fix="pass images (pixel_values, image_grid_thw) only")
+        image = ids == model.config.image_token_id  # type: ignore[union-attr]
+        grid = inputs.get("image_grid_thw")
+        if grid is None or not bool(image.any()):
+            flat = super().chunk_positions(model, next_position, ids, new_mask, inputs)
+            return flat[..., None].expand(*flat.shape, 3).contiguous()
+        positions = _compat.rope_index(model, ids, image, grid, new_mask)  # [3, B, Q], from 0
+        positions = positions + next_position[None, :, None]
+        return positions.permute(1, 2, 0).masked_fill(~new_mask[..., None], 0).contiguous()
+
+    def model_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions.permute(2, 0, 1)  # [B, Q, 3] -> [3, B, Q]
+
+    def select_inputs(self, model: torch.nn.Module, ids: torch.Tensor, processed: int,
+                      inputs: dict[str, Any]) -> dict[str, Any]:
+        """Drop pixels of images already processed (they must never be fed twice)."""
+        grid = inputs.get("image_grid_thw")
+        if grid is None:
+            return {k: v for k, v in inputs.items() if k != "mm_token_type_ids"}
+        runs = _image_runs(ids[0], int(model.config.image_token_id))  # type: ignore[union-attr]
+        done = sum(1 for start, _ in runs if start < processed)
+        rows = int(grid[:done].prod(-1).sum())
+        rest = {k: v for k, v in inputs.items() if k not in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
+        if done < grid.shape[0]:
+            rest.update(pixel_values=inputs["pixel_values"][rows:], image_grid_thw=grid[done:])
+        return rest
+
+    def safe_prefix(self, model: torch.nn.Module, ids: torch.Tensor, n: int) -> int:
+        """Never split an image's placeholder run between state and suffix."""
+        for start, end in _image_runs(ids[0], int(model.config.image_token_id)):  # type: ignore[union-attr]
+            if start < n < end:
+                return start
+        return n
+
+    def capture_extras(self, model: torch.nn.Module, next_position: torch.Tensor,
+                       tokens_seen: int) -> dict[str, torch.Tensor]:
+        return {"rope_deltas": (next_position - tokens_seen)[:, None]}
+
+    def restore_extras(self, model: torch.nn.Module, extras: dict[str, torch.Tensor]) -> None:
+        _compat.set_rope_deltas(model, extras.get("rope_deltas"))
+
+    def reset_model(self, model: torch.nn.Module) -> None:
+        _compat.set_rope_deltas(model, None)
+
+
+def _image_runs(row: torch.Tensor, token: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of image placeholder tokens in one row."""
+    is_image = (row == token).int()
+    edges = torch.diff(torch.cat([is_image.new_zeros(1), is_image, is_image.new_zeros(1)]))
+    starts = (edges == 1).nonzero().flatten().tolist()
+    ends = (edges == -1).nonzero().flatten().tolist()
+    return list(zip(starts, ends, strict=True))
