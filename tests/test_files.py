@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from kvstate import Session, StateFileError, inspect_state, load_state
 from kvstate.errors import DtypeMismatchError, FingerprintMismatchError, LayoutMismatchError
+from kvstate.tiny import RECURRENT
 from tiny import CONFIGS, WINDOW, prompt, tiny_model
 
 ARCHS = sorted(CONFIGS)
@@ -26,15 +27,9 @@ def continue_greedy(session, ids):
     return out.sequences, out.logits[0]
 
 
-def assert_states_equal(a, b):
-    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask)
-    assert torch.equal(a.next_position, b.next_position)
-    assert (a.last_logits is None) == (b.last_logits is None)
-    if a.last_logits is not None:
-        assert torch.equal(a.last_logits, b.last_logits)
-    assert a.fingerprint == b.fingerprint and dict(a.extras).keys() == dict(b.extras).keys()
-    assert len(a.layers) == len(b.layers)
-    for x, y in zip(a.layers, b.layers, strict=True):
+def assert_layers_equal(xs, ys):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys, strict=True):
         assert x.meta() == y.meta()
         tx, ty = x.tensors(), y.tensors()
         assert tx.keys() == ty.keys()
@@ -42,10 +37,30 @@ def assert_states_equal(a, b):
             assert tx[name].dtype == ty[name].dtype and torch.equal(tx[name], ty[name]), name
 
 
+def assert_states_equal(a, b):
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask)
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.next_position, b.next_position)
+    assert (a.last_logits is None) == (b.last_logits is None)
+    if a.last_logits is not None:
+        assert torch.equal(a.last_logits, b.last_logits)
+    assert a.fingerprint == b.fingerprint and dict(a.extras).keys() == dict(b.extras).keys()
+    assert all(torch.equal(a.extras[k], b.extras[k]) for k in a.extras)
+    assert_layers_equal(a.layers, b.layers)
+    assert [c.tokens_seen for c in a.checkpoints] == [c.tokens_seen for c in b.checkpoints]
+    for ca, cb in zip(a.checkpoints, b.checkpoints, strict=True):
+        assert sorted(ca.layers) == sorted(cb.layers)
+        assert_layers_equal([ca.layers[i] for i in sorted(ca.layers)], [cb.layers[i] for i in sorted(cb.layers)])
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_round_trip_is_lossless(arch, tmp_path):
+    from test_families import conversation
+
     s = Session(tiny_model(arch))
-    s.generate(prompt(3 * WINDOW), max_new_tokens=5, do_sample=False)
+    ids, inputs = conversation(arch)
+    s.extend(ids, **inputs)  # one checkpoint for recurrent families
+    s.generate(torch.cat([ids, prompt(3 * WINDOW, seed=2)], 1), max_new_tokens=5, do_sample=False)
+    assert arch not in RECURRENT or len(s.state.checkpoints) == 2
     s.save(tmp_path / "s.kvs", metadata={"conversation": "42"})
     loaded = load_state(tmp_path / "s.kvs")
     assert_states_equal(s.state, loaded)
@@ -70,10 +85,13 @@ save_file(out, f"{folder}/child.safetensors")
 
 
 def test_resume_in_another_process_on_a_fresh_instance(tmp_path):
+    from test_families import conversation
+
     expected = {}
     for arch in ARCHS:
         s = Session(tiny_model(arch))
-        s.extend(prompt(3 * WINDOW))
+        ids, inputs = conversation(arch)  # Qwen-VL states carry an image (and rope_deltas)
+        s.extend(torch.cat([ids, prompt(3 * WINDOW - ids.shape[1] + 8, seed=3)], 1), **inputs)
         s.save(tmp_path / f"{arch}.kvs")
         ids = torch.cat([s.tokens, prompt(5, seed=77)], 1)
         expected[arch] = continue_greedy(s, ids)  # the never-saved session

@@ -153,7 +153,9 @@ def rope_index(model: Any, ids: torch.Tensor, image_tokens: torch.Tensor, grid: 
 
 def recurrent_gemma_blocks(model: Any) -> list[Any]:
     """RecurrentGemma's recurrent blocks (``temporal_block`` of recurrent layers), by layer index."""
-    return [getattr(layer, "temporal_block", None) for layer in model.model.layers]
+    kinds = model.config.block_types  # "recurrent" or "attention", repeated over the layers
+    return [layer.temporal_block if kinds[i % len(kinds)] == "recurrent" else None
+            for i, layer in enumerate(model.model.layers)]
 
 
 def recurrent_gemma_zero(model: Any, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:

@@ -221,10 +221,10 @@ class Session:
                                       expected=f"{len(expected)} layers {expected}",
                                       found=f"{len(found)} layers {found}",
                                       fix="load the state into the model it was made with")
-        heads, head_dim = self._adapter.kv_shape(self.model)
-        for i, layer in enumerate(state.layers):
-            keys = layer.tensors().get("keys")
-            if keys is not None and (keys.shape[1], keys.shape[3]) != (heads, head_dim):
+        keyed = [(i, layer.tensors()["keys"]) for i, layer in enumerate(state.layers) if "keys" in layer.tensors()]
+        heads, head_dim = self._adapter.kv_shape(self.model) if keyed else (0, 0)
+        for i, keys in keyed:
+            if (keys.shape[1], keys.shape[3]) != (heads, head_dim):
                 raise LayoutMismatchError(f"layer {i} K/V head shape differs from the model's",
                                           expected=f"(kv_heads, head_dim) = {(heads, head_dim)}",
                                           found=(keys.shape[1], keys.shape[3]),
@@ -279,6 +279,7 @@ class Session:
         T, n = state.tokens_seen, state.tokens_seen + fed.shape[1]
         next_position = next_position_after(fed_positions, mask[:, T:n], state.next_position)
         extras = self._adapter.capture_extras(self.model, next_position, n)
+        self._adapter.restore_extras(self.model, extras)  # the instance agrees with the state afterwards
         return replace(state, tokens=torch.cat([state.tokens, fed], dim=1), mask=mask[:, :n],
                        positions=torch.cat([state.positions, fed_positions], dim=1), layers=layers,
                        next_position=next_position, last_logits=logits, extras=MappingProxyType(extras),
@@ -295,7 +296,8 @@ class Session:
         if target == T:
             state, mode = state, "continue"
         elif not state.rollback_limit(target):
-            state, mode = state.truncated(target), "rollback"
+            uses_checkpoint = any(layer.rollback_limit(target) for layer in state.layers)
+            state, mode = state.truncated(target), "checkpoint" if uses_checkpoint else "rollback"
         else:
             state, target, mode = self._from_checkpoint(state, target)
         self.last_plan = ResumePlan(reused=target, fed=L - target, mode=mode)

@@ -27,8 +27,57 @@ CONFIGS: dict[str, dict[str, Any]] = {
                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
                                     "sliding_attention"]},
 }
+_SPECIAL = dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2)
+# Recurrent and hybrid families: every kind of layer each architecture has appears at least once.
+CONFIGS.update({
+    "mamba": dict(_SPECIAL, hidden_size=32, state_size=8, num_hidden_layers=2, conv_kernel=4, expand=2),
+    "mamba2": dict(_SPECIAL, hidden_size=32, num_heads=8, head_dim=8, state_size=8, n_groups=2,
+                   num_hidden_layers=2, conv_kernel=4, expand=2, chunk_size=8),
+    "lfm2": dict(_SPECIAL, **_ATTN, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                 layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, block_auto_adjust_ff_dim=False),
+    "qwen3_next": dict(_SPECIAL, **_ATTN, hidden_size=32, intermediate_size=64, num_hidden_layers=3, head_dim=8,
+                       layer_types=["linear_attention", "full_attention", "linear_attention"],
+                       linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                       linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "jamba": dict(_SPECIAL, **_ATTN, hidden_size=32, intermediate_size=64, num_hidden_layers=4, attn_layer_period=2,
+                  attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+                  mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False),
+    "falcon_h1": dict(_SPECIAL, **_ATTN, hidden_size=32, intermediate_size=64, num_hidden_layers=2, mamba_d_ssm=64,
+                      mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
+                      mamba_expand=2, mamba_chunk_size=8),
+    "recurrent_gemma": dict(_SPECIAL, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=1, lru_width=32, attention_window_size=8,
+                            conv1d_width=4, block_types=["recurrent", "recurrent", "attention"]),
+})
+RECURRENT = ("mamba", "mamba2", "lfm2", "qwen3_next", "jamba", "falcon_h1", "recurrent_gemma")
+
+# Qwen-VL: a depth-1 vision tower on 2x2 patches, merged 2x2, so an image of HxW patches is H*W/4 tokens.
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 190, 191, 192, 193
+_PATCH, _TEMPORAL, _CHANNELS, _MERGE = 2, 2, 3, 2
+_VL_TEXT = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_VISION = dict(depth=1, num_heads=2, in_channels=_CHANNELS, patch_size=_PATCH, temporal_patch_size=_TEMPORAL,
+               spatial_merge_size=_MERGE)
+_VL_IDS = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+               vision_end_token_id=VISION_END)
+CONFIGS.update({
+    "qwen3_vl": dict(_VL_IDS, text_config=dict(_VL_TEXT, head_dim=16), vision_config=dict(
+        _VISION, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_position_embeddings=16,
+        deepstack_visual_indexes=[0])),
+    "qwen2_5_vl": dict(_VL_IDS, text_config=_VL_TEXT, vision_config=dict(
+        _VISION, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=8,
+        fullatt_block_indexes=[0], tokens_per_second=2)),
+    "qwen2_vl": dict(_VL_IDS, text_config=_VL_TEXT, vision_config=dict(
+        _VISION, embed_dim=32, hidden_size=64, mlp_ratio=2)),
+})
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+_STANDARD = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text")
 SLIDING = ("gemma2", "gemma3_text")
-_EAGER_ONLY = ("gemma2",)  # transformers has no sdpa path for these
+_EAGER_ONLY = ("gemma2", "mamba", "mamba2")  # transformers has no sdpa path for these
 
 
 def tiny_config(model_type: str, attn: str | None = None) -> Any:
@@ -40,17 +89,19 @@ def tiny_config(model_type: str, attn: str | None = None) -> Any:
     if model_type not in CONFIGS:
         raise UnsupportedModelError(f"no tiny config for {model_type!r}", expected=sorted(CONFIGS),
                                     found=model_type, fix="pick one of the listed model types")
-    config = AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type]})
+    extra = _COMMON if model_type in _STANDARD else {}
+    config = AutoConfig.for_model(model_type, **{**extra, **CONFIGS[model_type]})
     config._attn_implementation = attn or ("eager" if model_type in _EAGER_ONLY else "sdpa")
     return config
 
 
 def tiny_model(model_type: str, seed: int = 0, attn: str | None = None) -> Any:
     """A fresh fp32 instance in eval mode; the same seed gives the same weights."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, attn), dtype=torch.float32)
+    auto = AutoModelForImageTextToText if model_type in QWEN_VL else AutoModelForCausalLM
+    model = auto.from_config(tiny_config(model_type, attn), dtype=torch.float32)
     # No EOS: every greedy run makes exactly max_new_tokens, so rows stay comparable.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -61,3 +112,20 @@ def tiny_prompt(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
     """Random token ids ``[batch, length]`` avoiding the special ids 0..2."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, _COMMON["vocab_size"], (batch, length), generator=gen)
+
+
+def tiny_image(grid_hw: tuple[int, int] = (4, 6), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A synthetic image for the tiny Qwen-VL models: ``(pixel_values, image_grid_thw, n_tokens)``.
+
+    ``pixel_values`` is ``[H*W, C*T*P*P]`` patches (what the processor makes), ``image_grid_thw``
+    is ``[[1, H, W]]``, and the image takes ``H*W / 4`` placeholder tokens after merging.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    h, w = grid_hw
+    pixels = torch.randn(h * w, _CHANNELS * _TEMPORAL * _PATCH * _PATCH, generator=gen)
+    return pixels, torch.tensor([[1, h, w]]), (h // _MERGE) * (w // _MERGE)
+
+
+def image_span(n_tokens: int) -> torch.Tensor:
+    """``[1, n + 2]`` ids: vision start, ``n`` image placeholders, vision end."""
+    return torch.tensor([[VISION_START, *([IMAGE_TOKEN] * n_tokens), VISION_END]])

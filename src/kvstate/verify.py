@@ -134,7 +134,8 @@ def _checks(model: Any, ids: torch.Tensor, other: torch.Tensor, n: int,
 
     def truncate() -> tuple[torch.Tensor, torch.Tensor]:
         s = Session(model)
-        s.extend(torch.cat([ids[:, :split], other[:, :8]], 1))
+        s.extend(ids[:, :split])  # a call boundary: recurrent layers get a checkpoint here
+        s.extend(other[:, :8])
         s.truncate(split)
         return _greedy(s, ids, n)
 
@@ -157,7 +158,7 @@ def _checks(model: Any, ids: torch.Tensor, other: torch.Tensor, n: int,
         ("stored logits", "extend(full) + generate(full): nothing re-fed", stored),
         ("reset after other chat", "another conversation, reset(), then resume", reset),
         ("fork", "fork, original moves on, fork resumes", fork),
-        ("truncate", "extend(prefix + 8 other), truncate(prefix), resume", truncate),
+        ("truncate", "extend(prefix), extend(8 other), truncate(prefix), resume", truncate),
         ("chunked prefill", "prefix fed in chunks of prefix/4", chunked),
         ("manual decode loop", "extend() one token at a time", manual),
     ]
