@@ -13,7 +13,7 @@ from kvstate.default_model import load_default_model
 from tiny import assert_logits_close
 
 pytestmark = pytest.mark.slow
-N_NEW = 8
+N_NEW = 16
 
 
 @pytest.fixture(scope="module")
