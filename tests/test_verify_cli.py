@@ -13,24 +13,25 @@ from kvstate.cli import main
 from kvstate.verify import TOLERANCE, Report, compare, verify
 from tiny import prompt, tiny_model
 
-CHECKS = {"resume after prefill", "stored logits", "reset after other chat", "fork", "truncate",
-          "chunked prefill", "manual decode loop"}
+CHECKS = {"kvstate: generate(full history)", "kvstate: fully processed history", "kvstate: reset after other chat",
+          "kvstate: fork", "kvstate: truncate", "kvstate: chunked prefill", "kvstate: manual decode loop"}
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_verify_json_all_rows_pass(arch, capsys):
     assert main(["verify", "--model", f"tiny:{arch}", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["ok"] is True and {row["name"] for row in report["rows"]} == CHECKS
-    for row in report["rows"]:
+    report = json.loads(capsys.readouterr().out)["reports"][0]
+    rows = [row for row in report["rows"] if row["group"] == "kvstate"]
+    assert report["ok"] is True and {row["name"] for row in rows} >= CHECKS
+    for row in rows:
         assert row["verdict"] == "pass" and row["relative"] <= TOLERANCE
         assert row["greedy_agree"] == row["greedy_total"] == 16
 
 
 def test_table_output(capsys):
-    assert main(["verify", "--model", "tiny:qwen3", "--new-tokens", "4"]) == 0
+    assert main(["verify", "--model", "tiny:qwen3", "--new-tokens", "4", "--quick"]) == 0
     out = capsys.readouterr().out
-    assert "truncate" in out and "all kvstate paths match" in out and "4/4" in out
+    assert "kvstate: truncate" in out and "all kvstate paths match" in out and "4/4" in out
 
 
 def test_planted_fault_fails_the_row():
@@ -41,11 +42,11 @@ def test_planted_fault_fails_the_row():
     good = torch.randn(1, 128)
     corrupted = good.clone()
     corrupted[0, 3] += 0.5  # one wrong logit
-    bad = compare("corrupt", "planted", corrupted, torch.zeros(1, 4), good, torch.zeros(1, 4))
-    assert not bad.passed and bad.relative > TOLERANCE
-    drift = compare("drift", "planted", good, torch.tensor([[0, 0, 1, 0]]), good, torch.zeros(1, 4))
-    assert not drift.passed and drift.greedy_agree == 2
-    failing = Report("m", 20, 4, [row, bad])
+    bad = compare("corrupt", "kvstate", "planted", corrupted, torch.zeros(1, 4), good, torch.zeros(1, 4))
+    assert not bad.matches and bad.relative > TOLERANCE and bad.verdict == "FAIL"
+    drift = compare("drift", "plain", "planted", good, torch.tensor([[0, 0, 1, 0]]), good, torch.zeros(1, 4))
+    assert not drift.matches and drift.greedy_agree == 2 and drift.verdict == "drifts"
+    failing = Report("m", "sdpa", 20, 4, [row, bad])
     assert not failing.ok and "FAIL" in failing.table() and "MISMATCH" in failing.table()
 
 

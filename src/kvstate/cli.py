@@ -8,10 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .verify.rows import FAULTS
+
 EPILOG = """examples:
   kvstate verify                        # the embedded Gemma-3-270M, default prompt
   kvstate verify --model tiny:gemma3_text
   kvstate verify --prompt-file chat.txt --new-tokens 32 --json
+  kvstate verify --backends eager,sdpa --markdown report.md
+  kvstate verify --inject drop-mask     # plant a known bug: see how the diagnosis reads
   kvstate verify --list                 # supported model families
   kvstate prefill --prompt-file doc.txt --out doc.kvs     # prompt caching from the shell
   kvstate generate --state doc.kvs --prompt " Summary:"   # starts answering at once
@@ -24,9 +28,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvstate", description="Explicit, portable, exact generation state for transformers.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("verify", help="prove resume/reset/fork/truncate/chunking exact on a model",
-                       description="Compare every kvstate path with a fresh full-prompt run on plain "
-                       "transformers: first-step logits and greedy tokens. Exits 1 on any mismatch.",
+    v = sub.add_parser("verify", help="the generation-equivalence control matrix, with diagnosis",
+                       description="Continue one prompt through every kvstate path (and, for contrast, the "
+                       "usual plain-transformers ways) and compare first-step logits and greedy tokens with a "
+                       "fresh full-prompt run. Prints which branch of the resume contract a failure points to. "
+                       "Exits 1 when a kvstate row fails; plain-transformers rows never fail the run.",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     v.add_argument("--model", default="default",
                    help="'default' (embedded Gemma-3-270M), 'tiny:<model_type>' (random tiny "
@@ -34,7 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--prompt", help="prompt text (default: a built-in paragraph)")
     v.add_argument("--prompt-file", type=Path, help="read the prompt text from this file")
     v.add_argument("--new-tokens", type=int, default=16, help="greedy tokens to compare (default 16)")
-    v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.add_argument("--backends", help="comma-separated attention backends to run, e.g. eager,sdpa "
+                   "(default: the model's own)")
+    v.add_argument("--quick", action="store_true", help="fewer tokens, skip the slowest rows (< 1 min)")
+    v.add_argument("--json", action="store_true", help="print JSON (schema: docs/verify.schema.json)")
+    v.add_argument("--markdown", nargs="?", const="-", metavar="FILE",
+                   help="write a Markdown report to FILE (or stdout), ready to paste into an issue")
+    v.add_argument("--inject", choices=FAULTS, help="plant one known bug in the kvstate rows (self-test)")
     v.add_argument("--list", action="store_true", help="list supported model types and exit")
     i = sub.add_parser("inspect", help="describe a state file (header only)")
     i.add_argument("file", type=Path)
@@ -53,20 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(spec: str) -> tuple[Any, Any]:
-    """(model, tokenizer or None) for a ``--model`` value."""
-    if spec == "default":
-        from .default_model import load_default_model
+def _load(spec: str, attn: str | None = None) -> tuple[Any, Any]:
+    from .models import load_model
 
-        return load_default_model()
-    if spec.startswith("tiny:"):
-        from .tiny import tiny_model
-
-        return tiny_model(spec.removeprefix("tiny:")), None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(spec, dtype="float32", local_files_only=True)
-    return model.eval(), AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    return load_model(spec, attn)
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Any) -> Any:
@@ -88,14 +90,23 @@ def _verify(args: argparse.Namespace) -> int:
     if args.list:
         print("\n".join(supported_model_types()))
         return 0
-    model, tokenizer = _load(args.model)
-    report = verify(model, _prompt_ids(args, tokenizer), new_tokens=args.new_tokens,
-                    name=args.model, progress=sys.stderr.isatty() or not args.json)
+    reports = []
+    for backend in (args.backends.split(",") if args.backends else [None]):
+        model, tokenizer = _load(args.model, backend)
+        new_tokens = 4 if args.quick and args.new_tokens == 16 else args.new_tokens
+        reports.append(verify(
+            model, _prompt_ids(args, tokenizer), new_tokens=new_tokens, name=args.model,
+            fresh=lambda backend=backend: _load(args.model, backend)[0], spec=args.model,
+            fault=args.inject, quick=args.quick, progress=True))
+    ok = all(r.ok for r in reports)
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps({"schema_version": 1, "ok": ok, "reports": [r.to_dict() for r in reports]}, indent=2))
     else:
-        print(report.table(colour=sys.stdout.isatty()))
-    return 0 if report.ok else 1
+        print("\n\n".join(r.table(colour=sys.stdout.isatty()) for r in reports))
+    if args.markdown:
+        text = "\n".join(r.markdown() for r in reports)
+        sys.stdout.write(text) if args.markdown == "-" else Path(args.markdown).write_text(text)
+    return 0 if ok else 1
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -73,6 +73,14 @@ class Adapter:
         """The longest prefix ``<= n`` that does not split a multimodal item."""
         return n
 
+    def synthetic_image(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        """``(placeholder ids [1, n], image inputs)`` for verify's multimodal rows; None if text-only."""
+        return None
+
+    def plain_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
+        """What plain transformers needs besides ``inputs`` to process ``ids`` from scratch."""
+        return inputs
+
     # ----- moving state in and out of the model -------------------------------------------
     def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
         return _compat.build_cache(layers, self.text_config(model))

@@ -67,6 +67,20 @@ class QwenVLAdapter(Adapter):
                 return start
         return n
 
+    def synthetic_image(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, Any]]:
+        """A random image of (2m x 2m) patches, m the spatial merge: 4 placeholder tokens."""
+        config, vision = model.config, model.config.vision_config  # type: ignore[union-attr]
+        m = vision.spatial_merge_size
+        gen = torch.Generator().manual_seed(0)
+        dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        pixels = torch.randn(4 * m * m, dim, generator=gen).to(next(model.parameters()).dtype)
+        span = torch.tensor([[config.vision_start_token_id, *[config.image_token_id] * 4, config.vision_end_token_id]])
+        return span, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 2 * m, 2 * m]])}
+
+    def plain_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Plain Qwen-VL needs ``mm_token_type_ids`` to compute M-RoPE positions itself."""
+        return {**inputs, "mm_token_type_ids": (ids == model.config.image_token_id).int()}  # type: ignore[union-attr]
+
     def capture_extras(self, model: torch.nn.Module, next_position: torch.Tensor,
                        tokens_seen: int) -> dict[str, torch.Tensor]:
         return {"rope_deltas": (next_position - tokens_seen)[:, None]}

@@ -1,0 +1,138 @@
+"""Rows, reports and their renderings (terminal table, Markdown, JSON).
+
+A row compares one path's first-step logits ``[B, V]`` and greedy tokens ``[B, N]``
+with the fresh reference. ``group`` says whose path it is: ``kvstate`` rows must
+pass; ``plain`` rows document what plain transformers does and never fail a run.
+``facts`` records the conditions of the row (mask given, positions given, instance,
+K/V identical, token re-fed), which is what the diagnosis reasons about.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+TOLERANCE = 1e-5  # relative to max |reference logit|, fp32
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Row:
+    """One comparison against the fresh reference."""
+
+    name: str
+    group: str  # "kvstate" or "plain"
+    description: str
+    max_abs: float | None = None
+    relative: float | None = None
+    cosine: float | None = None
+    top1: bool | None = None
+    top5_overlap: int | None = None
+    greedy_agree: int | None = None
+    greedy_total: int | None = None
+    error: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def matches(self) -> bool:
+        return (self.error is None and self.relative is not None and self.relative <= TOLERANCE
+                and self.greedy_agree == self.greedy_total)
+
+    @property
+    def verdict(self) -> str:
+        if self.group == "kvstate":
+            return "pass" if self.matches else "FAIL"
+        return "crashes" if self.error else ("matches" if self.matches else "drifts")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis: which branch of the long seed's decision tree, and what to check next."""
+
+    subject: str  # "kvstate" or "plain transformers"
+    branch: str
+    message: str
+    next_check: str
+
+
+@dataclass
+class Report:
+    """Every row for one model and backend; ``ok`` is False when any kvstate row failed."""
+
+    model: str
+    backend: str
+    prompt_tokens: int
+    new_tokens: int
+    rows: list[Row] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(row.matches for row in self.rows if row.group == "kvstate")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "model": self.model, "backend": self.backend,
+                "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "tolerance": TOLERANCE,
+                "ok": self.ok, "rows": [{**asdict(r), "verdict": r.verdict} for r in self.rows],
+                "diagnosis": [asdict(f) for f in self.findings], "skipped": self.skipped}
+
+    def table(self, colour: bool = False) -> str:
+        head = f"{'group':<8} {'check':<46} {'max|Δlogit|':>11} {'cosine':>8} {'top5':>4} {'greedy':>7}  verdict"
+        lines = [f"kvstate verify: {self.model} ({self.backend}), prompt {self.prompt_tokens} tokens, "
+                 f"{self.new_tokens} new", head, "-" * len(head)]
+        for r in self.rows:
+            verdict = _paint(r.verdict, _COLOURS[r.verdict], colour)
+            if r.error is not None:
+                lines.append(f"{r.group:<8} {r.name:<46} {'error: ' + r.error[:40]:<33}  {verdict}")
+            else:
+                lines.append(f"{r.group:<8} {r.name:<46} {r.max_abs:>11.3e} {r.cosine:>8.5f} {r.top5_overlap:>4} "
+                             f"{r.greedy_agree:>3}/{r.greedy_total:<3}  {verdict}")
+        lines += [f"skipped: {s}" for s in self.skipped]
+        lines.append("")
+        lines += [f"[{f.subject}] {f.branch}: {f.message}\n    next: {f.next_check}" for f in self.findings]
+        lines.append("all kvstate paths match the fresh run" if self.ok else
+                     "MISMATCH: a kvstate path differs from the fresh run")
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        lines = [f"### kvstate verify: `{self.model}` ({self.backend})", "",
+                 f"Prompt {self.prompt_tokens} tokens, {self.new_tokens} greedy tokens; tolerance "
+                 f"max \\|Δ\\| ≤ {TOLERANCE:g} × max \\|reference logit\\|.", "",
+                 "| group | check | max \\|Δlogit\\| | cosine | top-1 | top-5 | greedy | verdict |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            if r.error is not None:
+                lines.append(f"| {r.group} | {r.name} | error: `{r.error[:60]}` | | | | | **{r.verdict}** |")
+            else:
+                lines.append(f"| {r.group} | {r.name} | {r.max_abs:.3e} | {r.cosine:.5f} | {r.top1} | "
+                             f"{r.top5_overlap}/5 | {r.greedy_agree}/{r.greedy_total} | **{r.verdict}** |")
+        lines += ["", *[f"- **{f.subject}: {f.branch}.** {f.message} Next: {f.next_check}" for f in self.findings]]
+        return "\n".join(lines) + "\n"
+
+
+_COLOURS = {"pass": "32", "matches": "32", "FAIL": "31", "drifts": "33", "crashes": "33"}
+
+
+def _paint(text: str, code: str, colour: bool) -> str:
+    return f"\033[{code}m{text}\033[0m" if colour else text
+
+
+def compare(name: str, group: str, description: str, logits: torch.Tensor, tokens: torch.Tensor,
+            ref_logits: torch.Tensor, ref_tokens: torch.Tensor, facts: dict[str, Any] | None = None) -> Row:
+    """Metrics of one path's first-step logits ``[B, V]`` and tokens ``[B, N]``."""
+    a, b = logits.float(), ref_logits.float()
+    max_abs = (a - b).abs().max().item()
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item()
+    top5 = min(len(set(x.tolist()) & set(y.tolist()))
+               for x, y in zip(a.topk(5).indices, b.topk(5).indices, strict=True))
+    n = min(tokens.shape[1], ref_tokens.shape[1])
+    agree = int((tokens[:, :n] == ref_tokens[:, :n]).all(0).int().cumprod(0).sum())
+    return Row(name, group, description, max_abs, max_abs / max(b.abs().max().item(), 1e-30), cosine,
+               bool((a.argmax(-1) == b.argmax(-1)).all()), top5, agree, ref_tokens.shape[1], facts=facts or {})
+
+
+def crashed(name: str, group: str, description: str, exc: BaseException, facts: dict[str, Any] | None = None) -> Row:
+    return Row(name, group, description, error=f"{type(exc).__name__}: {exc}"[:300], facts=facts or {})

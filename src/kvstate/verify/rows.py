@@ -1,0 +1,205 @@
+"""The control matrix: every row continues one prompt and is compared with one fresh reference.
+
+The prompt is split as the long seed does: the state holds ``prompt[:-1]`` and the
+last token is the unprocessed suffix. Rows come in groups:
+
+* cache variants (kvstate): original, rebuilt from raw K/V, saved + loaded, loaded
+  into a fresh instance, loaded in another process;
+* plain transformers (contrast): ``generate`` from the same cache with neither mask
+  nor positions, mask only, positions only, both, and on a fresh instance;
+* the kvstate path, the token boundary, and the checks of the core contract;
+* model-specific rows: sliding window crossed, left-padded batch, multimodal prefix,
+  divergent history.
+
+``fault`` plants one known bug in the kvstate rows, to show how the diagnosis reads.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..adapters import adapter_for
+from ..layers import LAYER_KINDS
+from ..session import Session
+from ..state import State
+from .report import Row, compare, crashed
+
+FAULTS = ("corrupt-k", "drop-mask", "refeed-last", "zero-rope-deltas", "shift-positions")
+Result = tuple[torch.Tensor, torch.Tensor]  # first-step logits [B, V], greedy tokens [B, N]
+
+
+@dataclass
+class Matrix:
+    """Inputs of one run; ``fresh`` builds a new instance with the same weights, ``spec`` names it."""
+
+    model: Any
+    ids: torch.Tensor
+    n: int
+    fresh: Callable[[], Any] | None = None
+    spec: str | None = None
+    attn: str | None = None
+    fault: str | None = None
+    quick: bool = False
+    rows: list[Row] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.adapter = adapter_for(self.model)
+        self.ref_logits, self.ref_tokens = reference(self.model, self.ids, self.n)
+        s = Session(self.model)
+        s.extend(self.ids[:, :-1])
+        self.prefix = s.state
+        self._fresh_model: Any = None
+
+    def fresh_model(self) -> Any:
+        if self._fresh_model is None and self.fresh is not None:
+            self._fresh_model = self.fresh()
+        return self._fresh_model
+
+    def row(self, name: str, group: str, description: str, run: Callable[[], Result],
+            facts: dict[str, Any] | None = None, ref: Result | None = None) -> None:
+        """Run one path; a crash is recorded as the row's result, never raised."""
+        ref_logits, ref_tokens = ref or (self.ref_logits, self.ref_tokens)
+        try:
+            logits, tokens = run()
+        except Exception as exc:
+            self.rows.append(crashed(name, group, description, exc, facts))
+            return
+        self.rows.append(compare(name, group, description, logits, tokens, ref_logits, ref_tokens, facts))
+
+
+def reference(model: Any, ids: torch.Tensor, n: int, **inputs: Any) -> Result:
+    """A fresh full-sequence run: plain ``generate`` with an explicit full mask."""
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         return_dict_in_generate=True, output_logits=True, **inputs)
+    return out.logits[0], out.sequences[:, ids.shape[1]:]
+
+
+def greedy(session: Session, ids: torch.Tensor, n: int, **inputs: Any) -> Result:
+    out = session.generate(ids, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
+                           output_logits=True, **inputs)
+    return out.logits[0], out.sequences
+
+
+def plain(model: Any, state: State, ids: torch.Tensor, n: int, *, mask: bool, positions: bool,
+          **inputs: Any) -> Result:
+    """What users do today: the cache holding ``state`` plus only the unprocessed suffix."""
+    adapter = adapter_for(model)
+    cache = adapter.build_cache(model, state.layers, state.batch_size)
+    suffix = ids[:, state.tokens_seen:]
+    kwargs: dict[str, Any] = dict(inputs)
+    if mask:
+        kwargs["attention_mask"] = torch.ones_like(ids)
+    if positions:
+        new = adapter.chunk_positions(model, state.next_position, suffix, torch.ones_like(suffix, dtype=torch.bool),
+                                      inputs)
+        kwargs["position_ids"] = adapter.model_positions(new)
+    out = model.generate(input_ids=suffix, cache=cache, max_new_tokens=n, do_sample=False,
+                         return_dict_in_generate=True, output_logits=True, **kwargs)
+    return out.logits[0], out.sequences[:, suffix.shape[1]:]
+
+
+def rebuild(state: State) -> State:
+    """A state rebuilt from raw, cloned K/V tensors (validated when a Session adopts it)."""
+    layers = tuple(LAYER_KINDS[layer.kind].from_parts(layer.meta(), {k: v.clone() for k, v in layer.tensors().items()})
+                   for layer in state.layers)
+    return replace(state, layers=layers)
+
+
+def same_kv(a: State, b: State) -> bool:
+    return all(x.tensors().keys() == y.tensors().keys() and all(torch.equal(x.tensors()[k], y.tensors()[k])
+                                                                 for k in x.tensors())
+               for x, y in zip(a.layers, b.layers, strict=True))
+
+
+def faulty_prefix(m: Matrix) -> State:
+    """The prefix state the kvstate rows start from (shifted when that fault is planted)."""
+    if m.fault == "shift-positions":
+        return replace(m.prefix, next_position=m.prefix.next_position + 1)
+    return m.prefix
+
+
+def cache_variant_rows(m: Matrix) -> None:
+    prefix = faulty_prefix(m)
+    rebuilt = rebuild(prefix)
+    if m.fault == "corrupt-k":  # one K slot of one layer goes wrong in the rebuild
+        layer = next(x for x in rebuilt.layers if "keys" in x.tensors())
+        layer.tensors()["keys"][..., -1, :] += 1.0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "prefix.kvs"
+        prefix.save(path)
+        variants = [("kvstate: original state", "a new Session adopts the state",
+                     lambda: Session(m.model, state=prefix), True),
+                    ("kvstate: rebuilt from raw K/V", "cloned K/V tensors, re-validated",
+                     lambda: Session(m.model, state=rebuilt), same_kv(m.prefix, rebuilt)),
+                    ("kvstate: saved + loaded", "save, then Session.load in this process",
+                     lambda: Session.load(path, m.model), True)]
+        for name, description, make, identical in variants:
+            run = (lambda make=make: greedy(make(), m.ids, m.n)) if m.fault != "drop-mask" else \
+                (lambda make=make: plain(m.model, make().state, m.ids, m.n, mask=False, positions=True))
+            m.row(name, "kvstate", description, run, {"instance": "same", "kv_identical": identical,
+                                                      "full_mask": m.fault != "drop-mask"})
+        fresh_rows(m, path)
+        process_row(m, path)
+
+
+def fresh_rows(m: Matrix, path: Path) -> None:
+    fresh = m.fresh_model()
+    if fresh is None:
+        m.skipped.append("fresh-instance rows: no way to build a fresh instance was given")
+        return
+
+    m.row("kvstate: fresh instance", "kvstate", "Session.load into a new instance, same weights",
+          lambda: greedy(Session.load(path, fresh), m.ids, m.n),
+          {"instance": "fresh", "full_mask": True, "twin": "kvstate: saved + loaded"})
+    m.adapter.reset_model(fresh)  # as freshly loaded: no model-side state
+    m.row("plain: fresh instance, mask only", "plain", "the same cache moved to a new instance, full mask",
+          lambda: plain(fresh, m.prefix, m.ids, m.n, mask=True, positions=False), {"instance": "fresh"})
+
+
+CHILD = """
+import sys, torch
+from safetensors.torch import load_file, save_file
+from kvstate import Session
+from kvstate.models import load_model
+spec, attn, folder, n = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4])
+model = load_model(spec, attn, progress=False)[0]
+ids = load_file(folder + "/ids.safetensors")["ids"]
+out = Session.load(folder + "/prefix.kvs", model).generate(ids, max_new_tokens=n, do_sample=False,
+                                                          return_dict_in_generate=True, output_logits=True)
+save_file({"logits": out.logits[0].contiguous(), "tokens": out.sequences.contiguous()}, folder + "/out.safetensors")
+"""
+
+
+def process_row(m: Matrix, path: Path) -> None:
+    if m.spec is None or m.quick:
+        m.skipped.append("another-process row: " + ("--quick" if m.quick else "no model spec to load it by"))
+        return
+    from safetensors.torch import load_file, save_file
+
+    def run() -> Result:
+        save_file({"ids": m.ids.contiguous()}, str(path.parent / "ids.safetensors"))
+        subprocess.run([sys.executable, "-c", CHILD, m.spec, m.attn or "", str(path.parent), str(m.n)],
+                       check=True, capture_output=True, timeout=600)
+        out = load_file(str(path.parent / "out.safetensors"))
+        return out["logits"], out["tokens"]
+
+    m.row("kvstate: another process", "kvstate", "Session.load in a new Python process", run,
+          {"instance": "fresh", "full_mask": True, "twin": "kvstate: saved + loaded"})
+
+
+def plain_rows(m: Matrix) -> None:
+    for name, mask, positions in (("neither", False, False), ("mask only", True, False),
+                                  ("positions only", False, True), ("both", True, True)):
+        m.row(f"plain: {name}", "plain", f"cache + suffix token, {name}",
+              lambda mask=mask, positions=positions: plain(m.model, m.prefix, m.ids, m.n, mask=mask,
+                                                          positions=positions),
+              {"instance": "same", "full_mask": mask})
