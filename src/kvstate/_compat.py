@@ -116,8 +116,9 @@ def read_cache(cache: DynamicCache, layers: tuple[LayerState, ...], new_position
 
 
 def _read_attention(hf_layer: Any, layer: AttentionLayerState, new_positions: torch.Tensor) -> AttentionLayerState:
-    seen = cache_tokens_seen(hf_layer)
-    added = seen - layer.tokens_seen
+    # Counted from stored slots, not the layer's own length: compressed layers hold fewer slots than tokens.
+    added = hf_layer.keys.shape[-2] - layer.slots
+    seen = layer.tokens_seen + added
     old = layer.positions if layer.positions is not None else new_positions[:, :0]
     # Fed tokens are appended in order; a rolled-back extra step drops the last ones.
     positions = torch.cat([old, new_positions[:, :added]], dim=1)
@@ -161,6 +162,39 @@ def recurrent_gemma_blocks(model: Any) -> list[Any]:
 def recurrent_gemma_zero(model: Any, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
     """Zero RecurrentGemma's module-held conv and RG-LRU states (its ``_setup_cache``)."""
     model.model._setup_cache(model.config, batch_size, device, dtype)
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The decoder layers, in order (for Qwen-VL, those of the language model)."""
+    return list(model.get_decoder().layers)
+
+
+@contextmanager
+def attention_backend(model: Any, name: str) -> Iterator[None]:
+    """Temporarily run ``model`` with another attention implementation (e.g. eager for weights)."""
+    configs = [c for c in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values()]
+    before = [c._attn_implementation for c in configs]
+    try:
+        for c in configs:
+            c._attn_implementation = name
+        yield
+    finally:
+        for c, value in zip(configs, before, strict=True):
+            c._attn_implementation = value
+
+
+def rope_inv_freq(model: Any) -> torch.Tensor:
+    """Inverse frequencies ``[D / 2]`` of a model with one static RoPE (default, linear, llama3)."""
+    config = model.config.get_text_config(decoder=True)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in ("default", "linear", "llama3"):
+        raise UnsupportedError("key re-rotation needs a static RoPE", expected="default, linear or llama3",
+                               found=rope.get("rope_type"), fix="use the policy without ReRotate")
+    rotary = model.get_decoder().rotary_emb
+    if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+        raise UnsupportedError("key re-rotation needs one rotary embedding per model",
+                               found=type(rotary).__name__, fix="use the policy without ReRotate")
+    return rotary.inv_freq
 
 
 def generation_config(model: object, kwargs: dict[str, object]) -> tuple[GenerationConfig, dict]:

@@ -92,17 +92,21 @@ class AttentionLayerState(LayerState):
         window: sliding window size, or None for full attention.
         reserve: extra slots a sliding layer keeps beyond ``window - 1`` so that
             the state can roll back by up to ``reserve`` tokens.
+        compressed_at: ``tokens_seen`` when slots were last evicted by compression;
+            the retained slots are then no longer the tail of the history, so the
+            layer can only roll back to that length or later.
     """
 
     def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None,
                  positions: torch.Tensor | None, tokens_seen: int,
-                 window: int | None = None, reserve: int = 0) -> None:
+                 window: int | None = None, reserve: int = 0, compressed_at: int | None = None) -> None:
         self.keys = keys
         self.values = values
         self.positions = positions
         self._tokens_seen = tokens_seen
         self.window = window
         self.reserve = reserve
+        self.compressed_at = compressed_at
 
     @property
     def kind(self) -> str:
@@ -139,12 +143,17 @@ class AttentionLayerState(LayerState):
         keep = self.keep
         if keep is not None and keys.shape[-2] > keep:
             keys, values, positions = keys[:, :, -keep:], values[:, :, -keep:], positions[:, -keep:]
-        return AttentionLayerState(keys, values, positions, tokens_seen, self.window, self.reserve)
+        return AttentionLayerState(keys, values, positions, tokens_seen, self.window, self.reserve,
+                                   self.compressed_at)
 
     def rollback_limit(self, n_tokens: int) -> str | None:
         drop = self.tokens_seen - n_tokens
         if drop < 0:
             return f"cannot roll forward from {self.tokens_seen} to {n_tokens} tokens"
+        if self.compressed_at is not None:
+            if n_tokens < self.compressed_at:
+                return f"layer was compressed at {self.compressed_at} tokens; it cannot return to {n_tokens}"
+            return None if self.slots >= drop else f"only {self.slots} slots retained, {drop} to drop"
         if self.slots - drop < self.needed(n_tokens):
             return (f"{self.kind} layer (window {self.window}) retains {self.slots} slots of "
                     f"{self.tokens_seen} tokens; returning to {n_tokens} tokens needs "
@@ -162,11 +171,15 @@ class AttentionLayerState(LayerState):
         if drop == 0:
             return self
         if self.slots - drop == 0:
-            return AttentionLayerState(None, None, None, n_tokens, self.window, self.reserve)
+            return AttentionLayerState(None, None, None, n_tokens, self.window, self.reserve, self.compressed_at)
         end = self.slots - drop
         return AttentionLayerState(self.keys[:, :, :end], self.values[:, :, :end],  # type: ignore[index]
                                    self.positions[:, :end], n_tokens,  # type: ignore[index]
-                                   self.window, self.reserve)
+                                   self.window, self.reserve, self.compressed_at)
+
+    @property
+    def compressed(self) -> bool:
+        return self.compressed_at is not None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         if self.keys is None:
@@ -176,21 +189,23 @@ class AttentionLayerState(LayerState):
     @classmethod
     def from_parts(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> AttentionLayerState:
         window = meta["window"]
+        compressed_at = meta.get("compressed_at")
         return cls(tensors.get("keys"), tensors.get("values"), tensors.get("positions"),
                    int(meta["tokens_seen"]),  # type: ignore[call-overload]
                    None if window is None else int(window),  # type: ignore[call-overload]
-                   int(meta.get("reserve") or 0))  # type: ignore[call-overload]
+                   int(meta.get("reserve") or 0),  # type: ignore[call-overload]
+                   None if compressed_at is None else int(compressed_at))  # type: ignore[call-overload]
 
     def meta(self) -> dict[str, object]:
         return {"kind": self.kind, "tokens_seen": self.tokens_seen, "slots": self.slots,
-                "window": self.window, "reserve": self.reserve}
+                "window": self.window, "reserve": self.reserve, "compressed_at": self.compressed_at}
 
     def to(self, device: torch.device | str) -> AttentionLayerState:
         if self.keys is None:
             return self
         return AttentionLayerState(self.keys.to(device), self.values.to(device),  # type: ignore[union-attr]
                                    self.positions.to(device), self.tokens_seen,  # type: ignore[union-attr]
-                                   self.window, self.reserve)
+                                   self.window, self.reserve, self.compressed_at)
 
 
 class RecurrentLayerState(LayerState):

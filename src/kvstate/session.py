@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 
 from . import _compat
 from .adapters import adapter_for
+from .compress.masks import layer_masks, needs_masks
 from .errors import InputError, LayoutMismatchError, UnsupportedError
 from .fingerprint import Fingerprint, fingerprint
 from .inputs import as_ids, check_batch, check_model, check_positions, common_prefix, full_mask
@@ -125,6 +127,17 @@ class Session:
     def truncate(self, n_tokens: int) -> None:
         """Roll back to the first ``n_tokens`` slots; ``RollbackError`` if a layer cannot."""
         self._state = self._state.truncated(n_tokens)
+
+    def compress(self, policy: Any) -> None:
+        """Evict slots from the attention layers with ``policy`` (see ``kvstate.compress``).
+
+        Retained slots keep their original logical positions, new tokens continue at the
+        true next position, and each layer gets its own mask from then on, so the
+        continuation is exactly "attention restricted to the retained slots".
+        """
+        from .compress.apply import compress_state
+
+        self._state = compress_state(self.model, self._adapter, self._state, policy)
 
     # ----- files -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
@@ -268,7 +281,7 @@ class Session:
                       logits_to_keep=1, **{_compat.CACHE_KWARG: cache})
         if self._adapter.takes_position_ids:
             kwargs["position_ids"] = self._adapter.model_positions(positions)
-        with torch.no_grad():
+        with _masks(self.model, state, positions), torch.no_grad():
             out = self.model(**kwargs)
         seen = state.tokens_seen + ids.shape[1]
         layers = self._adapter.read_cache(self.model, cache, state.layers, positions, seen)
@@ -329,7 +342,8 @@ class Session:
         cache = self._adapter.build_cache(self.model, state.layers, state.batch_size)
         self._adapter.restore_extras(self.model, dict(state.extras))
         call = self._generate_inputs(state, ids, mask, suffix_pos)
-        with _compat.capture_logits(self.model, T) as logits_at, torch.no_grad():
+        with _compat.capture_logits(self.model, T) as logits_at, _masks(self.model, state, suffix_pos), \
+                torch.no_grad():
             out = self.model.generate(**call, **inputs, **{_compat.CACHE_KWARG: cache}, **kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         new_tokens = sequences[:, call["input_ids"].shape[1]:]
@@ -344,7 +358,9 @@ class Session:
         """Full history + full mask + explicit positions; generate slices the processed part."""
         if all(isinstance(layer, RecurrentLayerState) for layer in state.layers):
             return {"input_ids": ids[:, state.tokens_seen:]}  # pure-recurrent caches are not sliced
-        call: dict[str, Any] = {"input_ids": ids, "attention_mask": mask.long()}
+        # generate slices input_ids by the cache's slot count, which compression makes smaller than T
+        call: dict[str, Any] = {"input_ids": ids[:, state.tokens_seen:] if needs_masks(state.layers) else ids,
+                                "attention_mask": mask.long()}
         if self._adapter.takes_position_ids:
             positions = torch.cat([state.positions, suffix_pos], dim=1)
             call["position_ids"] = self._adapter.model_positions(positions)
@@ -412,6 +428,11 @@ class _SkipFirstPut:
 
     def end(self) -> None:
         self.inner.end()
+
+
+def _masks(model: torch.nn.Module, state: State, first: torch.Tensor) -> Any:
+    """Per-layer masks while a compressed state is in use; nothing otherwise (bitwise the plain path)."""
+    return layer_masks(model, state.layers, first) if needs_masks(state.layers) else nullcontext()
 
 
 def _mask_arg(mask: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,6 @@
+"""KV compression that resumes correctly: policies, per-layer masks, key re-rotation."""
+
+from .policies import TOVA, KNorm, PerLayerBudget, Policy, Random, ReRotate, ScoreInput, SnapKV, StreamingLLM
+
+__all__ = ["TOVA", "KNorm", "PerLayerBudget", "Policy", "Random", "ReRotate", "ScoreInput", "SnapKV",
+           "StreamingLLM"]

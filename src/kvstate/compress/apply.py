@@ -1,0 +1,125 @@
+"""Applying a policy to a state: score, select, record positions, optionally re-rotate keys.
+
+Selection keeps each retained slot's original logical position in the layer's
+``positions`` and marks the layer ``compressed_at``; the state's ``next_position``
+is untouched, so new tokens go in at their true position (the mistake kvpress and
+an MLX port made was to infer it from the compressed length). Recurrent and hybrid
+layers are never touched: they have no slots. Sliding layers compress within
+their window. Attention-based policies (TOVA, SnapKV) need the attention of the
+last W queries: kvstate re-runs those W tokens once, with eager attention, on a
+copy of the state rolled back by W, and discards that forward's state.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .. import _compat
+from ..errors import InputError, UnsupportedError
+from ..layers import AttentionLayerState, LayerState
+from ..state import State
+from .masks import layer_masks, needs_masks
+from .policies import Policy, ReRotate, ScoreInput
+
+
+def compress_state(model: Any, adapter: Any, state: State, policy: Policy) -> State:
+    """``state`` with each attention layer reduced by ``policy``; a ratio of 0 returns it unchanged."""
+    if state.is_empty:
+        raise InputError("nothing to compress", expected="a state with processed tokens", found="an empty state")
+    if not bool(state.mask.all()):
+        raise UnsupportedError("compressing padded batches is not supported", found="padding in state.mask",
+                               fix="compress one row per Session")
+    n = len(state.layers)
+    if all(policy.ratio_for(i, n) == 0 for i in range(n)):
+        return state  # ratio 0: the identity, bitwise, without re-running anything
+    attention = _observe(model, adapter, state, policy.observation_window) if policy.observation_window else {}
+    layers = tuple(_compress_layer(i, n, layer, policy, attention.get(i), state.tokens_seen)
+                   for i, layer in enumerate(state.layers))
+    compressed = replace(state, layers=layers)
+    return rerotate(model, compressed) if isinstance(policy, ReRotate) else compressed
+
+
+def _compress_layer(i: int, n: int, layer: LayerState, policy: Policy, attention: torch.Tensor | None,
+                    tokens_seen: int) -> LayerState:
+    if not isinstance(layer, AttentionLayerState) or layer.keys is None:
+        return layer  # recurrent state has no slots to evict
+    keys, values, positions = layer.keys, layer.values, layer.positions
+    assert values is not None and positions is not None
+    if layer.window is not None and keys.shape[2] > layer.window - 1:  # only the window matters from here on
+        keep = layer.window - 1
+        keys, values, positions = keys[:, :, -keep:], values[:, :, -keep:], positions[:, -keep:]
+    if attention is not None:
+        attention = attention[..., -keys.shape[2]:]  # attention columns end with the layer's last slot
+    x = ScoreInput(i, n, keys, positions, attention)
+    k = policy.keep_count(x)
+    if k >= keys.shape[2]:
+        return layer  # identity: the very same tensors, bitwise
+    index = policy.scores(x).topk(k, dim=-1).indices.sort(dim=-1).values  # [B, k], in slot order
+    B, H, _, D = keys.shape
+    gather = index[:, None, :, None].expand(B, H, k, D)
+    kept_positions = positions.gather(1, index if positions.dim() == 2 else index[..., None].expand(-1, -1,
+                                                                                                    positions.shape[2]))
+    return AttentionLayerState(keys.gather(2, gather), values.gather(2, gather), kept_positions, layer.tokens_seen,
+                               layer.window, layer.reserve, compressed_at=tokens_seen)
+
+
+def _observe(model: Any, adapter: Any, state: State, window: int) -> dict[int, torch.Tensor]:
+    """Attention ``[B, H, W, S]`` of the last ``window`` queries, per attention layer index."""
+    T = state.tokens_seen
+    if window > T or state.rollback_limit(T - window):
+        raise UnsupportedError(f"this policy re-runs the last {window} tokens, and the state cannot roll back "
+                               "that far", found="; ".join(state.rollback_limit(T - window)) or f"{T} tokens",
+                               fix="use KNorm, StreamingLLM or Random, a smaller window, or checkpoint_every")
+    base = state.truncated(T - window)
+    positions = state.positions[:, T - window:]
+    cache = adapter.build_cache(model, base.layers, base.batch_size)
+    masks = layer_masks(model, base.layers, positions) if needs_masks(base.layers) else nullcontext()
+    kwargs = {"position_ids": adapter.model_positions(positions)} if adapter.takes_position_ids else {}
+    with _compat.attention_backend(model, "eager"), masks, torch.no_grad():
+        out = model(input_ids=state.tokens[:, T - window:], cache=cache, use_cache=True, output_attentions=True,
+                    logits_to_keep=1, **kwargs)
+    indices = [i for i, layer in enumerate(state.layers) if isinstance(layer, AttentionLayerState)]
+    maps = [a for a in out.attentions if a is not None]
+    if len(maps) != len(indices):
+        raise UnsupportedError("could not match attention maps to layers", expected=len(indices), found=len(maps))
+    return dict(zip(indices, maps, strict=True))
+
+
+def rerotate(model: Any, state: State) -> State:
+    """Move every layer's retained keys to positions ``0..S-1`` (RoPE by the position delta)."""
+    layers = [layer for layer in state.layers if isinstance(layer, AttentionLayerState)]
+    slots = {layer.slots for layer in layers}
+    T = state.tokens_seen
+    if any(layer.window is not None for layer in layers) or len(slots) != 1 or layers[0].positions is None \
+            or layers[0].positions.dim() != 2 or len(layers) != len(state.layers):
+        raise UnsupportedError("ReRotate needs full-attention layers that all keep the same number of slots, "
+                               "with 1-D positions", found=sorted(slots), fix="drop ReRotate or PerLayerBudget")
+    if not torch.equal(state.positions, torch.arange(T, device=state.device).expand_as(state.positions)):
+        raise UnsupportedError("ReRotate needs a history fed at positions 0..T-1", fix="drop ReRotate")
+    inv_freq = _compat.rope_inv_freq(model)
+    (S,) = slots
+    target = torch.arange(S, device=state.device).expand(state.batch_size, S)
+    new_layers = tuple(replace_keys(layer, rotate(layer.keys, target - layer.positions, inv_freq), target)
+                       for layer in layers)  # type: ignore[arg-type]
+    track = torch.full_like(state.positions, -1)  # evicted tokens have no place in the new frame
+    track.scatter_(1, layers[0].positions, target)  # type: ignore[arg-type]
+    return replace(state, layers=new_layers, positions=track, next_position=torch.full_like(state.next_position, S))
+
+
+def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys ``[B, H, S, D]`` rotated by ``delta`` ``[B, S]`` positions (RoPE composes additively)."""
+    angles = delta[..., None].double() * inv_freq.double()  # [B, S, D/2]
+    emb = torch.cat([angles, angles], dim=-1)[:, None]
+    half = keys.shape[-1] // 2
+    k = keys.double()
+    rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+    return (k * emb.cos() + rotated_half * emb.sin()).to(keys.dtype)
+
+
+def replace_keys(layer: AttentionLayerState, keys: torch.Tensor, positions: torch.Tensor) -> AttentionLayerState:
+    return AttentionLayerState(keys, layer.values, positions, layer.tokens_seen, layer.window, layer.reserve,
+                               layer.compressed_at)

@@ -1,0 +1,114 @@
+"""Exact attention masks for states whose layers hold different slots (after compression).
+
+transformers builds one mask per layer *type* from the first layer of that type, so
+layers with different lengths or different retained slots get a wrong mask
+(transformers issue 35168). While a compressed state is in use, kvstate hands every
+attention layer its own mask through a pre-hook on the decoder layer, installed in
+a context manager and removed in ``finally``. A key is visible to a query when:
+
+* 1-D positions: ``pos_key <= pos_query`` (and ``pos_query - pos_key < window`` for
+  sliding layers), computed from the logical position of every stored slot;
+* multimodal positions (M-RoPE): every retained slot, and the new slots causally
+  by index (M-RoPE positions are not ordered).
+
+Masks are boolean for sdpa and additive (0 / dtype min) for eager; other backends
+raise ``UnsupportedError`` rather than attend to the wrong slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .. import _compat
+from ..errors import UnsupportedError
+from ..layers import AttentionLayerState, LayerState
+
+_BACKENDS = ("sdpa", "eager")
+
+
+def needs_masks(layers: tuple[LayerState, ...]) -> bool:
+    return any(isinstance(layer, AttentionLayerState) and layer.compressed for layer in layers)
+
+
+@contextmanager
+def layer_masks(model: Any, layers: tuple[LayerState, ...], first: torch.Tensor) -> Iterator[None]:
+    """Give each attention layer its own mask while ``model`` runs from ``layers``.
+
+    ``first`` ``[B, Q(, R)]`` are the positions of the first forward's tokens; later
+    forwards (``generate`` steps) continue each position component by one.
+    """
+    backend = model.config.get_text_config(decoder=True)._attn_implementation
+    if backend not in _BACKENDS:
+        raise UnsupportedError("compressed states need per-layer masks", expected=_BACKENDS, found=backend,
+                               fix="load the model with attn_implementation='sdpa' or 'eager'")
+    plan = _Plan(layers, first, backend)
+    handles = [model.get_decoder().register_forward_pre_hook(plan.start_forward, with_kwargs=True)]
+    for i, decoder_layer in enumerate(_compat.decoder_layers(model)):
+        if isinstance(layers[i], AttentionLayerState):
+            handles.append(decoder_layer.register_forward_pre_hook(plan.layer_hook(i), with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _Plan:
+    """Key positions per layer, updated forward by forward."""
+
+    def __init__(self, layers: tuple[LayerState, ...], first: torch.Tensor, backend: str) -> None:
+        self.keys = {i: layer.positions for i, layer in enumerate(layers)
+                     if isinstance(layer, AttentionLayerState)}
+        self.windows = {i: layer.window for i, layer in enumerate(layers) if isinstance(layer, AttentionLayerState)}
+        self.pending: torch.Tensor | None = first
+        self.last: torch.Tensor | None = None
+        self.query = first
+        self.backend = backend
+
+    def start_forward(self, _module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        q = int((ids if ids is not None else embeds).shape[1])
+        if self.pending is not None and self.pending.shape[1] == q:
+            self.query, self.pending = self.pending, None
+        else:  # a generate step: each component continues by one
+            assert self.last is not None, "the first forward must match the planned positions"
+            steps = torch.arange(1, q + 1, device=self.last.device)
+            self.query = self.last + (steps[None, :, None] if self.last.dim() == 3 else steps[None, :])
+        self.last = self.query[:, -1:]
+
+    def layer_hook(self, i: int) -> Any:
+        def hook(_module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+            if "attention_mask" not in kwargs:
+                raise UnsupportedError("this model passes attention masks positionally; per-layer masks "
+                                       "cannot be applied", found=type(_module).__name__)
+            old, window = self.keys[i], self.windows[i]
+            keys = self.query if old is None else torch.cat([old, self.query], dim=1)
+            self.keys[i] = keys
+            if window is not None:  # transformers' sliding layers hand attention only the last W - 1 + Q slots
+                keys = keys[:, -(window - 1 + self.query.shape[1]):]
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            kwargs["attention_mask"] = self._mask(keys, self.query, window, hidden.dtype)
+            return args, kwargs
+
+        return hook
+
+    def _mask(self, keys: torch.Tensor, queries: torch.Tensor, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """``[B, 1, Q, K]``: which stored or new slots each query may attend to."""
+        if keys.dim() == 2:
+            visible = keys[:, None, :] <= queries[:, :, None]
+            if window is not None:
+                visible &= queries[:, :, None] - keys[:, None, :] < window
+        else:  # M-RoPE positions are not ordered: retained slots all visible, new ones causal by index
+            B, K, Q = keys.shape[0], keys.shape[1], queries.shape[1]
+            causal = torch.ones(Q, Q, dtype=torch.bool, device=keys.device).tril()
+            visible = torch.cat([torch.ones(Q, K - Q, dtype=torch.bool, device=keys.device), causal], dim=1)
+            visible = visible.expand(B, Q, K)
+        visible = visible[:, None]
+        if self.backend == "sdpa":
+            return visible
+        return torch.zeros(visible.shape, dtype=dtype, device=keys.device).masked_fill(~visible, torch.finfo(dtype).min)

@@ -1,0 +1,179 @@
+"""KV compression policies: small validated dataclasses that score slots; wrappers compose.
+
+A policy scores the stored slots of one attention layer (higher = keep) and says how
+many to evict (``ratio`` of the layer's slots; 0 keeps everything, bitwise). Scores
+see ``ScoreInput``: keys ``[B, H, S, D]``, positions ``[B, S(, R)]`` and, for
+attention-based policies, the attention ``[B, H, W, S]`` of the last ``W`` queries.
+Which slots survive is the policy's business; where they sit (their logical
+positions) is recorded by kvstate, so every policy resumes exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class ScoreInput:
+    """What a policy may look at for one layer."""
+
+    layer: int
+    n_layers: int
+    keys: torch.Tensor  # [B, H, S, D]
+    positions: torch.Tensor  # [B, S] or [B, S, R]
+    attention: torch.Tensor | None = None  # [B, H, W, S]: the last W queries' attention weights
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base: evict ``ratio`` of each attention layer's slots (0 <= ratio < 1)."""
+
+    ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio < 1.0:
+            raise InputError("compression ratio out of range", expected="0 <= ratio < 1", found=self.ratio,
+                             fix="ratio is the fraction of slots to evict")
+
+    @property
+    def observation_window(self) -> int:
+        """Queries whose attention the policy needs (0: none)."""
+        return 0
+
+    def ratio_for(self, layer: int, n_layers: int) -> float:
+        return self.ratio
+
+    def scores(self, x: ScoreInput) -> torch.Tensor:
+        """``[B, S]`` keep-scores; higher survives."""
+        raise NotImplementedError
+
+    def keep_count(self, x: ScoreInput) -> int:
+        S = x.keys.shape[2]
+        return S - int(S * self.ratio_for(x.layer, x.n_layers))
+
+
+@dataclass(frozen=True)
+class StreamingLLM(Policy):
+    """Attention sinks + recent window (Xiao et al. 2023, arXiv:2309.17453)."""
+
+    sinks: int = 4
+
+    def scores(self, x: ScoreInput) -> torch.Tensor:
+        B, _, S, _ = x.keys.shape
+        order = torch.arange(S, dtype=torch.float32, device=x.keys.device).expand(B, S).clone()
+        order[:, : self.sinks] = float("inf")
+        return order
+
+
+@dataclass(frozen=True)
+class KNorm(Policy):
+    """Keep low-L2-norm keys (Devoto et al. 2024, arXiv:2406.11430)."""
+
+    def scores(self, x: ScoreInput) -> torch.Tensor:
+        return -x.keys.float().norm(dim=-1).mean(dim=1)
+
+
+@dataclass(frozen=True)
+class Random(Policy):
+    """Uniform random eviction, a baseline (seeded)."""
+
+    seed: int = 0
+
+    def scores(self, x: ScoreInput) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1009 + x.layer)
+        return torch.rand(x.keys.shape[0], x.keys.shape[2], generator=gen).to(x.keys.device)
+
+
+@dataclass(frozen=True)
+class TOVA(Policy):
+    """Keep the slots the last query attends to most (Oren et al. 2024, arXiv:2401.06104)."""
+
+    @property
+    def observation_window(self) -> int:
+        return 1
+
+    def scores(self, x: ScoreInput) -> torch.Tensor:
+        assert x.attention is not None
+        return x.attention[:, :, -1, :].float().mean(dim=1)
+
+
+@dataclass(frozen=True)
+class SnapKV(Policy):
+    """Observation-window attention, pooled; the window itself is kept (Li et al. 2024, arXiv:2404.14469)."""
+
+    window: int = 16
+    kernel: int = 5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
+            raise InputError("invalid SnapKV settings", expected="window >= 1, odd kernel >= 1",
+                             found={"window": self.window, "kernel": self.kernel})
+
+    @property
+    def observation_window(self) -> int:
+        return self.window
+
+    def scores(self, x: ScoreInput) -> torch.Tensor:
+        assert x.attention is not None
+        votes = x.attention.float().sum(dim=2).mean(dim=1)  # [B, S]
+        pooled = torch.nn.functional.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
+        pooled[:, -self.window:] = float("inf")  # the observation window always stays
+        return pooled
+
+
+@dataclass(frozen=True)
+class PerLayerBudget(Policy):
+    """PyramidKV-style budgets: lower layers keep more (Cai et al. 2024, arXiv:2406.02069).
+
+    ``ratios`` gives each layer's eviction ratio explicitly; otherwise they grow
+    linearly with depth from ``ratio / 2`` to ``3 ratio / 2`` (mean ``ratio``).
+    """
+
+    policy: Policy = field(default_factory=KNorm)
+    ratios: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ratios is not None and not all(0.0 <= r < 1.0 for r in self.ratios):
+            raise InputError("per-layer ratios out of range", expected="each 0 <= r < 1", found=self.ratios)
+
+    @property
+    def observation_window(self) -> int:
+        return self.policy.observation_window
+
+    def ratio_for(self, layer: int, n_layers: int) -> float:
+        if self.ratios is not None:
+            if len(self.ratios) != n_layers:
+                raise InputError("one ratio per layer", expected=n_layers, found=len(self.ratios))
+            return self.ratios[layer]
+        depth = layer / max(n_layers - 1, 1)
+        return min(self.ratio * (0.5 + depth), 0.95)
+
+    def scores(self, x: ScoreInput) -> torch.Tensor:
+        return self.policy.scores(x)
+
+
+@dataclass(frozen=True)
+class ReRotate(Policy):
+    """Move retained keys to contiguous positions by re-applying RoPE by the position delta.
+
+    Opt-in: the new tokens then continue at position ``S`` (the retained count), as in
+    StreamingLLM's position shifting, instead of at the true logical position.
+    """
+
+    policy: Policy = field(default_factory=StreamingLLM)
+
+    @property
+    def observation_window(self) -> int:
+        return self.policy.observation_window
+
+    def ratio_for(self, layer: int, n_layers: int) -> float:
+        return self.policy.ratio_for(layer, n_layers)
+
+    def scores(self, x: ScoreInput) -> torch.Tensor:
+        return self.policy.scores(x)
