@@ -13,6 +13,7 @@ from .fingerprint import Fingerprint, fingerprint
 from .layers import AttentionLayerState, LayerState
 from .session import ResumePlan, Session
 from .state import State
+from .store import PrefixStore
 
 __all__ = [
     "Adapter",
@@ -20,6 +21,7 @@ __all__ = [
     "Fingerprint",
     "KVStateError",
     "LayerState",
+    "PrefixStore",
     "ResumePlan",
     "RollbackError",
     "Session",

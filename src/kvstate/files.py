@@ -26,6 +26,17 @@ def save_state(state: State, path: str | os.PathLike[str], *, metadata: Mapping[
     return statefile.write(path, tensors, header)
 
 
+def state_to_bytes(state: State, *, metadata: Mapping[str, str] | None = None) -> bytes:
+    """The state file of ``state`` as bytes."""
+    header, tensors = codec.encode(state, metadata)
+    return statefile.to_bytes(tensors, header)
+
+
+def state_from_bytes(data: bytes | bytearray, source: str = "<bytes>") -> State:
+    """Parse and validate state-file bytes (same checks as ``load_state``)."""
+    return codec.decode(*statefile.parse(bytearray(data), source))
+
+
 def load_state(path: str | os.PathLike[str], *, map_location: torch.device | str | None = None,
                dtype: torch.dtype | None = None) -> State:
     """Read and validate a state file. Never unpickles; defects raise ``StateFileError``.

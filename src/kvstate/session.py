@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -64,12 +65,15 @@ class Session:
             the oldest is evicted first. Each costs the recurrent layers' bytes
             (``state.summary()["checkpoint_nbytes"]``). Taken at the end of every call.
         checkpoint_every: also checkpoint every N tokens inside long ``extend`` calls.
+        store: a ``kvstate.PrefixStore``; ``generate`` then starts from the longest stored
+            prefix of its history and writes prefixes back (recurrent families checkpoint
+            every ``store.chunk_tokens`` so that their prefixes are reusable).
         state: start from this state instead of an empty one (checked against the model).
     """
 
     def __init__(self, model: torch.nn.Module, *, tokenizer: object | None = None,
                  chunk_size: int = 512, sliding_reserve: int = 64, max_checkpoints: int = 16,
-                 checkpoint_every: int | None = None,
+                 checkpoint_every: int | None = None, store: Any = None,
                  state: State | None = None, _fingerprint: Fingerprint | None = None) -> None:
         if chunk_size < 1 or sliding_reserve < 0:
             raise InputError("invalid Session settings", expected="chunk_size >= 1, sliding_reserve >= 0",
@@ -81,9 +85,13 @@ class Session:
         self.sliding_reserve = sliding_reserve
         self.max_checkpoints = max_checkpoints
         self.checkpoint_every = checkpoint_every
+        self.store = store
+        self._seconds_per_token = 0.0
         self._fingerprint = _fingerprint or fingerprint(model, tokenizer)
         self.last_plan: ResumePlan | None = None
         self._state = self._empty(1) if state is None else self._adopt(state)
+        if store is not None and checkpoint_every is None and any(x.checkpointed for x in self._state.layers):
+            self.checkpoint_every = store.chunk_tokens
 
     # ----- read-only views -------------------------------------------------------------
     @property
@@ -99,6 +107,11 @@ class Session:
     @property
     def fingerprint(self) -> Fingerprint:
         return self._fingerprint
+
+    @property
+    def prefill_seconds_per_token(self) -> float:
+        """Measured cost of the last prefill-dominated forward, per token (0 until measured)."""
+        return self._seconds_per_token
 
     @property
     def device(self) -> torch.device:
@@ -208,12 +221,29 @@ class Session:
             raise InputError("attention_mask must match input_ids", expected=tuple(ids.shape),
                              found=tuple(mask.shape), fix="pass the full-history mask")
         self._check_padding(mask)
+        media = self._adapter.media_hashes(self.model, ids, inputs) if self.store is not None else None
+        if media is not None:
+            state = self._from_store(state, ids, mask, media)
         self._state = self._resume_point(state, ids, mask)
         if self._state.tokens_seen == ids.shape[1]:
-            return self._from_stored_logits(ids, mask, generate_kwargs)
-        inputs = self._adapter.select_inputs(self.model, ids, self._state.tokens_seen, inputs)
-        self._pre_feed_stepwise(ids, mask, inputs)
-        return self._hf_generate(ids, mask, inputs, generate_kwargs)
+            out = self._from_stored_logits(ids, mask, generate_kwargs)
+        else:
+            inputs = self._adapter.select_inputs(self.model, ids, self._state.tokens_seen, inputs)
+            self._pre_feed_stepwise(ids, mask, inputs)
+            out = self._hf_generate(ids, mask, inputs, generate_kwargs)
+        if media is not None:
+            self.store.save(self, media)
+        return out
+
+    def _from_store(self, state: State, ids: torch.Tensor, mask: torch.Tensor, media: list) -> State:
+        """The longest stored prefix of ``ids`` when it beats what the state already shares."""
+        if ids.shape[0] != 1 or not bool(mask.all()):
+            return state
+        shared = common_prefix(state, ids, mask)
+        stored = self.store.lookup(self, ids, media, longer_than=shared, at_most=ids.shape[1] - 1)
+        if stored is None:
+            return state
+        return self._adopt(stored.to(self.device))
 
     # ----- internals ---------------------------------------------------------------------
     def _empty(self, batch_size: int) -> State:
@@ -281,8 +311,11 @@ class Session:
                       logits_to_keep=1, **{_compat.CACHE_KWARG: cache})
         if self._adapter.takes_position_ids:
             kwargs["position_ids"] = self._adapter.model_positions(positions)
+        start = time.perf_counter()
         with _masks(self.model, state, positions), torch.no_grad():
             out = self.model(**kwargs)
+        if ids.shape[1] > 8:
+            self._seconds_per_token = (time.perf_counter() - start) / ids.shape[1]
         seen = state.tokens_seen + ids.shape[1]
         layers = self._adapter.read_cache(self.model, cache, state.layers, positions, seen)
         return self._next_state(state, ids, mask, positions, layers, out.logits[:, -1, :])
@@ -325,9 +358,12 @@ class Session:
         return self._empty(state.batch_size), 0, "recompute"
 
     def _pre_feed_stepwise(self, ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any]) -> None:
-        """Stepwise families: feed all but the last unprocessed token one at a time first."""
+        """Feed all but the last unprocessed token through ``_feed`` first, when that path is needed:
+        stepwise families continue one token per forward, and checkpoints land on chunk boundaries."""
         state, L = self._state, ids.shape[1]
-        if not self._adapter.stepwise_continuation or state.is_empty or L - state.tokens_seen < 2:
+        stepwise = self._adapter.stepwise_continuation and not state.is_empty
+        checkpoints = bool(self.checkpoint_every) and any(layer.checkpointed for layer in state.layers)
+        if not (stepwise or checkpoints) or L - state.tokens_seen < 2:
             return
         T = state.tokens_seen
         positions = self._adapter.chunk_positions(self.model, state.next_position, ids[:, T:L - 1],
@@ -342,9 +378,13 @@ class Session:
         cache = self._adapter.build_cache(self.model, state.layers, state.batch_size)
         self._adapter.restore_extras(self.model, dict(state.extras))
         call = self._generate_inputs(state, ids, mask, suffix_pos)
+        start = time.perf_counter()
         with _compat.capture_logits(self.model, T) as logits_at, _masks(self.model, state, suffix_pos), \
                 torch.no_grad():
             out = self.model.generate(**call, **inputs, **{_compat.CACHE_KWARG: cache}, **kwargs)
+        fed = ids.shape[1] - T
+        if fed > 8:  # a prefill-dominated call: remember its cost per token (for store statistics)
+            self._seconds_per_token = (time.perf_counter() - start) / fed
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         new_tokens = sequences[:, call["input_ids"].shape[1]:]
         self._state = self._after_generate(state, ids, mask, suffix_pos, new_tokens, cache, logits_at)

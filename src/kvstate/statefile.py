@@ -62,25 +62,12 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
 def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], header: dict) -> int:
     """Atomically write ``tensors`` plus the kvstate ``header`` (JSON-able) to ``path``."""
     path = Path(path)
-    # widest elements first keeps every tensor aligned for zero-copy loading
-    tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
-    blobs = {name: _bytes(t) for name, t in tensors.items()}
-    header = {**header, "header_crc": header_crc(header)}
-    entries: dict[str, object] = {"__metadata__": {"kvstate": json.dumps(header, separators=(",", ":"))}}
-    offset = 0
-    for name, t in tensors.items():
-        size = blobs[name].nbytes
-        entries[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
-                         "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+    raw, blobs = _layout(tensors, header)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
-            for blob in blobs.values():
+            for blob in blobs:
                 f.write(blob)
             f.flush()
             os.fsync(f.fileno())
@@ -89,7 +76,30 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], hea
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
-    return 8 + len(raw) + offset
+    return len(raw) + sum(blob.nbytes for blob in blobs)
+
+
+def to_bytes(tensors: Mapping[str, torch.Tensor], header: dict) -> bytes:
+    """The whole file as bytes (for stores that keep values, not files)."""
+    raw, blobs = _layout(tensors, header)
+    return b"".join([raw, *blobs])
+
+
+def _layout(tensors: Mapping[str, torch.Tensor], header: dict) -> tuple[bytes, list[memoryview]]:
+    """Length prefix + JSON header (with checksums of header and tensors), and the tensor bytes in order."""
+    # widest elements first keeps every tensor aligned for zero-copy loading
+    tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
+    blobs = {name: _bytes(t) for name, t in tensors.items()}
+    header = {**header, "header_crc": header_crc(header)}
+    entries: dict[str, object] = {"__metadata__": {"kvstate": json.dumps(header, separators=(",", ":"))}}
+    offset = 0
+    for name, t in tensors.items():
+        size = blobs[name].nbytes
+        entries[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw, list(blobs.values())
 
 
 def _fsync_dir(folder: Path) -> None:

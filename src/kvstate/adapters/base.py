@@ -81,6 +81,11 @@ class Adapter:
         """What plain transformers needs besides ``inputs`` to process ``ids`` from scratch."""
         return inputs
 
+    def media_hashes(self, model: torch.nn.Module, ids: torch.Tensor,
+                     inputs: dict[str, Any]) -> list[tuple[int, str]] | None:
+        """``(start slot, content hash)`` of each media item in ``ids`` ``[1, L]``; None if unknown."""
+        return []
+
     # ----- moving state in and out of the model -------------------------------------------
     def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
         return _compat.build_cache(layers, self.text_config(model))

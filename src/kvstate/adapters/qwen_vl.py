@@ -67,6 +67,21 @@ class QwenVLAdapter(Adapter):
                 return start
         return n
 
+    def media_hashes(self, model: torch.nn.Module, ids: torch.Tensor,
+                     inputs: dict[str, Any]) -> list[tuple[int, str]] | None:
+        """One hash per image run; None when the pixels given do not cover every image in ``ids``."""
+        from ..store.keys import media_digest
+
+        runs = _image_runs(ids[0], int(model.config.image_token_id))  # type: ignore[union-attr]
+        grid = inputs.get("image_grid_thw")
+        if not runs:
+            return []
+        if grid is None or grid.shape[0] != len(runs):
+            return None
+        sizes = grid.prod(-1).tolist()
+        pixels = inputs["pixel_values"].split(sizes)
+        return [(start, media_digest(p, g)) for (start, _), p, g in zip(runs, pixels, grid, strict=True)]
+
     def synthetic_image(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, Any]]:
         """A random image of (2m x 2m) patches, m the spatial merge: 4 placeholder tokens."""
         config, vision = model.config, model.config.vision_config  # type: ignore[union-attr]

@@ -1,0 +1,129 @@
+"""``PrefixStore``: reuse the longest stored prefix across requests, processes and machines.
+
+A ``Session(model, store=PrefixStore(...))`` looks up, on every ``generate``, the
+longest chunk-aligned prefix of the requested history that any session of the same
+model, dtype and namespace has stored, loads it, and feeds only the rest. After
+each call it writes back chunk-aligned prefixes, by the ``write`` policy:
+
+* ``"turns"`` (default): the longest aligned prefix of the state, once per call;
+* ``"all"``: every aligned prefix not stored yet;
+* an integer ``N``: aligned prefixes at multiples of ``N`` tokens.
+
+Entries are whole state files (validated on load like any state file). Recurrent
+layers are reusable only where a checkpoint exists, so a store-backed session
+checkpoints every chunk. Compressed states are keyed apart from uncompressed ones.
+The store serves single-row conversations; batched sessions bypass it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InputError, StateFileError
+from ..files import state_from_bytes, state_to_bytes
+from ..state import State
+from .backends import COUNTERS, FolderBackend, RedisBackend
+from .keys import chain, salt
+
+__all__ = ["FolderBackend", "PrefixStore", "RedisBackend"]
+
+
+class PrefixStore:
+    """A prefix cache of state files in a folder (default) or Redis (``redis://...``)."""
+
+    def __init__(self, location: str | os.PathLike[str], *, chunk_tokens: int = 64, namespace: str = "default",
+                 capacity_bytes: int | None = None, write: str | int = "turns") -> None:
+        if chunk_tokens < 1 or (capacity_bytes is not None and capacity_bytes < 0):
+            raise InputError("invalid store settings", expected="chunk_tokens >= 1, capacity_bytes >= 0",
+                             found={"chunk_tokens": chunk_tokens, "capacity_bytes": capacity_bytes})
+        if write not in ("turns", "all") and not (isinstance(write, int) and write > 0):
+            raise InputError("invalid write policy", expected="'turns', 'all' or a positive int", found=write)
+        text = str(location)
+        self.backend = RedisBackend(text) if text.startswith(("redis://", "rediss://", "unix://")) \
+            else FolderBackend(Path(text))
+        self.chunk_tokens, self.namespace = chunk_tokens, namespace
+        self.capacity_bytes, self.write = capacity_bytes, write
+
+    # ----- keys --------------------------------------------------------------------------
+    def keys(self, session: Any, ids: torch.Tensor, media: list[tuple[int, str]], compressed: bool) -> list[str]:
+        """Chain keys of every full chunk of ``ids`` ``[1, L]``."""
+        return chain(salt(session.fingerprint, self.namespace, compressed), ids[0], self.chunk_tokens, media)
+
+    # ----- lookup and write-back ---------------------------------------------------------------
+    def lookup(self, session: Any, ids: torch.Tensor, media: list[tuple[int, str]], *, longer_than: int,
+               at_most: int) -> State | None:
+        """The longest stored prefix state with ``longer_than < length <= at_most`` tokens, or None."""
+        keys = self.keys(session, ids, media, compressed=False)
+        for i in range(len(keys) - 1, -1, -1):
+            n = (i + 1) * self.chunk_tokens
+            if n > at_most:
+                continue
+            if n <= longer_than:
+                break
+            state = self._load(keys[i], ids[:, :n])
+            if state is not None:
+                cost = float(state.metadata.get("kvstate.prefill_seconds_per_token", 0.0))
+                self.backend.bump({"hits": 1, "tokens_reused": n, "seconds_saved_x1000": int(n * cost * 1000)})
+                return state
+        self.backend.bump({"misses": 1})
+        return None
+
+    def _load(self, key: str, prefix: torch.Tensor) -> State | None:
+        data = self.backend.get(key)
+        if data is None:
+            return None
+        try:
+            state = state_from_bytes(data, f"store entry {key}")
+        except StateFileError:
+            return None  # a damaged entry is a miss, never a wrong answer
+        if not torch.equal(state.tokens.cpu(), prefix.cpu()):
+            return None  # belt and braces against key collisions
+        return state
+
+    def save(self, session: Any, media: list[tuple[int, str]]) -> int:
+        """Write the aligned prefixes the policy asks for; returns how many were written."""
+        state: State = session.state
+        if state.batch_size != 1 or not bool(state.mask.all()):
+            return 0
+        compressed = any(getattr(layer, "compressed", False) for layer in state.layers)
+        keys = self.keys(session, state.tokens, media, compressed)
+        written = 0
+        for i in self._boundaries(len(keys)):
+            n = (i + 1) * self.chunk_tokens
+            if self.backend.contains(keys[i]) or state.rollback_limit(n):
+                continue
+            cost = {"kvstate.prefill_seconds_per_token": f"{session.prefill_seconds_per_token:.6g}"}
+            self.backend.put(keys[i], state_to_bytes(state.truncated(n), metadata=cost), self.capacity_bytes)
+            written += 1
+        if written:
+            self.backend.bump({"writes": written})
+        return written
+
+    def _boundaries(self, n_chunks: int) -> list[int]:
+        if n_chunks == 0:
+            return []
+        if self.write == "turns":
+            return [n_chunks - 1]
+        if self.write == "all":
+            return list(range(n_chunks))
+        step = max(1, int(self.write) // self.chunk_tokens)
+        return [i for i in range(n_chunks) if ((i + 1) % step) == 0]
+
+    # ----- administration ---------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        entries = self.backend.entries()
+        counters = {name: 0 for name in COUNTERS} | self.backend.counters()
+        saved = counters.pop("seconds_saved_x1000") / 1000
+        return {"backend": self.backend.describe(), "entries": len(entries), "bytes": sum(e[1] for e in entries),
+                "capacity_bytes": self.capacity_bytes, **counters, "estimated_prefill_seconds_saved": saved}
+
+    def ls(self) -> list[dict[str, Any]]:
+        return [{"key": k, "bytes": b, "last_access": t} for k, b, t in sorted(self.backend.entries(),
+                                                                             key=lambda e: -e[2])]
+
+    def prune(self, max_bytes: int) -> int:
+        return self.backend.prune(max_bytes)

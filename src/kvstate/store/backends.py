@@ -1,0 +1,192 @@
+"""Where prefix entries live: a local folder (default) or a Redis server (shared by workers).
+
+Both keep whole state files as values, keyed by the chain hash, with LRU eviction
+under a byte capacity and shared counters (hits, misses, evictions, bytes).
+
+* Folder: ``<root>/entries/<key[:2]>/<key>.kvs`` written to a temporary name and
+  renamed (atomic); eviction and counters run under an ``flock`` on ``<root>/.lock``.
+  A reader holds the whole file in memory once ``get`` returns, and unlinking a
+  file never disturbs an open reader, so eviction cannot tear an entry being read.
+* Redis: the value, its LRU score and its size change in one Lua script, and
+  eviction runs in the same script; ``GET`` returns a whole value or nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+COUNTERS = ("hits", "misses", "writes", "evictions", "tokens_reused", "seconds_saved_x1000")
+
+
+class FolderBackend:
+    """Entries as files in a local folder."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        (self.root / "entries").mkdir(parents=True, exist_ok=True)
+
+    def describe(self) -> str:
+        return f"folder {self.root}"
+
+    def _path(self, key: str) -> Path:
+        return self.root / "entries" / key[:2] / f"{key}.kvs"
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self.root / ".lock", "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+            os.utime(path)  # the LRU clock
+        except FileNotFoundError:
+            return None  # absent, or evicted meanwhile: a documented miss
+        return data
+
+    def contains(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def put(self, key: str, data: bytes, capacity: int | None) -> int:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return self.prune(capacity) if capacity is not None else 0
+
+    def entries(self) -> list[tuple[str, int, float]]:
+        """``(key, bytes, last access)`` of every entry."""
+        out = []
+        for path in (self.root / "entries").glob("*/*.kvs"):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            out.append((path.stem, st.st_size, st.st_mtime))
+        return out
+
+    def prune(self, capacity: int) -> int:
+        """Evict least recently used entries until at most ``capacity`` bytes remain."""
+        with self._locked():
+            entries = sorted(self.entries(), key=lambda e: e[2])
+            total, evicted = sum(e[1] for e in entries), 0
+            for key, size, _ in entries:
+                if total <= capacity:
+                    break
+                self._path(key).unlink(missing_ok=True)
+                total, evicted = total - size, evicted + 1
+            self._bump_locked({"evictions": evicted})
+        return evicted
+
+    def bump(self, counts: dict[str, int]) -> None:
+        with self._locked():
+            self._bump_locked(counts)
+
+    def _bump_locked(self, counts: dict[str, int]) -> None:
+        path = self.root / "stats.json"
+        stats = self._read_stats(path)
+        for name, n in counts.items():
+            stats[name] = stats.get(name, 0) + int(n)
+        tmp = path.with_name(f".stats.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(stats))
+        os.replace(tmp, path)
+
+    def counters(self) -> dict[str, int]:
+        return self._read_stats(self.root / "stats.json")
+
+    @staticmethod
+    def _read_stats(path: Path) -> dict[str, int]:
+        try:
+            return {k: int(v) for k, v in json.loads(path.read_text()).items()}
+        except (FileNotFoundError, ValueError):
+            return {}
+
+
+_EVICT = """
+local total = tonumber(redis.call('HGET', KEYS[4], 'bytes')) or 0
+local evicted = 0
+local capacity = tonumber(ARGV[4])
+while capacity >= 0 and total > capacity do
+  local oldest = redis.call('ZPOPMIN', KEYS[2])
+  if #oldest == 0 then break end
+  local size = tonumber(redis.call('HGET', KEYS[3], oldest[1])) or 0
+  redis.call('DEL', ARGV[5] .. oldest[1])
+  redis.call('HDEL', KEYS[3], oldest[1])
+  total = redis.call('HINCRBY', KEYS[4], 'bytes', -size)
+  evicted = evicted + 1
+end
+redis.call('HINCRBY', KEYS[4], 'evictions', evicted)
+return evicted
+"""
+_PUT = """
+local old = redis.call('HGET', KEYS[3], ARGV[1])
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], string.len(ARGV[2]))
+redis.call('HINCRBY', KEYS[4], 'bytes', string.len(ARGV[2]) - (tonumber(old) or 0))
+""" + _EVICT
+
+
+class RedisBackend:
+    """Entries as values in a Redis server (``redis://host:port/db``)."""
+
+    def __init__(self, url: str, prefix: str = "kvstate:") -> None:
+        import redis
+
+        self.url, self.prefix = url, prefix
+        self.client = redis.Redis.from_url(url)
+        self._put = self.client.register_script(_PUT)
+        self._evict = self.client.register_script(_EVICT)
+        self._lru, self._sizes, self._stats = f"{prefix}lru", f"{prefix}sizes", f"{prefix}stats"
+
+    def describe(self) -> str:
+        return f"redis {self.url}"
+
+    def get(self, key: str) -> bytes | None:
+        data: Any = self.client.get(self.prefix + "entry:" + key)
+        if data is not None:
+            self.client.zadd(self._lru, {key: time.time()}, xx=True)
+        return data
+
+    def contains(self, key: str) -> bool:
+        return bool(self.client.exists(self.prefix + "entry:" + key))
+
+    def put(self, key: str, data: bytes, capacity: int | None) -> int:
+        keys = [self.prefix + "entry:" + key, self._lru, self._sizes, self._stats]
+        return int(self._put(keys=keys, args=[key, data, time.time(), -1 if capacity is None else capacity,
+                                               self.prefix + "entry:"]))
+
+    def entries(self) -> list[tuple[str, int, float]]:
+        sizes = {k.decode(): int(v) for k, v in self.client.hgetall(self._sizes).items()}
+        scores = {k.decode(): s for k, s in self.client.zrange(self._lru, 0, -1, withscores=True)}
+        return [(k, sizes[k], scores.get(k, 0.0)) for k in sizes]
+
+    def prune(self, capacity: int) -> int:
+        keys = ["", self._lru, self._sizes, self._stats]
+        return int(self._evict(keys=keys, args=["", "", 0, capacity, self.prefix + "entry:"]))
+
+    def bump(self, counts: dict[str, int]) -> None:
+        with self.client.pipeline() as pipe:
+            for name, n in counts.items():
+                pipe.hincrby(self._stats, name, int(n))
+            pipe.execute()
+
+    def counters(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.client.hgetall(self._stats).items() if k.decode() != "bytes"}
