@@ -50,7 +50,7 @@ def test_state_truncation_moves_positions_back_and_drops_logits():
     assert cut.next_position.tolist() == [2] and cut.last_logits is None
     assert state.tokens_seen == 6 and cut.tokens_seen == 3
     assert cut.summary()["layers"][0] == {"kind": "full_attention", "tokens_seen": 3, "slots": 3,
-                                          "window": None, "reserve": 0}
+                                          "window": None, "reserve": 0, "compressed_at": None}
 
 
 def test_nbytes_counts_only_retained_slots():
