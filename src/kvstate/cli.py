@@ -20,6 +20,8 @@ EPILOG = """examples:
   kvstate prefill --prompt-file doc.txt --out doc.kvs     # prompt caching from the shell
   kvstate generate --state doc.kvs --prompt " Summary:"   # starts answering at once
   kvstate inspect doc.kvs [--json]
+  kvstate generate --store ~/.cache/kvstate/store --prompt "..."   # repeated prompts get faster
+  kvstate store stats --store redis://127.0.0.1:6379/0
 """
 
 
@@ -58,10 +60,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=256, help="tokens per forward (progress granularity)")
     g = sub.add_parser("generate", help="continue a saved state with more text; prints the answer")
     g.add_argument("--model", default="default", help="'default' or a local folder")
-    g.add_argument("--state", type=Path, required=True, help="state file from `kvstate prefill`")
-    g.add_argument("--prompt", default="", help="text appended after the saved tokens")
+    g.add_argument("--state", type=Path, help="state file from `kvstate prefill`")
+    g.add_argument("--store", help="prefix store (folder or redis://...): reuse and save prefixes")
+    g.add_argument("--prompt", default="", help="text appended after the saved tokens (or the whole prompt)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--save", type=Path, help="also save the continued conversation here")
+    st = sub.add_parser("store", help="inspect or prune a prefix store")
+    st.add_argument("action", choices=["stats", "ls", "prune"])
+    st.add_argument("--store", required=True, help="folder or redis://host:port/db")
+    st.add_argument("--max-bytes", type=int, help="prune: evict least recently used entries down to this size")
+    st.add_argument("--json", action="store_true")
     return parser
 
 
@@ -162,25 +170,57 @@ def _generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from .session import Session
+    from .store import PrefixStore
 
+    if (args.state is None) == (args.store is None):
+        raise SystemExit("kvstate generate: pass exactly one of --state FILE or --store LOCATION")
     model, tokenizer = _load(args.model)
     start = time.perf_counter()
-    session = Session.load(args.state, model, tokenizer=tokenizer)
-    new = tokenizer(args.prompt, add_special_tokens=False, return_tensors="pt").input_ids
-    history = torch.cat([session.tokens, new], 1)
+    if args.state is not None:
+        session = Session.load(args.state, model, tokenizer=tokenizer)
+        new = tokenizer(args.prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        history = torch.cat([session.tokens, new], 1)
+    else:
+        session = Session(model, tokenizer=tokenizer, store=PrefixStore(args.store))
+        history = tokenizer(args.prompt, return_tensors="pt").input_ids
     session.generate(history, max_new_tokens=args.max_new_tokens, do_sample=False,
                      streamer=TextStreamer(tokenizer, skip_prompt=True))
     plan = session.last_plan
-    print(f"[kvstate] reused {plan.reused} tokens from {args.state}, fed {plan.fed}; "
+    print(f"[kvstate] reused {plan.reused} tokens from {args.state or args.store}, fed {plan.fed}; "
           f"{time.perf_counter() - start:.1f}s after load", file=sys.stderr)
     if args.save:
         session.save(args.save)
     return 0
 
 
+def _store(args: argparse.Namespace) -> int:
+    from .store import PrefixStore
+
+    store = PrefixStore(args.store)
+    if args.action == "prune":
+        if args.max_bytes is None:
+            raise SystemExit("kvstate store prune: --max-bytes is required")
+        print(f"evicted {store.prune(args.max_bytes)} entries; {store.stats()['bytes']:,} bytes remain")
+        return 0
+    data = store.stats() if args.action == "stats" else store.ls()
+    if args.json:
+        print(json.dumps(data, indent=2))
+    elif args.action == "stats":
+        print("\n".join(f"{k:<32} {v}" for k, v in data.items()))
+    else:
+        print("\n".join(f"{e['key'][:16]}  {e['bytes']:>12,}  {time_text(e['last_access'])}" for e in data))
+    return 0
+
+
+def time_text(stamp: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(stamp).isoformat(timespec="seconds")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"verify": _verify, "inspect": _inspect, "prefill": _prefill, "generate": _generate}
+    commands = {"verify": _verify, "inspect": _inspect, "prefill": _prefill, "generate": _generate, "store": _store}
     from .errors import KVStateError
 
     try:

@@ -1,0 +1,240 @@
+"""Prefix store (issue 7): sharing across processes, worker migration, isolation, stress and crashes.
+
+Redis tests start a real ``redis-server`` (Debian's package, installed by .ci/run) on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from tiny import prompt, tiny_model
+
+from kvstate import PrefixStore, Session
+from kvstate.files import state_from_bytes, state_to_bytes
+from kvstate.tiny import image_span, tiny_image
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail("redis-server is not installed: apt-get install redis-server (.ci/run does)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(folder)], stdout=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(params=["folder", "redis"])
+def location(request, tmp_path):
+    if request.param == "folder":
+        return str(tmp_path / "store")
+    url = request.getfixturevalue("redis_url")
+    import redis
+
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+WORKER = r"""
+import json, sys, torch
+from kvstate import PrefixStore, Session
+from kvstate.tiny import tiny_model
+location, arch, ids = sys.argv[1], sys.argv[2], torch.tensor(json.loads(sys.argv[3]))
+session = Session(tiny_model(arch), store=PrefixStore(location, chunk_tokens=16))
+out = session.generate(ids, max_new_tokens=6, do_sample=False)
+print(json.dumps({"tokens": out.tolist(), "reused": session.last_plan.reused}))
+"""
+
+
+def worker(location: str, arch: str, ids: torch.Tensor) -> dict:
+    import json
+
+    done = subprocess.run([sys.executable, "-c", WORKER, location, arch, json.dumps(ids.tolist())], check=True,
+                          capture_output=True, text=True, timeout=300)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def fresh_run(arch: str, ids: torch.Tensor) -> list:
+    model = tiny_model(arch)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                          do_sample=False)[:, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_two_processes_share_a_store(location, arch):
+    ids = prompt(40)
+    first = worker(location, arch, ids)
+    assert first["reused"] == 0
+    longer = torch.cat([ids, prompt(7, seed=5)], 1)
+    second = worker(location, arch, longer)
+    assert second["reused"] == 32  # two full chunks from the first process
+    assert second["tokens"] == fresh_run(arch, longer)
+
+
+def test_worker_migration_through_redis(redis_url):
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    turn1 = prompt(36)
+    reply1 = worker(redis_url, "qwen3", turn1)["tokens"]  # worker A
+    turn2 = torch.cat([turn1, torch.tensor(reply1), prompt(9, seed=8)], 1)
+    b = worker(redis_url, "qwen3", turn2)  # worker B: another process, its own model instance
+    assert b["reused"] >= 32
+    assert b["tokens"] == fresh_run("qwen3", turn2)
+
+
+def test_isolation_by_model_namespace_and_image(tmp_path):
+    ids = prompt(40)
+    store = PrefixStore(tmp_path / "s", chunk_tokens=CHUNK)
+    a, b = Session(tiny_model("llama", seed=0), store=store), Session(tiny_model("llama", seed=1), store=store)
+    assert store.keys(a, ids, [], False) != store.keys(b, ids, [], False)
+    a.generate(ids, max_new_tokens=2, do_sample=False)
+    tokens = b.generate(torch.cat([ids, prompt(3, seed=2)], 1), max_new_tokens=4, do_sample=False)
+    assert b.last_plan.reused == 0  # never served the other model's state
+    assert tokens.tolist() == tiny_model("llama", seed=1).generate(
+        torch.cat([ids, prompt(3, seed=2)], 1), max_new_tokens=4, do_sample=False)[:, 43:].tolist()
+    other_ns = Session(tiny_model("llama", seed=0), store=PrefixStore(tmp_path / "s", chunk_tokens=CHUNK,
+                                                                       namespace="tenant-b"))
+    other_ns.generate(torch.cat([ids, prompt(3, seed=2)], 1), max_new_tokens=2, do_sample=False)
+    assert other_ns.last_plan.reused == 0
+    vl = Session(tiny_model("qwen3_vl"), store=store)
+    pix1, grid, n = tiny_image((4, 6), seed=1)
+    pix2, _, _ = tiny_image((4, 6), seed=2)
+    history = torch.cat([prompt(4), image_span(n), prompt(30, seed=3)], 1)
+    assert store.keys(vl, history, vl._adapter.media_hashes(vl.model, history, {"pixel_values": pix1,
+                                                                               "image_grid_thw": grid}), False) != \
+        store.keys(vl, history, vl._adapter.media_hashes(vl.model, history, {"pixel_values": pix2,
+                                                                            "image_grid_thw": grid}), False)
+    vl.generate(history, max_new_tokens=2, do_sample=False, pixel_values=pix1, image_grid_thw=grid)
+    again = Session(tiny_model("qwen3_vl"), store=store)
+    again.generate(torch.cat([history, prompt(2, seed=4)], 1), max_new_tokens=2, do_sample=False,
+                   pixel_values=pix2, image_grid_thw=grid)
+    assert again.last_plan.reused == 0  # same ids, other pixels: not the same prefix
+
+
+def test_compressed_states_are_stored_apart(tmp_path):
+    from kvstate.compress import KNorm
+
+    store = PrefixStore(tmp_path / "s", chunk_tokens=CHUNK, write="all")
+    s = Session(tiny_model("llama"), store=store)
+    ids = prompt(33)
+    s.extend(ids)
+    plain_keys = store.keys(s, ids, [], False)
+    s.compress(KNorm(0.5))
+    assert store.save(s, []) == 0  # a compressed state cannot be truncated to chunk boundaries
+    assert store.keys(s, ids, [], True)[0] != plain_keys[0]
+
+
+STRESS = r"""
+import random, sys
+import torch
+from kvstate import AttentionLayerState, PrefixStore, State
+from kvstate.files import state_from_bytes, state_to_bytes
+location, seed, capacity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+store = PrefixStore(location, capacity_bytes=capacity)
+
+def state_for(k):
+    g = torch.Generator().manual_seed(k)
+    n = 8 + k % 24
+    layer = AttentionLayerState(torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g),
+                                torch.arange(n)[None], n)
+    return State(tokens=torch.full((1, n), k), mask=torch.ones(1, n, dtype=torch.bool),
+                 positions=torch.arange(n)[None], layers=(layer,), next_position=torch.tensor([n]))
+
+rng = random.Random(seed)
+misses = 0
+for _ in range(200):
+    k = rng.randrange(40)
+    op = rng.random()
+    if op < 0.5:
+        store.backend.put(f"k{k:04d}", state_to_bytes(state_for(k)), capacity)
+    elif op < 0.95:
+        data = store.backend.get(f"k{k:04d}")
+        if data is None:
+            misses += 1
+            continue
+        state = state_from_bytes(data)
+        assert torch.equal(state.tokens, state_for(k).tokens), "an entry holds another key's state"
+        assert torch.equal(state.layers[0].keys, state_for(k).layers[0].keys)
+    else:
+        store.prune(capacity)
+print("ok", misses)
+"""
+
+
+def test_stress_eight_processes(location):
+    capacity = 200_000
+    procs = [subprocess.Popen([sys.executable, "-c", STRESS, location, str(seed), str(capacity)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in range(8)]
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0 and out.startswith("ok"), err[-2000:]
+    stats = PrefixStore(location).stats()
+    assert stats["bytes"] <= capacity and stats["entries"] > 0 and stats["evictions"] > 0
+
+
+def test_writer_killed_mid_write_leaves_nothing_wrong(tmp_path):
+    from test_files_robust import synthetic_state
+
+    store = PrefixStore(tmp_path / "s")
+    states = {k: synthetic_state(400 + 10 * k, k) for k in range(6)}
+    blobs = {k: state_to_bytes(s) for k, s in states.items()}
+    rng = random.Random(7)
+    for _ in range(20):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                while True:
+                    for k, blob in blobs.items():
+                        store.backend.put(f"k{k}", blob, None)
+            finally:
+                os._exit(0)
+        time.sleep(rng.uniform(0, 0.03))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        for key, _, _ in store.backend.entries():
+            state = state_from_bytes(store.backend.get(key))  # every visible entry is whole and right
+            assert torch.equal(state.tokens, states[int(key[1:])].tokens)
+
+
+def test_cli_store_commands(tmp_path, capsys):
+    from kvstate.cli import main
+
+    location = str(tmp_path / "s")
+    Session(tiny_model("llama"), store=PrefixStore(location, chunk_tokens=CHUNK, write="all")).generate(
+        prompt(50), max_new_tokens=2, do_sample=False)
+    assert main(["store", "stats", "--store", location, "--json"]) == 0
+    import json
+
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["entries"] == 3 and stats["writes"] == 3 and stats["misses"] == 1
+    assert main(["store", "ls", "--store", location]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 3
+    assert main(["store", "prune", "--store", location, "--max-bytes", "1"]) == 0
+    assert "evicted 3 entries" in capsys.readouterr().out
