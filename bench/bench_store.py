@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model()
-    text = " ".join(f"Clause {i}: the tenant shall keep the premises clean and return key {i % 13}." for i in range(400))
+    text = " ".join(f"Clause {i}: the tenant keeps the premises clean and returns key {i % 13}." for i in range(400))
     prefix = tokenizer(text, return_tensors="pt").input_ids[:, : args.prefix_tokens]
     request = torch.cat([prefix, tokenizer(" Summarise clause 7:", add_special_tokens=False,
                                            return_tensors="pt").input_ids], 1)
