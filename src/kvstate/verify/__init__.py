@@ -17,7 +17,15 @@ import torch
 
 from ..adapters import adapter_for
 from ..errors import InputError
-from .contract import boundary_rows, contract_rows, kvstate_path_rows, multimodal_rows, padded_row, sliding_row
+from .contract import (
+    boundary_rows,
+    compression_row,
+    contract_rows,
+    kvstate_path_rows,
+    multimodal_rows,
+    padded_row,
+    sliding_row,
+)
 from .diagnose import diagnose
 from .report import TOLERANCE, Finding, Report, Row, compare
 from .rows import FAULTS, Matrix, cache_variant_rows, plain_rows
@@ -31,8 +39,8 @@ DEFAULT_PROMPT = (
 
 __all__ = ["DEFAULT_PROMPT", "FAULTS", "TOLERANCE", "Finding", "Report", "Row", "compare", "verify"]
 
-_STEPS = (cache_variant_rows, plain_rows, kvstate_path_rows, boundary_rows, contract_rows, sliding_row,
-          padded_row, multimodal_rows)
+_STEPS = (cache_variant_rows, plain_rows, kvstate_path_rows, boundary_rows, contract_rows, compression_row,
+          sliding_row, padded_row, multimodal_rows)
 
 
 def verify(model: Any, input_ids: torch.Tensor, *, new_tokens: int = 16, name: str | None = None,
