@@ -16,11 +16,11 @@ import time
 
 import pytest
 import torch
-from tiny import prompt, tiny_model
 
 from kvstate import PrefixStore, Session
 from kvstate.files import state_from_bytes, state_to_bytes
 from kvstate.tiny import image_span, tiny_image
+from tiny import prompt, tiny_model
 
 CHUNK = 16
 
