@@ -29,6 +29,7 @@ from .adapters import adapter_for
 from .compress.masks import layer_masks, needs_masks
 from .errors import InputError, LayoutMismatchError, UnsupportedError
 from .fingerprint import Fingerprint, fingerprint
+from .generation import eos_ids, finished, rest_kwargs
 from .inputs import as_ids, check_batch, check_model, check_positions, common_prefix, full_mask
 from .layers import RecurrentLayerState
 from .state import State, next_position_after
@@ -425,7 +426,7 @@ class Session:
                             kwargs: dict[str, Any]) -> Any:
         """First token from ``last_logits`` (no re-feed), the rest through ``generate``."""
         config, _ = _compat.generation_config(self.model, dict(kwargs))
-        if kwargs.get("return_dict_in_generate") or (ids.shape[0] > 1 and _eos_ids(config)):
+        if kwargs.get("return_dict_in_generate") or (ids.shape[0] > 1 and eos_ids(config)):
             return self._refeed_last(ids, mask, kwargs)  # per-row stops and logit outputs
         assert self._state.last_logits is not None
         first = _compat.first_token(self.model, config, ids, self._state.last_logits)[:, None]
@@ -433,13 +434,13 @@ class Session:
         if streamer is not None:
             streamer.put(ids.cpu())
             streamer.put(first[:, 0].cpu())
-        if _finished(config, first, ids.shape[1]):
+        if finished(config, first, ids.shape[1]):
             if streamer is not None:
                 streamer.end()
             return first
         ones = torch.ones_like(first, dtype=torch.bool)
         rest = self._hf_generate(torch.cat([ids, first], 1), torch.cat([mask, ones], 1), {},
-                                 _rest_kwargs(kwargs, config, streamer))
+                                 rest_kwargs(kwargs, config, streamer))
         return torch.cat([first, rest], dim=1)
 
     def _refeed_last(self, ids: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, Any]) -> Any:
@@ -455,21 +456,6 @@ class Session:
         return self._hf_generate(ids, mask, {}, kwargs)
 
 
-class _SkipFirstPut:
-    """Streamer proxy that drops the prompt echo of a continuation ``generate`` call."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.skipped = inner, False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.skipped:
-            self.inner.put(value)
-        self.skipped = True
-
-    def end(self) -> None:
-        self.inner.end()
-
-
 def _masks(model: torch.nn.Module, state: State, first: torch.Tensor) -> Any:
     """Per-layer masks while a compressed state is in use; nothing otherwise (bitwise the plain path)."""
     return layer_masks(model, state.layers, first) if needs_masks(state.layers) else nullcontext()
@@ -478,28 +464,3 @@ def _masks(model: torch.nn.Module, state: State, first: torch.Tensor) -> Any:
 def _mask_arg(mask: torch.Tensor) -> torch.Tensor | None:
     """Drop an all-ones mask, as ``generate`` does, so both paths run the same kernels."""
     return None if bool(mask.all()) else mask.long()
-
-
-def _finished(config: Any, first: torch.Tensor, prompt_len: int) -> bool:
-    """Whether generation stops right after the first token (budget or EOS on every row)."""
-    budget = (config.max_new_tokens if config.max_new_tokens is not None
-              else config.max_length - prompt_len)
-    eos = torch.tensor(_eos_ids(config), dtype=first.dtype, device=first.device)
-    return budget <= 1 or bool(torch.isin(first, eos).all())
-
-
-def _rest_kwargs(kwargs: dict[str, Any], config: Any, streamer: Any) -> dict[str, Any]:
-    """Generate kwargs for the continuation after one token was already produced."""
-    rest = dict(kwargs, streamer=None if streamer is None else _SkipFirstPut(streamer))
-    if config.max_new_tokens is not None:
-        rest["max_new_tokens"] = config.max_new_tokens - 1
-    if config.min_new_tokens:
-        rest["min_new_tokens"] = max(config.min_new_tokens - 1, 0)
-    return rest
-
-
-def _eos_ids(config: Any) -> list[int]:
-    eos = config.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
