@@ -67,3 +67,17 @@ def test_prefill_then_generate_on_default_model(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"reused {saved.tokens_seen} tokens" in err and "fed 1" in err  # only the new token went in
     assert load_state(tmp_path / "after.kvs").tokens_seen == saved.tokens_seen + 1 + 4 - 1
+
+
+@pytest.mark.slow
+def test_generate_with_store_reuses_the_prompt_on_the_second_run(tmp_path, capsys):
+    text = " ".join(f"Rule {i}: visitors sign in at the front desk before noon." for i in range(12))
+    store = str(tmp_path / "store")
+    assert main(["generate", "--store", store, "--prompt", text, "--max-new-tokens", "3"]) == 0
+    first = capsys.readouterr()
+    assert "reused 0 tokens" in first.err
+    assert main(["generate", "--store", store, "--prompt", text + " Rule 12:", "--max-new-tokens", "3"]) == 0
+    second = capsys.readouterr()
+    assert "reused 128 tokens" in second.err  # two full 64-token chunks from the first run
+    assert main(["store", "stats", "--store", store, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hits"] == 1
