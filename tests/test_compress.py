@@ -228,3 +228,20 @@ def _scaled_llama(scaling):
     config.rope_parameters = scaling
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_decoding_under_a_budget_keeps_slots_bounded_and_positions_true():
+    from kvstate.compress import decode_with_budget
+
+    model = tiny_model("llama")
+    ids = prompt(30)
+    s = Session(model)
+    tokens = decode_with_budget(s, ids, KNorm(), budget=20, every=4, max_new_tokens=12)
+    assert tokens.shape == (1, 12)
+    assert all(layer.slots <= 20 + 4 for layer in s.state.layers)  # compressed every 4 tokens
+    assert s.state.next_position.item() == 30 + 11  # the last token is not fed yet
+    assert s.state.positions[0, -1].item() == 40  # true logical position, not the slot count
+    roomy = Session(model)
+    same = decode_with_budget(roomy, ids, KNorm(), budget=1000, every=4, max_new_tokens=12)
+    plain = Session(model).generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(same, plain)  # a budget that never binds changes nothing

@@ -123,3 +123,32 @@ def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
 def replace_keys(layer: AttentionLayerState, keys: torch.Tensor, positions: torch.Tensor) -> AttentionLayerState:
     return AttentionLayerState(keys, layer.values, positions, layer.tokens_seen, layer.window, layer.reserve,
                                layer.compressed_at)
+
+
+def decode_with_budget(session: Any, input_ids: torch.Tensor, policy: Policy, *, budget: int, every: int,
+                       max_new_tokens: int) -> torch.Tensor:
+    """Greedy decoding that compresses every ``every`` new tokens down to ``budget`` slots per layer.
+
+    Returns the new tokens ``[B, N]``. Each compression keeps the retained slots' true
+    positions, so every step is exactly "attention restricted to the retained slots".
+    """
+    if budget < 1 or every < 1:
+        raise InputError("invalid decoding budget", expected="budget >= 1, every >= 1",
+                         found={"budget": budget, "every": every})
+    logits = session.extend(input_ids)
+    out = []
+    for step in range(max_new_tokens):
+        if step % every == 0:
+            _compress_to(session, policy, budget)
+        out.append(logits.argmax(-1, keepdim=True))
+        if step + 1 < max_new_tokens:
+            logits = session.extend(out[-1])
+    return torch.cat(out, dim=1)
+
+
+def _compress_to(session: Any, policy: Policy, budget: int) -> None:
+    from dataclasses import replace as replace_policy
+
+    slots = max((layer.slots for layer in session.state.layers if isinstance(layer, AttentionLayerState)), default=0)
+    if slots > budget:
+        session.compress(replace_policy(policy, ratio=1.0 - budget / slots))
