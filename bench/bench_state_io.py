@@ -16,27 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from common import median_time
 from kvstate import Session, codec
 from kvstate.default_model import load_default_model
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def prompt_ids(tokenizer, n: int) -> torch.Tensor:

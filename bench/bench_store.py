@@ -14,7 +14,6 @@ import argparse
 import json
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from common import median_time
 from kvstate import PrefixStore, Session
 from kvstate.default_model import load_default_model
 
@@ -40,15 +40,6 @@ def start_redis(folder: str) -> tuple[subprocess.Popen, str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def ttft(model, prefix, request, location: str, repeats: int) -> dict:
     Session(model, store=PrefixStore(location)).generate(prefix, max_new_tokens=1, do_sample=False)  # populate
 
@@ -60,15 +51,16 @@ def ttft(model, prefix, request, location: str, repeats: int) -> dict:
     def without():
         Session(model).generate(request, max_new_tokens=1, do_sample=False)
 
-    a, b = timed(without, repeats), timed(with_store, repeats)
+    a, b = median_time(without, repeats), median_time(with_store, repeats)
     return {"no_store_s": a, "store_hit_s": b, "ratio": a / b}
 
 
 def miss_cost(model, request, location: str, repeats: int) -> dict:
     store = PrefixStore(location, namespace="never-written")
     session = Session(model)
-    lookup = timed(lambda: store.lookup(session, request, [], longer_than=0, at_most=request.shape[1] - 1), repeats)
-    prefill = timed(lambda: Session(model).generate(request, max_new_tokens=1, do_sample=False), repeats)
+    last = request.shape[1] - 1
+    lookup = median_time(lambda: store.lookup(session, request, [], longer_than=0, at_most=last), repeats)
+    prefill = median_time(lambda: Session(model).generate(request, max_new_tokens=1, do_sample=False), repeats)
     return {"lookup_s": lookup, "prefill_s": prefill, "overhead_pct": 100 * lookup / prefill}
 
 
