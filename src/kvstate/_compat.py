@@ -164,6 +164,11 @@ def recurrent_gemma_zero(model: Any, batch_size: int, device: torch.device, dtyp
     model.model._setup_cache(model.config, batch_size, device, dtype)
 
 
+def attention_implementation(model: Any) -> str:
+    """The attention backend the decoder runs with (e.g. ``sdpa`` or ``eager``)."""
+    return str(model.config.get_text_config(decoder=True)._attn_implementation)
+
+
 def decoder_layers(model: Any) -> list[Any]:
     """The decoder layers, in order (for Qwen-VL, those of the language model)."""
     return list(model.get_decoder().layers)

@@ -80,8 +80,8 @@ SLIDING = ("gemma2", "gemma3_text")
 _EAGER_ONLY = ("gemma2", "mamba", "mamba2")  # transformers has no sdpa path for these
 
 
-def tiny_config(model_type: str, attn: str | None = None) -> Any:
-    """The tiny config of ``model_type`` with attention backend ``attn`` (default sdpa)."""
+def tiny_config(model_type: str) -> Any:
+    """The tiny config of ``model_type``."""
     from transformers import AutoConfig
 
     from .errors import UnsupportedModelError
@@ -90,9 +90,11 @@ def tiny_config(model_type: str, attn: str | None = None) -> Any:
         raise UnsupportedModelError(f"no tiny config for {model_type!r}", expected=sorted(CONFIGS),
                                     found=model_type, fix="pick one of the listed model types")
     extra = _COMMON if model_type in _STANDARD else {}
-    config = AutoConfig.for_model(model_type, **{**extra, **CONFIGS[model_type]})
-    config._attn_implementation = attn or ("eager" if model_type in _EAGER_ONLY else "sdpa")
-    return config
+    return AutoConfig.for_model(model_type, **{**extra, **CONFIGS[model_type]})
+
+
+def _backend(model_type: str, attn: str | None) -> str:
+    return attn or ("eager" if model_type in _EAGER_ONLY else "sdpa")
 
 
 def tiny_model(model_type: str, seed: int = 0, attn: str | None = None) -> Any:
@@ -101,7 +103,8 @@ def tiny_model(model_type: str, seed: int = 0, attn: str | None = None) -> Any:
 
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if model_type in QWEN_VL else AutoModelForCausalLM
-    model = auto.from_config(tiny_config(model_type, attn), dtype=torch.float32)
+    model = auto.from_config(tiny_config(model_type), dtype=torch.float32,
+                             attn_implementation=_backend(model_type, attn))
     # No EOS: every greedy run makes exactly max_new_tokens, so rows stay comparable.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

@@ -80,8 +80,8 @@ def _observe(model: Any, adapter: Any, state: State, window: int) -> dict[int, t
     masks = layer_masks(model, base.layers, positions) if needs_masks(base.layers) else nullcontext()
     kwargs = {"position_ids": adapter.model_positions(positions)} if adapter.takes_position_ids else {}
     with _compat.attention_backend(model, "eager"), masks, torch.no_grad():
-        out = model(input_ids=state.tokens[:, T - window:], cache=cache, use_cache=True, output_attentions=True,
-                    logits_to_keep=1, **kwargs)
+        out = model(input_ids=state.tokens[:, T - window:], use_cache=True, output_attentions=True,
+                    logits_to_keep=1, **{_compat.CACHE_KWARG: cache}, **kwargs)
     indices = [i for i, layer in enumerate(state.layers) if isinstance(layer, AttentionLayerState)]
     maps = [a for a in out.attentions if a is not None]
     if len(maps) != len(indices):

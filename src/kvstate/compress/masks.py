@@ -41,7 +41,7 @@ def layer_masks(model: Any, layers: tuple[LayerState, ...], first: torch.Tensor)
     ``first`` ``[B, Q(, R)]`` are the positions of the first forward's tokens; later
     forwards (``generate`` steps) continue each position component by one.
     """
-    backend = model.config.get_text_config(decoder=True)._attn_implementation
+    backend = _compat.attention_implementation(model)
     if backend not in _BACKENDS:
         raise UnsupportedError("compressed states need per-layer masks", expected=_BACKENDS, found=backend,
                                fix="load the model with attn_implementation='sdpa' or 'eager'")

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from ..adapters import adapter_for
 from ..errors import InputError
 from .contract import (
@@ -64,7 +65,7 @@ def verify(model: Any, input_ids: torch.Tensor, *, new_tokens: int = 16, name: s
     if fault == "zero-rope-deltas" and (adapter_for(model).synthetic_image(model) is None or fresh is None):
         raise InputError("the zero-rope-deltas fault needs a multimodal model and a fresh instance",
                          expected="a Qwen-VL model and fresh=...", found=type(model).__name__)
-    attn = getattr(model.config, "_attn_implementation", None)
+    attn = _compat.attention_implementation(model)
     matrix = Matrix(model, input_ids, new_tokens, fresh=fresh, spec=spec, attn=attn, fault=fault, quick=quick)
     for step in tqdm(_STEPS, desc="verify", disable=not progress, file=sys.stderr):
         step(matrix)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from ..adapters import adapter_for
 from ..layers import LAYER_KINDS
 from ..session import Session
@@ -102,8 +103,8 @@ def plain(model: Any, state: State, ids: torch.Tensor, n: int, *, mask: bool, po
         new = adapter.chunk_positions(model, state.next_position, suffix, torch.ones_like(suffix, dtype=torch.bool),
                                       inputs)
         kwargs["position_ids"] = adapter.model_positions(new)
-    out = model.generate(input_ids=suffix, cache=cache, max_new_tokens=n, do_sample=False,
-                         return_dict_in_generate=True, output_logits=True, **kwargs)
+    out = model.generate(input_ids=suffix, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
+                         output_logits=True, **{_compat.CACHE_KWARG: cache}, **kwargs)
     return out.logits[0], out.sequences[:, suffix.shape[1]:]
 
 
