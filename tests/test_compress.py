@@ -245,3 +245,13 @@ def test_decoding_under_a_budget_keeps_slots_bounded_and_positions_true():
     same = decode_with_budget(roomy, ids, KNorm(), budget=1000, every=4, max_new_tokens=12)
     plain = Session(model).generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(same, plain)  # a budget that never binds changes nothing
+
+
+def test_attention_policies_refuse_missing_attention():
+    from kvstate.compress import ScoreInput
+    from kvstate.errors import InputError
+
+    x = ScoreInput(layer=0, n_layers=1, keys=torch.randn(1, 2, 6, 8), positions=torch.arange(6)[None])
+    for policy in (TOVA(0.5), SnapKV(0.5, window=2, kernel=3)):
+        with pytest.raises(InputError, match="attention weights"):
+            policy.scores(x)

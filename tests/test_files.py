@@ -205,3 +205,16 @@ def test_wrong_version_and_garbage(tmp_path):
         load_state(tmp_path / "junk.kvs")
     with pytest.raises(StateFileError, match="cannot read"):
         load_state(tmp_path / "missing.kvs")
+
+
+def test_pure_ssm_state_dtype_is_checked_and_castable(tmp_path):
+    s = Session(tiny_model("mamba2"))
+    s.extend(prompt(10))
+    s.save(tmp_path / "s.kvs")
+    assert s.state.kv_dtype == torch.float32  # from the conv windows: there is no K/V
+    bf16 = tiny_model("mamba2").to(torch.bfloat16)
+    with pytest.raises(DtypeMismatchError):
+        Session.load(tmp_path / "s.kvs", bf16)
+    cast = Session.load(tmp_path / "s.kvs", bf16, cast_dtype=True)
+    assert cast.state.metadata["kvstate.cast"] == "float32 -> bfloat16"
+    assert cast.extend(prompt(2, seed=3)).isfinite().all()

@@ -132,13 +132,6 @@ def _read_recurrent(hf_layer: Any, tokens_seen: int) -> RecurrentLayerState:
     return RecurrentLayerState(conv, rec, tokens_seen)
 
 
-def cache_tokens_seen(hf_layer: object) -> int:
-    """Tokens seen by one transformers attention cache layer (its own notion, per class)."""
-    if isinstance(hf_layer, DynamicSlidingWindowLayer):
-        return int(hf_layer.cumulative_length)
-    return int(DynamicLayer.get_seq_length(hf_layer))  # type: ignore[arg-type]
-
-
 def set_rope_deltas(model: Any, value: torch.Tensor | None) -> None:
     """Qwen-VL keeps its M-RoPE offset on the inner model (``model.model.rope_deltas``)."""
     model.model.rope_deltas = value
@@ -177,7 +170,7 @@ def decoder_layers(model: Any) -> list[Any]:
 @contextmanager
 def attention_backend(model: Any, name: str) -> Iterator[None]:
     """Temporarily run ``model`` with another attention implementation (e.g. eager for weights)."""
-    configs = [c for c in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values()]
+    configs = list({id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values())
     before = [c._attn_implementation for c in configs]
     try:
         for c in configs:

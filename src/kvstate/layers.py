@@ -143,8 +143,14 @@ class AttentionLayerState(LayerState):
         keep = self.keep
         if keep is not None and keys.shape[-2] > keep:
             keys, values, positions = keys[:, :, -keep:], values[:, :, -keep:], positions[:, -keep:]
-        return AttentionLayerState(keys, values, positions, tokens_seen, self.window, self.reserve,
-                                   self.compressed_at)
+        return self.with_slots(keys, values, positions, tokens_seen)
+
+    def with_slots(self, keys: torch.Tensor | None, values: torch.Tensor | None, positions: torch.Tensor | None,
+                   tokens_seen: int | None = None, compressed_at: int | None = None) -> AttentionLayerState:
+        """The same layer (window, reserve, compression mark) holding other slots."""
+        return AttentionLayerState(keys, values, positions, self.tokens_seen if tokens_seen is None else tokens_seen,
+                                   self.window, self.reserve,
+                                   self.compressed_at if compressed_at is None else compressed_at)
 
     def rollback_limit(self, n_tokens: int) -> str | None:
         drop = self.tokens_seen - n_tokens
@@ -171,11 +177,10 @@ class AttentionLayerState(LayerState):
         if drop == 0:
             return self
         if self.slots - drop == 0:
-            return AttentionLayerState(None, None, None, n_tokens, self.window, self.reserve, self.compressed_at)
+            return self.with_slots(None, None, None, n_tokens)
         end = self.slots - drop
-        return AttentionLayerState(self.keys[:, :, :end], self.values[:, :, :end],  # type: ignore[index]
-                                   self.positions[:, :end], n_tokens,  # type: ignore[index]
-                                   self.window, self.reserve, self.compressed_at)
+        return self.with_slots(self.keys[:, :, :end], self.values[:, :, :end],  # type: ignore[index]
+                               self.positions[:, :end], n_tokens)  # type: ignore[index]
 
     @property
     def compressed(self) -> bool:
@@ -203,9 +208,8 @@ class AttentionLayerState(LayerState):
     def to(self, device: torch.device | str) -> AttentionLayerState:
         if self.keys is None:
             return self
-        return AttentionLayerState(self.keys.to(device), self.values.to(device),  # type: ignore[union-attr]
-                                   self.positions.to(device), self.tokens_seen,  # type: ignore[union-attr]
-                                   self.window, self.reserve, self.compressed_at)
+        return self.with_slots(self.keys.to(device), self.values.to(device),  # type: ignore[union-attr]
+                               self.positions.to(device))  # type: ignore[union-attr]
 
 
 class RecurrentLayerState(LayerState):

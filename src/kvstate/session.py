@@ -170,8 +170,8 @@ class Session:
         """
         from .files import load_state
 
-        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-        state = load_state(path, map_location=device, dtype=dtype if cast_dtype else None)
+        param = next(model.parameters())
+        state = load_state(path, map_location=param.device, dtype=param.dtype if cast_dtype else None)
         reserve = max((int(layer.meta().get("reserve") or 0) for layer in state.layers), default=0)
         return cls(model, tokenizer=tokenizer, chunk_size=chunk_size, sliding_reserve=reserve, state=state)
 
@@ -315,11 +315,15 @@ class Session:
         start = time.perf_counter()
         with _masks(self.model, state, positions), torch.no_grad():
             out = self.model(**kwargs)
-        if ids.shape[1] > 8:
-            self._seconds_per_token = (time.perf_counter() - start) / ids.shape[1]
+        self._note_prefill_speed(start, ids.shape[1])
         seen = state.tokens_seen + ids.shape[1]
         layers = self._adapter.read_cache(self.model, cache, state.layers, positions, seen)
         return self._next_state(state, ids, mask, positions, layers, out.logits[:, -1, :])
+
+    def _note_prefill_speed(self, start: float, fed: int) -> None:
+        """Remember the per-token cost of a prefill-dominated call (store statistics use it)."""
+        if fed > 8:
+            self._seconds_per_token = (time.perf_counter() - start) / fed
 
     def _next_state(self, state: State, fed: torch.Tensor, mask: torch.Tensor, fed_positions: torch.Tensor,
                     layers: tuple, logits: torch.Tensor | None) -> State:
@@ -383,9 +387,7 @@ class Session:
         with _compat.capture_logits(self.model, T) as logits_at, _masks(self.model, state, suffix_pos), \
                 torch.no_grad():
             out = self.model.generate(**call, **inputs, **{_compat.CACHE_KWARG: cache}, **kwargs)
-        fed = ids.shape[1] - T
-        if fed > 8:  # a prefill-dominated call: remember its cost per token (for store statistics)
-            self._seconds_per_token = (time.perf_counter() - start) / fed
+        self._note_prefill_speed(start, ids.shape[1] - T)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         new_tokens = sequences[:, call["input_ids"].shape[1]:]
         self._state = self._after_generate(state, ids, mask, suffix_pos, new_tokens, cache, logits_at)

@@ -109,10 +109,12 @@ class State:
 
     @property
     def kv_dtype(self) -> torch.dtype | None:
-        for layer in self.layers:
-            keys = layer.tensors().get("keys")
-            if keys is not None:
-                return keys.dtype
+        """dtype of the tensors that follow the model's dtype: K/V, else conv windows (pure SSMs)."""
+        for name_matches in (lambda n: n == "keys", lambda n: n.startswith("conv.")):
+            for layer in self.layers:
+                for name, tensor in layer.tensors().items():
+                    if name_matches(name):
+                        return tensor.dtype
         return None
 
     @property

@@ -16,7 +16,7 @@ import torch
 
 from .. import _compat
 from ..errors import UnsupportedModelError
-from ..layers import AttentionLayerState, LayerState, RecurrentLayerState
+from ..layers import AttentionLayerState, HybridLayerState, LayerState, RecurrentLayerState
 
 
 class Adapter:
@@ -39,8 +39,6 @@ class Adapter:
             if kind == "recurrent":
                 layers.append(RecurrentLayerState({}, {}, 0))
             elif kind == "hybrid":
-                from ..layers import HybridLayerState
-
                 layers.append(HybridLayerState(AttentionLayerState.empty(), RecurrentLayerState({}, {}, 0)))
             else:
                 layers.append(AttentionLayerState.empty(window, sliding_reserve if window else 0))

@@ -63,8 +63,8 @@ def _compress_layer(i: int, n: int, layer: LayerState, policy: Policy, attention
     gather = index[:, None, :, None].expand(B, H, k, D)
     kept_positions = positions.gather(1, index if positions.dim() == 2 else index[..., None].expand(-1, -1,
                                                                                                     positions.shape[2]))
-    return AttentionLayerState(keys.gather(2, gather), values.gather(2, gather), kept_positions, layer.tokens_seen,
-                               layer.window, layer.reserve, compressed_at=tokens_seen)
+    return layer.with_slots(keys.gather(2, gather), values.gather(2, gather), kept_positions,
+                            compressed_at=tokens_seen)
 
 
 def _observe(model: Any, adapter: Any, state: State, window: int) -> dict[int, torch.Tensor]:
@@ -103,8 +103,8 @@ def rerotate(model: Any, state: State) -> State:
     inv_freq = _compat.rope_inv_freq(model)
     (S,) = slots
     target = torch.arange(S, device=state.device).expand(state.batch_size, S)
-    new_layers = tuple(replace_keys(layer, rotate(layer.keys, target - layer.positions, inv_freq), target)
-                       for layer in layers)  # type: ignore[arg-type]
+    new_layers = tuple(layer.with_slots(rotate(layer.keys, target - layer.positions, inv_freq),  # type: ignore[arg-type]
+                                        layer.values, target) for layer in layers)
     track = torch.full_like(state.positions, -1)  # evicted tokens have no place in the new frame
     track.scatter_(1, layers[0].positions, target)  # type: ignore[arg-type]
     return replace(state, layers=new_layers, positions=track, next_position=torch.full_like(state.next_position, S))
@@ -118,11 +118,6 @@ def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
     k = keys.double()
     rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
     return (k * emb.cos() + rotated_half * emb.sin()).to(keys.dtype)
-
-
-def replace_keys(layer: AttentionLayerState, keys: torch.Tensor, positions: torch.Tensor) -> AttentionLayerState:
-    return AttentionLayerState(keys, layer.values, positions, layer.tokens_seen, layer.window, layer.reserve,
-                               layer.compressed_at)
 
 
 def decode_with_budget(session: Any, input_ids: torch.Tensor, policy: Policy, *, budget: int, every: int,

@@ -56,6 +56,15 @@ class Policy:
         return S - int(S * self.ratio_for(x.layer, x.n_layers))
 
 
+def _attention(x: ScoreInput, policy: Policy) -> torch.Tensor:
+    """The observation attention an attention-based policy scores with."""
+    if x.attention is None:
+        raise InputError(f"{type(policy).__name__} scores from attention weights",
+                         expected=f"ScoreInput.attention [B, H, {policy.observation_window}, S]", found=None,
+                         fix="let Session.compress compute it, or pass the last queries' attention")
+    return x.attention
+
+
 @dataclass(frozen=True)
 class StreamingLLM(Policy):
     """Attention sinks + recent window (Xiao et al. 2023, arXiv:2309.17453)."""
@@ -97,8 +106,7 @@ class TOVA(Policy):
         return 1
 
     def scores(self, x: ScoreInput) -> torch.Tensor:
-        assert x.attention is not None
-        return x.attention[:, :, -1, :].float().mean(dim=1)
+        return _attention(x, self).float()[:, :, -1, :].mean(dim=1)
 
 
 @dataclass(frozen=True)
@@ -119,8 +127,7 @@ class SnapKV(Policy):
         return self.window
 
     def scores(self, x: ScoreInput) -> torch.Tensor:
-        assert x.attention is not None
-        votes = x.attention.float().sum(dim=2).mean(dim=1)  # [B, S]
+        votes = _attention(x, self).float().sum(dim=2).mean(dim=1)  # [B, S]
         pooled = torch.nn.functional.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
         pooled[:, -self.window:] = float("inf")  # the observation window always stays
         return pooled
