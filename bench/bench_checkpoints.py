@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kvstate import Session
-from kvstate.tiny import CONFIGS, tiny_model, tiny_prompt
+from kvstate.testing.tiny import CONFIGS, tiny_model, tiny_prompt
 
 RESULTS = Path(__file__).parent / "results"
 

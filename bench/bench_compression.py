@@ -24,7 +24,7 @@ import torch
 
 from kvstate import Session
 from kvstate.compress import TOVA, KNorm, PerLayerBudget, Random, SnapKV, StreamingLLM
-from kvstate.default_model import load_default_model
+from kvstate.testing import load_default_model
 
 RESULTS = Path(__file__).parent / "results"
 BUDGETS = (1.0, 0.5, 0.25, 0.1)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvstate import Session
-from kvstate.default_model import load_default_model
+from kvstate.testing import load_default_model
 
 RESULTS = Path(__file__).parent / "results"
 

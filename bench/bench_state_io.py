@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from common import median_time
 from kvstate import Session, codec
-from kvstate.default_model import load_default_model
+from kvstate.testing import load_default_model
 
 RESULTS = Path(__file__).parent / "results"
 

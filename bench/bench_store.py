@@ -24,7 +24,7 @@ import torch
 
 from common import median_time
 from kvstate import PrefixStore, Session
-from kvstate.default_model import load_default_model
+from kvstate.testing import load_default_model
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -15,7 +15,7 @@ import torch
 
 from kvstate import Session, supported_model_types
 from kvstate.compress import TOVA, KNorm, PerLayerBudget, Random, ReRotate, SnapKV, StreamingLLM
-from kvstate.tiny import IMAGE_TOKEN, image_span, tiny_image
+from kvstate.testing.tiny import IMAGE_TOKEN, image_span, tiny_image
 from tiny import WINDOW, assert_logits_close, prompt, tiny_model
 
 POLICIES = {
@@ -171,7 +171,7 @@ CHILD = r"""
 import sys, torch
 from safetensors.torch import save_file
 from kvstate import Session
-from kvstate.tiny import tiny_model, tiny_prompt
+from kvstate.testing.tiny import tiny_model, tiny_prompt
 s = Session.load(sys.argv[1], tiny_model("gemma3_text"))
 save_file({"logits": s.extend(tiny_prompt(5, seed=4)).contiguous()}, sys.argv[2])
 """
@@ -222,7 +222,7 @@ def test_rerotate_matches_keys_recomputed_at_new_positions(scaling):
 def _scaled_llama(scaling):
     from transformers import AutoModelForCausalLM
 
-    from kvstate.tiny import tiny_config
+    from kvstate.testing.tiny import tiny_config
 
     config = tiny_config("llama")
     config.rope_parameters = scaling

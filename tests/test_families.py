@@ -7,7 +7,7 @@ import torch
 
 from kvstate import RollbackError, Session
 from kvstate.errors import EmptyStateError
-from kvstate.tiny import IMAGE_TOKEN, QWEN_VL, RECURRENT, image_span, tiny_image
+from kvstate.testing.tiny import IMAGE_TOKEN, QWEN_VL, RECURRENT, image_span, tiny_image
 from tiny import assert_logits_close, prompt, tiny_model
 
 FAMILIES = [*RECURRENT, *QWEN_VL]

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from kvstate import Session, StateFileError, inspect_state, load_state
 from kvstate.errors import DtypeMismatchError, FingerprintMismatchError, LayoutMismatchError
-from kvstate.tiny import RECURRENT
+from kvstate.testing.tiny import RECURRENT
 from tiny import CONFIGS, WINDOW, prompt, tiny_model
 
 ARCHS = sorted(CONFIGS)
@@ -71,7 +71,7 @@ CHILD = r"""
 import sys, torch
 from safetensors.torch import save_file
 from kvstate import Session
-from kvstate.tiny import tiny_model, tiny_prompt
+from kvstate.testing.tiny import tiny_model, tiny_prompt
 folder, archs = sys.argv[1], sys.argv[2:]
 out = {}
 for arch in archs:
@@ -191,13 +191,13 @@ def test_real_safetensors_and_exact_size(tmp_path):
 
 
 def test_wrong_version_and_garbage(tmp_path):
-    from kvstate import statefile
+    from kvstate.io import container
 
     s = Session(tiny_model("llama"))
     s.extend(prompt(4))
     s.save(tmp_path / "s.kvs")
-    header, tensors = statefile.read(tmp_path / "s.kvs")
-    statefile.write(tmp_path / "v2.kvs", tensors, {**header, "version": 2})
+    header, tensors = container.read(tmp_path / "s.kvs")
+    container.write(tmp_path / "v2.kvs", tensors, {**header, "version": 2})
     with pytest.raises(StateFileError, match="version"):
         load_state(tmp_path / "v2.kvs")
     (tmp_path / "junk.kvs").write_bytes(b"\xff" * 8 + b"{}")

@@ -17,7 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstate import AttentionLayerState, Session, State, StateFileError, codec, load_state, statefile
+from kvstate import AttentionLayerState, Session, State, StateFileError, load_state, save_state
+from kvstate.io import container, schema
 from test_files import assert_states_equal
 from tiny import prompt, tiny_model
 
@@ -32,7 +33,7 @@ def original(tmp_path_factory):
 
 
 def load_bytes(data: bytes) -> State:
-    return codec.decode(*statefile.parse(data, "fuzz"))
+    return schema.decode(*container.parse(data, "fuzz"))
 
 
 mutation = st.one_of(
@@ -133,7 +134,7 @@ def synthetic_state(slots: int, seed: int) -> State:
 def test_sigkill_during_save_never_leaves_a_torn_file(tmp_path):
     path = tmp_path / "state.kvs"
     old, new = synthetic_state(3000, 1), synthetic_state(3100, 2)  # ~6 MB each: saves take a while
-    old.save(path)
+    save_state(old, path)
     rng = random.Random(99)
     outcomes = {"old": 0, "new": 0}
     for _ in range(50):
@@ -141,7 +142,7 @@ def test_sigkill_during_save_never_leaves_a_torn_file(tmp_path):
         if pid == 0:  # child: overwrite the file with the new state, over and over
             try:
                 while True:
-                    new.save(path)
+                    save_state(new, path)
             finally:
                 os._exit(0)
         time.sleep(rng.uniform(0.0, 0.05))
@@ -151,7 +152,7 @@ def test_sigkill_during_save_never_leaves_a_torn_file(tmp_path):
         which = "old" if loaded.tokens_seen == 3000 else "new"
         assert_states_equal(loaded, old if which == "old" else new)
         outcomes[which] += 1
-        old.save(path)  # reset, so the next kill races the old -> new replacement again
+        save_state(old, path)  # reset, so the next kill races the old -> new replacement again
     assert outcomes["old"] + outcomes["new"] == 50
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "state.kvs"]
     assert all(name.endswith(".tmp") for name in leftovers)  # only abandoned temp files remain

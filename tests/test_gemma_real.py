@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstate import Session
-from kvstate.default_model import load_default_model
+from kvstate.testing import load_default_model
 from tiny import assert_logits_close
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from kvstate import PrefixStore, Session
-from kvstate.files import state_from_bytes, state_to_bytes
-from kvstate.tiny import image_span, tiny_image
+from kvstate.io import state_from_bytes, state_to_bytes
+from kvstate.protocols import PrefixQuery
+from kvstate.testing.tiny import image_span, tiny_image
 from tiny import prompt, tiny_model
 
 CHUNK = 16
@@ -64,7 +65,7 @@ def location(request, tmp_path):
 WORKER = r"""
 import json, sys, torch
 from kvstate import PrefixStore, Session
-from kvstate.tiny import tiny_model
+from kvstate.testing.tiny import tiny_model
 location, arch, ids = sys.argv[1], sys.argv[2], torch.tensor(json.loads(sys.argv[3]))
 session = Session(tiny_model(arch), store=PrefixStore(location, chunk_tokens=16))
 out = session.generate(ids, max_new_tokens=6, do_sample=False)
@@ -113,7 +114,7 @@ def test_isolation_by_model_namespace_and_image(tmp_path):
     ids = prompt(40)
     store = PrefixStore(tmp_path / "s", chunk_tokens=CHUNK)
     a, b = Session(tiny_model("llama", seed=0), store=store), Session(tiny_model("llama", seed=1), store=store)
-    assert store.keys(a, ids, [], False) != store.keys(b, ids, [], False)
+    assert store.keys(a.fingerprint, ids, (), False) != store.keys(b.fingerprint, ids, (), False)
     a.generate(ids, max_new_tokens=2, do_sample=False)
     tokens = b.generate(torch.cat([ids, prompt(3, seed=2)], 1), max_new_tokens=4, do_sample=False)
     assert b.last_plan.reused == 0  # never served the other model's state
@@ -127,10 +128,10 @@ def test_isolation_by_model_namespace_and_image(tmp_path):
     pix1, grid, n = tiny_image((4, 6), seed=1)
     pix2, _, _ = tiny_image((4, 6), seed=2)
     history = torch.cat([prompt(4), image_span(n), prompt(30, seed=3)], 1)
-    assert store.keys(vl, history, vl._adapter.media_hashes(vl.model, history, {"pixel_values": pix1,
-                                                                               "image_grid_thw": grid}), False) != \
-        store.keys(vl, history, vl._adapter.media_hashes(vl.model, history, {"pixel_values": pix2,
-                                                                            "image_grid_thw": grid}), False)
+    media1 = vl._adapter.media_hashes(vl.model, history, {"pixel_values": pix1, "image_grid_thw": grid})
+    media2 = vl._adapter.media_hashes(vl.model, history, {"pixel_values": pix2, "image_grid_thw": grid})
+    assert store.keys(vl.fingerprint, history, tuple(media1), False) != \
+        store.keys(vl.fingerprint, history, tuple(media2), False)
     vl.generate(history, max_new_tokens=2, do_sample=False, pixel_values=pix1, image_grid_thw=grid)
     again = Session(tiny_model("qwen3_vl"), store=store)
     again.generate(torch.cat([history, prompt(2, seed=4)], 1), max_new_tokens=2, do_sample=False,
@@ -145,17 +146,18 @@ def test_compressed_states_are_stored_apart(tmp_path):
     s = Session(tiny_model("llama"), store=store)
     ids = prompt(33)
     s.extend(ids)
-    plain_keys = store.keys(s, ids, [], False)
+    plain_keys = store.keys(s.fingerprint, ids, (), False)
     s.compress(KNorm(0.5))
-    assert store.save(s, []) == 0  # a compressed state cannot be truncated to chunk boundaries
-    assert store.keys(s, ids, [], True)[0] != plain_keys[0]
+    query = PrefixQuery(s.fingerprint, ids)
+    assert store.offer(s.state, query) == 0  # a compressed state cannot be truncated to chunk boundaries
+    assert store.keys(s.fingerprint, ids, (), True)[0] != plain_keys[0]
 
 
 STRESS = r"""
 import random, sys
 import torch
 from kvstate import AttentionLayerState, PrefixStore, State
-from kvstate.files import state_from_bytes, state_to_bytes
+from kvstate.io import state_from_bytes, state_to_bytes
 location, seed, capacity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 store = PrefixStore(location, capacity_bytes=capacity)
 

@@ -12,7 +12,7 @@ import pytest
 from kvstate import supported_model_types
 from kvstate.cli import main
 from kvstate.errors import InputError
-from kvstate.tiny import QWEN_VL, RECURRENT
+from kvstate.testing.tiny import QWEN_VL, RECURRENT
 from kvstate.verify import verify
 from tiny import prompt, tiny_model
 

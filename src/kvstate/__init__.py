@@ -1,39 +1,62 @@
-"""kvstate: explicit, portable, provably exact generation state for transformers models."""
+"""kvstate: explicit, portable, provably exact generation state for transformers models.
 
-from .adapters import Adapter, register, supported_model_types
-from .errors import (
-    KVStateError,
-    RollbackError,
-    StateFileError,
-    UnsupportedError,
-    UnsupportedModelError,
-)
-from .files import inspect_state, load_state, save_state
-from .fingerprint import Fingerprint, fingerprint
-from .layers import AttentionLayerState, LayerState
-from .session import ResumePlan, Session
-from .state import State
-from .store import PrefixStore
+Names are imported on first use (PEP 562), so ``import kvstate`` and ``kvstate --help``
+do not load torch or transformers.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+
+_EXPORTS = {
+    "Session": "session", "StoreWarning": "errors",
+    "State": "state", "LayerState": "layers", "AttentionLayerState": "layers",
+    "ResumePlan": "resume",
+    "PrefixStore": "store",
+    "save_state": "io", "load_state": "io", "inspect_state": "io",
+    "Fingerprint": "fingerprint", "fingerprint": "fingerprint",
+    "Adapter": "adapters", "Capabilities": "adapters", "register": "adapters", "supported_model_types": "adapters",
+    "KVStateError": "errors", "InputError": "errors", "RollbackError": "errors", "StateFileError": "errors",
+    "UnsupportedError": "errors", "UnsupportedModelError": "errors",
+}
 __all__ = [
-    "Adapter",
-    "AttentionLayerState",
-    "Fingerprint",
-    "KVStateError",
-    "LayerState",
-    "PrefixStore",
-    "ResumePlan",
-    "RollbackError",
-    "Session",
-    "State",
-    "StateFileError",
-    "UnsupportedError",
-    "UnsupportedModelError",
-    "fingerprint",
-    "inspect_state",
-    "load_state",
-    "register",
-    "save_state",
-    "supported_model_types",
+    "Adapter", "AttentionLayerState", "Capabilities", "Fingerprint", "InputError", "KVStateError", "LayerState",
+    "PrefixStore", "ResumePlan", "RollbackError", "Session", "State", "StateFileError", "StoreWarning",
+    "UnsupportedError", "UnsupportedModelError", "fingerprint", "inspect_state", "load_state", "register",
+    "save_state", "supported_model_types",
 ]
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .adapters import Adapter, Capabilities, register, supported_model_types
+    from .errors import (
+        InputError,
+        KVStateError,
+        RollbackError,
+        StateFileError,
+        StoreWarning,
+        UnsupportedError,
+        UnsupportedModelError,
+    )
+    from .fingerprint import Fingerprint, fingerprint
+    from .io import inspect_state, load_state, save_state
+    from .layers import AttentionLayerState, LayerState
+    from .resume import ResumePlan
+    from .session import Session
+    from .state import State
+    from .store import PrefixStore
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -2,13 +2,12 @@
 
 What moves between transformers minor releases: the cache keyword (5.24 renamed
 ``past_key_values`` to ``cache``), cache layer classes and their private fields
-(``cumulative_length``), and the private generation helpers used to pick the first
-token from stored logits. Nothing else in kvstate imports ``transformers`` internals.
+(``cumulative_length``), and the generation helpers ``_prepare_generation_config``
+and ``_prefill``. Nothing else in kvstate imports ``transformers`` internals.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,8 +20,9 @@ from transformers.cache_utils import (
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionLayer,
 )
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .errors import UnsupportedError
+from .errors import KVStateError, UnsupportedError
 from .layers import AttentionLayerState, HybridLayerState, LayerState, RecurrentLayerState
 
 CACHE_KWARG = "cache"  # was "past_key_values" before 5.24
@@ -98,32 +98,35 @@ def _fill_recurrent(hf_layer: Any, layer: RecurrentLayerState) -> None:
 
 def read_cache(cache: DynamicCache, layers: tuple[LayerState, ...], new_positions: torch.Tensor,
                tokens_seen: int) -> tuple[LayerState, ...]:
-    """New layer states after transformers appended tokens fed at ``new_positions`` ``[B, Q(, R)]``.
+    """New layer states after transformers appended the tokens fed at ``new_positions`` ``[B, Q(, R)]``.
 
-    ``tokens_seen`` is the slot count after the call, counted by the caller (pure
-    recurrent caches have no sequence length to ask).
+    ``Q`` and ``tokens_seen`` come from the engine's record of what was fed, never from
+    the tensors: a layer that did not append exactly ``Q`` slots is an error.
     """
     out: list[LayerState] = []
-    for hf_layer, layer in zip(cache.layers, layers, strict=True):
+    for i, (hf_layer, layer) in enumerate(zip(cache.layers, layers, strict=True)):
         if isinstance(layer, HybridLayerState):
-            out.append(HybridLayerState(_read_attention(hf_layer, layer.attention, new_positions),
+            out.append(HybridLayerState(_read_attention(i, hf_layer, layer.attention, new_positions),
                                         _read_recurrent(hf_layer, tokens_seen)))
         elif isinstance(layer, RecurrentLayerState):
             out.append(_read_recurrent(hf_layer, tokens_seen))
         else:
-            out.append(_read_attention(hf_layer, layer, new_positions))  # type: ignore[arg-type]
+            out.append(_read_attention(i, hf_layer, layer, new_positions))  # type: ignore[arg-type]
     return tuple(out)
 
 
-def _read_attention(hf_layer: Any, layer: AttentionLayerState, new_positions: torch.Tensor) -> AttentionLayerState:
-    # Counted from stored slots, not the layer's own length: compressed layers hold fewer slots than tokens.
-    added = hf_layer.keys.shape[-2] - layer.slots
-    seen = layer.tokens_seen + added
+def _read_attention(index: int, hf_layer: Any, layer: AttentionLayerState,
+                    new_positions: torch.Tensor) -> AttentionLayerState:
+    added = new_positions.shape[1]
+    stored = 0 if hf_layer.keys is None or not hf_layer.is_initialized else int(hf_layer.keys.shape[-2])
+    # Sliding layers may only be trimmed (to the window) by generate's own stop check; nothing else may differ.
+    if stored != layer.slots + added and not (layer.window is not None and stored < layer.slots + added):
+        raise KVStateError(f"layer {index} did not store the tokens it was fed", expected=layer.slots + added,
+                           found=stored, fix="this model does not fill the transformers cache it is given; "
+                           "report it with `kvstate verify --model ...`")
     old = layer.positions if layer.positions is not None else new_positions[:, :0]
-    # Fed tokens are appended in order; a rolled-back extra step drops the last ones.
-    positions = torch.cat([old, new_positions[:, :added]], dim=1)
-    positions = positions[:, positions.shape[1] - hf_layer.keys.shape[-2]:]
-    return layer.appended(hf_layer.keys, hf_layer.values, positions, seen)
+    positions = torch.cat([old, new_positions], dim=1)[:, layer.slots + added - stored:]
+    return layer.appended(hf_layer.keys, hf_layer.values, positions, layer.tokens_seen + added)
 
 
 def _read_recurrent(hf_layer: Any, tokens_seen: int) -> RecurrentLayerState:
@@ -195,50 +198,41 @@ def rope_inv_freq(model: Any) -> torch.Tensor:
     return rotary.inv_freq
 
 
-def generation_config(model: object, kwargs: dict[str, object]) -> tuple[GenerationConfig, dict]:
-    """The model's generation config updated with ``kwargs``; returns (config, model kwargs)."""
-    config = copy.deepcopy(model.generation_config)  # type: ignore[attr-defined]
-    unused = config.update(**kwargs)
-    return config, unused
 
 
-def first_token(model: object, config: GenerationConfig, input_ids: torch.Tensor,
-                logits: torch.Tensor) -> torch.Tensor:
-    """Pick the next token ``[B]`` from stored ``logits`` ``[B, V]`` the way ``generate`` would."""
-    config = copy.deepcopy(config)  # the helper below turns special tokens into tensors in place
-    model._prepare_special_tokens(config, kwargs_has_attention_mask=True,  # type: ignore[attr-defined]
-                                  device=input_ids.device, batch_size=input_ids.shape[0])
-    processors = model._get_logits_processor(  # type: ignore[attr-defined]
-        generation_config=config, input_ids_seq_length=input_ids.shape[-1],
-        encoder_input_ids=input_ids, prefix_allowed_tokens_fn=None, logits_processor=None,
-        device=input_ids.device, model_kwargs={})
-    scores = processors(input_ids, logits.to(dtype=torch.float32, copy=True))
-    if config.do_sample:
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-    return torch.argmax(scores, dim=-1)
+def empty_cache(config: object) -> DynamicCache:
+    """An empty transformers cache for ``config`` (a placeholder that ``generate`` never reads)."""
+    return DynamicCache(config=config)  # type: ignore[arg-type]
+
+
+def prepare_generation_config(model: Any, generation_config: GenerationConfig | None,
+                              kwargs: dict[str, Any]) -> tuple[GenerationConfig, dict[str, Any]]:
+    """The config ``model.generate`` would run with, and the kwargs it would hand the model.
+
+    The same private helper ``generate`` calls, so defaults (``model.generation_config``,
+    global defaults such as top-k 50) resolve exactly as on the plain path.
+    """
+    return model._prepare_generation_config(generation_config, **kwargs)
+
+
+def lm_output(logits: torch.Tensor, cache: Any) -> CausalLMOutputWithPast:
+    """A model output carrying last-position ``logits`` ``[B, 1, V]`` and ``cache``."""
+    return CausalLMOutputWithPast(logits=logits, **{CACHE_KWARG: cache})
 
 
 @contextmanager
-def capture_logits(model: torch.nn.Module, start: int) -> Iterator[Callable[[int], torch.Tensor | None]]:
-    """Record each forward's last-position logits, keyed by slots processed after it.
+def replaced_prefill(model: Any, prefill: Callable[[], CausalLMOutputWithPast]) -> Iterator[None]:
+    """Run ``model.generate`` with its first forward (``_prefill``) replaced by ``prefill()``.
 
-    Yields ``lookup(tokens_seen) -> logits [B, V] | None``. The key counts the tokens
-    fed since ``start`` (so models whose outputs carry no cache work too), and it is a
-    key, not "the latest", because generate may run one extra step and roll it back.
+    ``generate`` then does everything else itself (logits processors, stopping criteria,
+    streamers, sampling, outputs) over the full history it was given. Scoped to one
+    call: the instance attribute is removed in ``finally``.
     """
-    seen: dict[int, torch.Tensor] = {}
-    fed = [start]
-
-    def hook(_module: object, _args: object, kwargs: dict[str, Any], output: object) -> None:
-        ids = kwargs.get("input_ids")
-        embeds = kwargs.get("inputs_embeds")
-        fed[0] += int(ids.shape[1] if ids is not None else embeds.shape[1])  # type: ignore[union-attr]
-        if len(seen) > 4:
-            seen.pop(min(seen))
-        seen[fed[0]] = output.logits[:, -1, :].detach()  # type: ignore[attr-defined]
-
-    handle = model.register_forward_hook(hook, with_kwargs=True)
+    if not callable(getattr(type(model), "_prefill", None)):
+        raise UnsupportedError("this transformers version has no GenerationMixin._prefill",
+                               found=type(model).__name__, fix="install a transformers version kvstate supports")
+    model._prefill = lambda *args, **kwargs: prefill()
     try:
-        yield seen.get
+        yield
     finally:
-        handle.remove()
+        del model._prefill

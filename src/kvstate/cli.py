@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .verify.rows import FAULTS
+from .verify.faults import FAULTS
 
 EPILOG = """examples:
   kvstate verify                        # the embedded Gemma-3-270M, default prompt
@@ -74,13 +74,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(spec: str, attn: str | None = None) -> tuple[Any, Any]:
-    from .models import load_model
+    from .testing.models import load_model
 
     return load_model(spec, attn)
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Any) -> Any:
-    from .tiny import tiny_prompt
+    from .testing.tiny import tiny_prompt
     from .verify import DEFAULT_PROMPT
 
     text = args.prompt_file.read_text() if args.prompt_file else args.prompt
@@ -118,7 +118,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .files import inspect_state
+    from .io import inspect_state
 
     info = inspect_state(args.file)
     print(json.dumps(info, indent=2) if args.json else _inspect_table(info))

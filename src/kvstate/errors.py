@@ -84,3 +84,7 @@ class StateFileError(KVStateError):
 
 class LayoutMismatchError(KVStateError):
     """The state's layers (count, kinds, heads, head dim) do not fit the model."""
+
+
+class StoreWarning(UserWarning):
+    """A prefix store failed; the call went on without it (a store is a cache, never the answer)."""

@@ -7,6 +7,7 @@ expected value, the value found, and the fix. The per-token path never re-checks
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -24,17 +25,47 @@ from .fingerprint import Fingerprint
 from .state import State
 
 
-def as_ids(input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
-           device: torch.device) -> torch.Tensor:
-    """``input_ids`` as an int64 ``[B, L]`` tensor on ``device``."""
-    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids)
+def as_ids(input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], device: torch.device,
+           vocab_size: int) -> torch.Tensor:
+    """``input_ids`` as a fresh int64 ``[B, L]`` tensor on ``device`` (never the caller's memory)."""
+    try:
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise InputError("input_ids must be token ids", expected="int tensor [B, L] or nested lists of ints",
+                         found=f"{type(input_ids).__name__}: {str(exc)[:120]}",
+                         fix="pass tokenizer(..., return_tensors='pt').input_ids") from exc
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
-    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8) or ids.is_meta:
         raise InputError("input_ids must be token ids", expected="int tensor [B, L]",
-                         found=f"{ids.dtype} tensor of shape {tuple(ids.shape)}",
+                         found=f"{ids.dtype} tensor of shape {tuple(ids.shape)} on {ids.device}",
                          fix="pass tokenizer(..., return_tensors='pt').input_ids")
-    return ids.to(device=device, dtype=torch.long)
+    ids = ids.to(device=device, dtype=torch.long, copy=True)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise InputError("token id out of the vocabulary", expected=f"0 <= id < {vocab_size}",
+                         found=f"ids from {int(ids.min())} to {int(ids.max())}",
+                         fix="encode with this model's tokenizer")
+    return ids
+
+
+def history_mask(ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The bool mask ``[B, L]`` of a full history (a fresh copy; all ones when None)."""
+    if attention_mask is None:
+        return torch.ones_like(ids, dtype=torch.bool)
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
+        raise MaskError("attention_mask must match input_ids", expected=tuple(ids.shape),
+                        found=tuple(getattr(attention_mask, "shape", ())) or type(attention_mask).__name__,
+                        fix="pass the full-history mask")
+    return attention_mask.to(device=ids.device, dtype=torch.bool, copy=True)
+
+
+def model_inputs(inputs: dict[str, Any], allowed: tuple[str, ...], family: str) -> dict[str, Any]:
+    """The extra model inputs a family takes (e.g. pixels); anything else is a typed error."""
+    unknown = sorted(set(inputs) - set(allowed))
+    if unknown:
+        raise InputError(f"unknown model inputs for {family} models", expected=list(allowed) or "none",
+                         found=unknown, fix="pass only token ids, attention_mask and the family's media inputs")
+    return dict(inputs)
 
 
 def check_batch(state: State, batch_size: int) -> None:
@@ -55,13 +86,12 @@ def full_mask(state: State, n_total: int, attention_mask: torch.Tensor | None,
     if attention_mask is None:
         new = torch.ones(B, n_total - T, dtype=torch.bool, device=device)
         return torch.cat([state.mask, new], dim=1)
-    mask = attention_mask.to(device=device)
-    if mask.dim() != 2 or tuple(mask.shape) != (B, n_total):
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, n_total):
         raise MaskError("attention_mask must cover processed + new tokens",
                         expected=f"shape ({B}, {n_total}) = processed {T} + new {n_total - T}",
-                        found=tuple(mask.shape),
+                        found=tuple(getattr(attention_mask, "shape", ())) or type(attention_mask).__name__,
                         fix="pass the full-length mask, as with a transformers cache")
-    mask = mask.bool()
+    mask = attention_mask.to(device=device, dtype=torch.bool, copy=True)
     if not torch.equal(mask[:, :T], state.mask):
         raise MaskError("attention_mask disagrees with the processed tokens' padding",
                         expected=state.mask.int().tolist(), found=mask[:, :T].int().tolist(),
@@ -104,13 +134,3 @@ def check_model(state: State, fingerprint: Fingerprint, model_dtype: torch.dtype
             expected=f"model fingerprint {fingerprint.to_dict()}",
             found="; ".join(state.fingerprint.differences(fingerprint)),
             fix="load the model the state was made with, or start a fresh Session")
-
-
-def common_prefix(state: State, ids: torch.Tensor, mask: torch.Tensor) -> int:
-    """Longest prefix (in slots) on which the state and the request agree for every row."""
-    n = min(state.tokens_seen, ids.shape[1])
-    same_mask = state.mask[:, :n] == mask[:, :n]
-    same_tok = (state.tokens[:, :n] == ids[:, :n]) | ~mask[:, :n]
-    agree = (same_mask & same_tok).all(dim=0)
-    bad = (~agree).nonzero()
-    return int(bad[0]) if bad.numel() else n

@@ -1,55 +1,41 @@
 """``Session``: one explicit ``State`` for one loaded transformers model.
 
-Every call states its contract instead of guessing it: the processed tokens are in
-``state.tokens``; new tokens always go in with a full-length mask and explicit
-logical positions; a request's history is compared with the processed tokens, and
-only the unprocessed suffix is fed. Two paths share the state:
+Every verb takes the same walk (``docs/design.md``):
 
-* ``extend`` - a plain forward per chunk (and the manual decode loop, one token a call);
-* ``generate`` - ``model.generate`` with a real transformers cache built from the state.
+1. **validate** the caller's ids, masks, options and media, copying what it keeps;
+2. **plan** with pure code (``kvstate.resume``): which prefix of the state to keep;
+3. **run** the model through the ``Engine``, which returns a new ``State``;
+4. **commit** that state with one assignment.
 
-States are immutable, so ``fork`` is O(1) and forks can never see each other's tokens.
+States are immutable and the engine never changes the one it is given, so an
+exception at any step, ``KeyboardInterrupt`` included, leaves ``session.state``
+exactly as it was. A prefix store is read before planning and written after the
+commit; a store that fails costs a warning, never the answer. ``fork`` is O(1):
+forks share tensors until one of them moves on, and nothing writes in place.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import time
+import warnings
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from . import _compat
+from . import resume
 from .adapters import adapter_for
-from .compress.masks import layer_masks, needs_masks
-from .errors import InputError, LayoutMismatchError, UnsupportedError
+from .engine import Engine, FeedSettings, Generated
+from .errors import InputError, LayoutMismatchError, StoreWarning, UnsupportedError
 from .fingerprint import Fingerprint, fingerprint
-from .generation import eos_ids, finished, rest_kwargs
-from .inputs import as_ids, check_batch, check_model, check_positions, common_prefix, full_mask
-from .layers import RecurrentLayerState
-from .state import State, next_position_after
+from .inputs import as_ids, check_batch, check_model, check_positions, full_mask, history_mask, model_inputs
+from .options import resolve
+from .protocols import PrefixQuery, StateSink, StateSource
+from .resume import ResumePlan
+from .state import State
 
 IdsLike = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
-
-
-@dataclass(frozen=True)
-class ResumePlan:
-    """How the last ``generate`` call used the state.
-
-    ``reused`` slots came from the state, ``fed`` slots went through the model before
-    the first new token, and ``mode`` is one of ``continue``, ``rollback``,
-    ``recompute`` (rollback impossible, so the history was re-fed from scratch) or
-    ``stored-logits`` (history fully processed; first token from ``last_logits``).
-    """
-
-    reused: int
-    fed: int
-    mode: str
 
 
 class Session:
@@ -58,46 +44,45 @@ class Session:
     Args:
         model: a transformers causal LM whose family kvstate supports.
         tokenizer: optional; only hashed into the state's fingerprint.
-        chunk_size: longest run of tokens fed in one forward by ``extend``.
+        chunk_size: longest run of tokens fed in one forward.
         sliding_reserve: extra slots each sliding-window layer keeps beyond its
             window, so the state can roll back that many tokens (memory: reserve x
             sliding layers x K/V bytes per token).
         max_checkpoints: snapshots of non-croppable (recurrent) layers kept for rollback;
-            the oldest is evicted first. Each costs the recurrent layers' bytes
-            (``state.summary()["checkpoint_nbytes"]``). Taken at the end of every call.
-        checkpoint_every: also checkpoint every N tokens inside long ``extend`` calls.
-        store: a ``kvstate.PrefixStore``; ``generate`` then starts from the longest stored
-            prefix of its history and writes prefixes back (recurrent families checkpoint
-            every ``store.chunk_tokens`` so that their prefixes are reusable).
+            the oldest is evicted first. Taken at the end of every call.
+        checkpoint_every: also checkpoint every N tokens inside long feeds.
+        store: a ``kvstate.PrefixStore`` (any ``StateSource`` + ``StateSink``);
+            ``generate`` starts from the longest stored prefix of its history and
+            writes prefixes back.
         state: start from this state instead of an empty one (checked against the model).
+
+    A session is used by one thread at a time; sessions that share a model may run
+    in different threads (the engine serializes their runs on that model).
     """
 
     def __init__(self, model: torch.nn.Module, *, tokenizer: object | None = None,
                  chunk_size: int = 512, sliding_reserve: int = 64, max_checkpoints: int = 16,
                  checkpoint_every: int | None = None, store: Any = None,
                  state: State | None = None, _fingerprint: Fingerprint | None = None) -> None:
-        if chunk_size < 1 or sliding_reserve < 0:
-            raise InputError("invalid Session settings", expected="chunk_size >= 1, sliding_reserve >= 0",
-                             found={"chunk_size": chunk_size, "sliding_reserve": sliding_reserve})
+        _check_settings(chunk_size=chunk_size, sliding_reserve=sliding_reserve, max_checkpoints=max_checkpoints,
+                        checkpoint_every=checkpoint_every)
         self.model = model
         self._adapter = adapter_for(model)
-        self._config = self._adapter.text_config(model)
-        self.chunk_size = chunk_size
-        self.sliding_reserve = sliding_reserve
-        self.max_checkpoints = max_checkpoints
-        self.checkpoint_every = checkpoint_every
-        self.store = store
-        self._seconds_per_token = 0.0
+        self._engine = Engine(model, self._adapter)
+        self.chunk_size, self.sliding_reserve = chunk_size, sliding_reserve
+        self.max_checkpoints, self.checkpoint_every = max_checkpoints, checkpoint_every
+        self.store: StateSource | StateSink | Any = store
         self._fingerprint = _fingerprint or fingerprint(model, tokenizer)
         self.last_plan: ResumePlan | None = None
         self._state = self._empty(1) if state is None else self._adopt(state)
         if store is not None and checkpoint_every is None and any(x.checkpointed for x in self._state.layers):
-            self.checkpoint_every = store.chunk_tokens
+            self.checkpoint_every = store.chunk_tokens  # stored prefixes of recurrent families need checkpoints
 
     # ----- read-only views -------------------------------------------------------------
     @property
     def state(self) -> State:
-        """The current state (immutable; tensors are shared, never written in place)."""
+        """The current state. Its tensors are shared with forks and files: treat them as
+        read-only (``state.clone()`` gives a private copy)."""
         return self._state
 
     @property
@@ -111,8 +96,8 @@ class Session:
 
     @property
     def prefill_seconds_per_token(self) -> float:
-        """Measured cost of the last prefill-dominated forward, per token (0 until measured)."""
-        return self._seconds_per_token
+        """Measured cost of the last prefill-sized forward on this model, per token (0 until measured)."""
+        return self._engine.seconds_per_token
 
     @property
     def device(self) -> torch.device:
@@ -125,22 +110,21 @@ class Session:
     # ----- state verbs -----------------------------------------------------------------
     def reset(self) -> None:
         """Forget everything: outputs then equal a freshly loaded model's."""
-        self._adapter.reset_model(self.model)
-        self._state = self._empty(1)
+        self._engine.reset_model()
+        self._commit(self._empty(1))
 
     def fork(self) -> Session:
-        """An independent session on the same model, starting from this state. O(1).
-
-        States are immutable and kvstate never writes a tensor in place, so both
-        sessions share tensors until one of them moves on.
-        """
+        """An independent session on the same model, starting from this state. O(1)."""
         twin = copy.copy(self)  # same model, so the adoption checks would be redundant
         twin.last_plan = None
         return twin
 
     def truncate(self, n_tokens: int) -> None:
         """Roll back to the first ``n_tokens`` slots; ``RollbackError`` if a layer cannot."""
-        self._state = self._state.truncated(n_tokens)
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int):
+            raise InputError("truncate takes a token count", expected="int", found=repr(n_tokens),
+                             fix="pass an int between 0 and state.tokens_seen")
+        self._commit(self._state.truncated(n_tokens))
 
     def compress(self, policy: Any) -> None:
         """Evict slots from the attention layers with ``policy`` (see ``kvstate.compress``).
@@ -151,13 +135,15 @@ class Session:
         """
         from .compress.apply import compress_state
 
-        self._state = compress_state(self.model, self._adapter, self._state, policy)
+        self._commit(compress_state(self._engine, self.model, self._state, policy))
 
     # ----- files -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
              compact: str | None = None) -> int:
         """Write the state to one crash-safe file (see ``kvstate.save_state``); returns bytes."""
-        return self._state.save(path, metadata=metadata, compact=compact)
+        from .io import save_state
+
+        return save_state(self._state, path, metadata=metadata, compact=compact)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: torch.nn.Module, *, cast_dtype: bool = False,
@@ -168,7 +154,7 @@ class Session:
         moved to the model's device. ``cast_dtype=True`` opts in to casting a state of
         another dtype; the cast is recorded in ``state.metadata``.
         """
-        from .files import load_state
+        from .io import load_state
 
         param = next(model.parameters())
         state = load_state(path, map_location=param.device, dtype=param.dtype if cast_dtype else None)
@@ -177,8 +163,8 @@ class Session:
 
     # ----- feeding tokens --------------------------------------------------------------
     def extend(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None, *,
-               position_ids: torch.Tensor | None = None, **model_inputs: Any) -> torch.Tensor:
-        """Process new tokens and return the last position's logits ``[B, V]``.
+               position_ids: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor:
+        """Process new tokens and return the last position's logits ``[B, V]`` (a fresh tensor).
 
         Args:
             input_ids: ``[B, Q]`` new (unprocessed) token ids.
@@ -186,74 +172,109 @@ class Session:
                 padding in the new slots.
             position_ids: optional ``[B, Q]``; must equal the positions that continue
                 the state (checked), since kvstate assigns them itself.
+            inputs: the family's media inputs for these tokens (e.g. ``pixel_values``).
         """
-        ids = as_ids(input_ids, self.device)
+        inputs = model_inputs(inputs, self._adapter.caps.input_keys, self._adapter.caps.name)
+        ids = self._ids(input_ids)
         state = self._state_for_batch(ids.shape[0])
         if ids.shape[1] == 0:
             raise InputError("extend needs at least one new token", expected="Q >= 1", found=0)
         mask = full_mask(state, state.tokens_seen + ids.shape[1], attention_mask, self.device)
         self._check_padding(mask)
+        feed = self._engine.feed_for(state, ids, mask, inputs)
         new_mask = mask[:, state.tokens_seen:]
-        positions = self._adapter.chunk_positions(self.model, state.next_position, ids, new_mask, model_inputs)
-        check_positions(state, position_ids, self._adapter.model_positions(positions), new_mask)
-        self._state = self._feed(state, ids, mask, positions, model_inputs).with_checkpoint(self.max_checkpoints)
-        assert self._state.last_logits is not None
-        return self._state.last_logits
+        check_positions(state, position_ids, self._adapter.model_positions(feed.positions), new_mask)
+        new = self._engine.feed(state, feed, self._settings()).with_checkpoint(self.max_checkpoints)
+        self._commit(new)
+        return new.last_logits.clone()  # type: ignore[union-attr]
 
     def generate(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None,
                  **generate_kwargs: Any) -> Any:
         """Continue the *full* history ``input_ids`` ``[B, L]``, like ``model.generate``.
 
+        Every generation option behaves as in ``model.generate(input_ids, **options)``
+        (see ``kvstate.options`` for the few that are refused, before anything runs).
         Reuses the longest processed prefix, rolls back where the layers allow (else
-        re-feeds from scratch), feeds only the unprocessed suffix, and returns the new
-        token ids ``[B, N]``. With ``return_dict_in_generate=True`` the transformers
-        output object is returned, its ``sequences`` holding only the new tokens.
+        resumes from a checkpoint, else re-feeds from scratch), feeds only the
+        unprocessed suffix, and returns the new token ids ``[B, N]``. With
+        ``return_dict_in_generate=True`` the transformers output object is returned,
+        its ``sequences`` holding only the new tokens (the state holds the cache).
         """
-        if generate_kwargs.get("num_beams", 1) > 1 or generate_kwargs.get("num_return_sequences", 1) > 1:
-            raise UnsupportedError("beam search and multiple return sequences keep one cache per "
-                                   "beam", found=generate_kwargs, fix="use num_beams=1, or fork() "
-                                   "per sample")
-        inputs = {k: generate_kwargs.pop(k) for k in self._adapter.input_keys if k in generate_kwargs}
-        ids = as_ids(input_ids, self.device)
+        inputs = {k: generate_kwargs.pop(k) for k in self._adapter.caps.input_keys if k in generate_kwargs}
+        options = resolve(self.model, generate_kwargs)
+        ids = self._ids(input_ids)
         state = self._state_for_batch(ids.shape[0])
-        mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
-                else attention_mask.to(self.device).bool())
-        if mask.shape != ids.shape:
-            raise InputError("attention_mask must match input_ids", expected=tuple(ids.shape),
-                             found=tuple(mask.shape), fix="pass the full-history mask")
+        mask = history_mask(ids, attention_mask)
         self._check_padding(mask)
-        media = self._adapter.media_hashes(self.model, ids, inputs) if self.store is not None else None
-        if media is not None:
-            state = self._from_store(state, ids, mask, media)
-        self._state = self._resume_point(state, ids, mask)
-        if self._state.tokens_seen == ids.shape[1]:
-            out = self._from_stored_logits(ids, mask, generate_kwargs)
-        else:
-            inputs = self._adapter.select_inputs(self.model, ids, self._state.tokens_seen, inputs)
-            self._pre_feed_stepwise(ids, mask, inputs)
-            out = self._hf_generate(ids, mask, inputs, generate_kwargs)
-        if media is not None:
-            self.store.save(self, media)
-        return out
-
-    def _from_store(self, state: State, ids: torch.Tensor, mask: torch.Tensor, media: list) -> State:
-        """The longest stored prefix of ``ids`` when it beats what the state already shares."""
-        if ids.shape[0] != 1 or not bool(mask.all()):
-            return state
-        shared = common_prefix(state, ids, mask)
-        stored = self.store.lookup(self, ids, media, longer_than=shared, at_most=ids.shape[1] - 1)
-        if stored is None:
-            return state
-        return self._adopt(stored.to(self.device))
+        spans = self._adapter.media_spans(self.model, ids)
+        query = self._query(ids, mask, inputs)
+        plan, base = self._plan(state, ids, mask, spans, query)
+        start = resume.start_state(base, plan, self._empty(ids.shape[0]))
+        feed = None
+        if plan.fed:
+            T = start.tokens_seen
+            feed = self._engine.feed_for(start, ids[:, T:], mask,
+                                         self._adapter.select_inputs(self.model, ids, T, inputs))
+        generated = self._engine.generate(start, feed, ids, mask, options, self._settings())
+        self._commit(generated.state.with_checkpoint(self.max_checkpoints), plan)
+        if query is not None:
+            self._offer(query)
+        return _answer(generated, options.return_dict)
 
     # ----- internals ---------------------------------------------------------------------
+    def _commit(self, state: State, plan: ResumePlan | None = None) -> None:
+        """The only place the session's state changes."""
+        self._state, self.last_plan = state, plan if plan is not None else self.last_plan
+
+    def _settings(self) -> FeedSettings:
+        return FeedSettings(self.chunk_size, self.checkpoint_every, self.max_checkpoints)
+
+    def _ids(self, input_ids: IdsLike) -> torch.Tensor:
+        vocab = self.model.get_input_embeddings().num_embeddings  # type: ignore[operator]
+        return as_ids(input_ids, self.device, int(vocab))
+
+    def _plan(self, state: State, ids: torch.Tensor, mask: torch.Tensor, spans: Any,
+              query: PrefixQuery | None) -> tuple[ResumePlan, State]:
+        """The best plan over the session's state and, if it helps, the longest stored prefix."""
+        own = resume.plan(state, ids, mask, spans)
+        stored = None if query is None else self._lookup(query, longer_than=own.reused, at_most=ids.shape[1] - 1)
+        if stored is None:
+            return own, state
+        theirs = resume.plan(stored, ids, mask, spans, source="store")
+        chosen = resume.best([own, theirs])
+        return chosen, stored if chosen is theirs else state
+
+    def _query(self, ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any]) -> PrefixQuery | None:
+        """What the store keys this history by; None without a store, or for batches and padding."""
+        if self.store is None or ids.shape[0] != 1 or not bool(mask.all()):
+            return None
+        media = self._adapter.media_hashes(self.model, ids, inputs)
+        if media is None:
+            return None
+        return PrefixQuery(self._fingerprint, ids.cpu(), tuple(media))
+
+    def _lookup(self, query: PrefixQuery, *, longer_than: int, at_most: int) -> State | None:
+        try:
+            stored = self.store.lookup(query, longer_than=longer_than, at_most=at_most)
+            return None if stored is None else self._adopt(stored.to(self.device))
+        except Exception as exc:  # a store is a cache: failing to read it is a miss
+            warnings.warn(f"kvstate: prefix store read failed, continuing without it: {type(exc).__name__}: {exc}",
+                          StoreWarning, stacklevel=3)
+            return None
+
+    def _offer(self, query: PrefixQuery) -> None:
+        try:
+            self.store.offer(self._state, query, self._engine.seconds_per_token)
+        except Exception as exc:  # the answer is already committed; never lose it to a cache
+            warnings.warn(f"kvstate: prefix store write failed: {type(exc).__name__}: {exc}", StoreWarning,
+                          stacklevel=3)
+
     def _empty(self, batch_size: int) -> State:
-        layers = self._adapter.empty_layers(self.model, self.sliding_reserve)
-        return State.empty(layers, self._fingerprint, batch_size, self.device, self._adapter.position_dims)
+        return self._engine.empty(batch_size, self.sliding_reserve, self._fingerprint)
 
     def _check_padding(self, mask: torch.Tensor) -> None:
-        if not self._adapter.supports_padding and not bool(mask.all()):
-            raise UnsupportedError(f"padded batches are not supported for {self._adapter.name} models",
+        if not self._adapter.caps.padding and not bool(mask.all()):
+            raise UnsupportedError(f"padded batches are not supported for {self._adapter.caps.name} models",
                                    found="attention_mask with padding", fix="run one row per Session")
 
     def _adopt(self, state: State) -> State:
@@ -282,187 +303,17 @@ class Session:
         check_batch(state, batch_size)
         return state
 
-    def _feed(self, state: State, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-              model_inputs: dict[str, Any]) -> State:
-        """Forward the new slots in chunks (one chunk when extra model inputs are given)."""
-        T, Q, start = state.tokens_seen, ids.shape[1], 0
-        while start < Q:
-            end = min(start + self._chunk(state, Q - start, bool(model_inputs)), Q)
-            state = self._forward(state, ids[:, start:end], mask[:, : T + end], positions[:, start:end],
-                                  model_inputs)
-            if self.checkpoint_every and end < Q and state.tokens_seen % self.checkpoint_every == 0:
-                state = state.with_checkpoint(self.max_checkpoints)
-            start = end
-        return state
 
-    def _chunk(self, state: State, remaining: int, whole: bool) -> int:
-        """Tokens in the next forward: stepwise families continue one token at a time."""
-        if self._adapter.stepwise_continuation and not state.is_empty:
-            return 1
-        size = remaining if whole else self.chunk_size
-        if self.checkpoint_every:  # end chunks on checkpoint boundaries
-            size = min(size, self.checkpoint_every - state.tokens_seen % self.checkpoint_every)
-        return size
-
-    def _forward(self, state: State, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 model_inputs: dict[str, Any]) -> State:
-        cache = self._adapter.build_cache(self.model, state.layers, state.batch_size)
-        self._adapter.restore_extras(self.model, dict(state.extras))
-        kwargs = dict(model_inputs, input_ids=ids, attention_mask=_mask_arg(mask), use_cache=True,
-                      logits_to_keep=1, **{_compat.CACHE_KWARG: cache})
-        if self._adapter.takes_position_ids:
-            kwargs["position_ids"] = self._adapter.model_positions(positions)
-        start = time.perf_counter()
-        with _masks(self.model, state, positions), torch.no_grad():
-            out = self.model(**kwargs)
-        self._note_prefill_speed(start, ids.shape[1])
-        seen = state.tokens_seen + ids.shape[1]
-        layers = self._adapter.read_cache(self.model, cache, state.layers, positions, seen)
-        return self._next_state(state, ids, mask, positions, layers, out.logits[:, -1, :])
-
-    def _note_prefill_speed(self, start: float, fed: int) -> None:
-        """Remember the per-token cost of a prefill-dominated call (store statistics use it)."""
-        if fed > 8:
-            self._seconds_per_token = (time.perf_counter() - start) / fed
-
-    def _next_state(self, state: State, fed: torch.Tensor, mask: torch.Tensor, fed_positions: torch.Tensor,
-                    layers: tuple, logits: torch.Tensor | None) -> State:
-        T, n = state.tokens_seen, state.tokens_seen + fed.shape[1]
-        next_position = next_position_after(fed_positions, mask[:, T:n], state.next_position)
-        extras = self._adapter.capture_extras(self.model, next_position, n)
-        self._adapter.restore_extras(self.model, extras)  # the instance agrees with the state afterwards
-        return replace(state, tokens=torch.cat([state.tokens, fed], dim=1), mask=mask[:, :n],
-                       positions=torch.cat([state.positions, fed_positions], dim=1), layers=layers,
-                       next_position=next_position, last_logits=logits, extras=MappingProxyType(extras),
-                       fingerprint=self._fingerprint)
-
-    def _resume_point(self, state: State, ids: torch.Tensor, mask: torch.Tensor) -> State:
-        """The state cut back to what ``ids`` shares with it; records ``last_plan``."""
-        T, L = state.tokens_seen, ids.shape[1]
-        p = self._adapter.safe_prefix(self.model, ids, common_prefix(state, ids, mask))
-        if p == T == L and state.last_logits is not None:
-            self.last_plan = ResumePlan(reused=T, fed=0, mode="stored-logits")
-            return state
-        target = self._adapter.safe_prefix(self.model, ids, min(p, L - 1))  # feed at least one token
-        if target == T:
-            state, mode = state, "continue"
-        elif not state.rollback_limit(target):
-            uses_checkpoint = any(layer.rollback_limit(target) for layer in state.layers)
-            state, mode = state.truncated(target), "checkpoint" if uses_checkpoint else "rollback"
-        else:
-            state, target, mode = self._from_checkpoint(state, target)
-        self.last_plan = ResumePlan(reused=target, fed=L - target, mode=mode)
-        return state
-
-    def _from_checkpoint(self, state: State, target: int) -> tuple[State, int, str]:
-        """Latest checkpoint at or before ``target`` that every layer can return to, else scratch."""
-        for checkpoint in reversed(state.checkpoints):
-            if checkpoint.tokens_seen <= target and not state.rollback_limit(checkpoint.tokens_seen):
-                return state.truncated(checkpoint.tokens_seen), checkpoint.tokens_seen, "checkpoint"
-        self._adapter.reset_model(self.model)
-        return self._empty(state.batch_size), 0, "recompute"
-
-    def _pre_feed_stepwise(self, ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any]) -> None:
-        """Feed all but the last unprocessed token through ``_feed`` first, when that path is needed:
-        stepwise families continue one token per forward, and checkpoints land on chunk boundaries."""
-        state, L = self._state, ids.shape[1]
-        stepwise = self._adapter.stepwise_continuation and not state.is_empty
-        checkpoints = bool(self.checkpoint_every) and any(layer.checkpointed for layer in state.layers)
-        if not (stepwise or checkpoints) or L - state.tokens_seen < 2:
-            return
-        T = state.tokens_seen
-        positions = self._adapter.chunk_positions(self.model, state.next_position, ids[:, T:L - 1],
-                                                  mask[:, T:L - 1], inputs)
-        self._state = self._feed(state, ids[:, T:L - 1], mask[:, :L - 1], positions, inputs)
-
-    def _hf_generate(self, ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any],
-                     kwargs: dict[str, Any]) -> Any:
-        """``model.generate`` over the unprocessed suffix; adopts the resulting state."""
-        state, T = self._state, self._state.tokens_seen
-        suffix_pos = self._adapter.chunk_positions(self.model, state.next_position, ids[:, T:], mask[:, T:], inputs)
-        cache = self._adapter.build_cache(self.model, state.layers, state.batch_size)
-        self._adapter.restore_extras(self.model, dict(state.extras))
-        call = self._generate_inputs(state, ids, mask, suffix_pos)
-        start = time.perf_counter()
-        with _compat.capture_logits(self.model, T) as logits_at, _masks(self.model, state, suffix_pos), \
-                torch.no_grad():
-            out = self.model.generate(**call, **inputs, **{_compat.CACHE_KWARG: cache}, **kwargs)
-        self._note_prefill_speed(start, ids.shape[1] - T)
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        new_tokens = sequences[:, call["input_ids"].shape[1]:]
-        self._state = self._after_generate(state, ids, mask, suffix_pos, new_tokens, cache, logits_at)
-        if isinstance(out, torch.Tensor):
-            return new_tokens
-        out.sequences = new_tokens
-        return out
-
-    def _generate_inputs(self, state: State, ids: torch.Tensor, mask: torch.Tensor,
-                         suffix_pos: torch.Tensor) -> dict[str, Any]:
-        """Full history + full mask + explicit positions; generate slices the processed part."""
-        if all(isinstance(layer, RecurrentLayerState) for layer in state.layers):
-            return {"input_ids": ids[:, state.tokens_seen:]}  # pure-recurrent caches are not sliced
-        # generate slices input_ids by the cache's slot count, which compression makes smaller than T
-        call: dict[str, Any] = {"input_ids": ids[:, state.tokens_seen:] if needs_masks(state.layers) else ids,
-                                "attention_mask": mask.long()}
-        if self._adapter.takes_position_ids:
-            positions = torch.cat([state.positions, suffix_pos], dim=1)
-            call["position_ids"] = self._adapter.model_positions(positions)
-        return call
-
-    def _after_generate(self, state: State, ids: torch.Tensor, mask: torch.Tensor, suffix_pos: torch.Tensor,
-                        new_tokens: torch.Tensor, cache: Any, logits_at: Any) -> State:
-        """The state after generate: every fed slot, i.e. all but the last new token."""
-        T, L, n_new = state.tokens_seen, ids.shape[1], new_tokens.shape[1]
-        steps = torch.arange(1, n_new, device=ids.device)
-        last = suffix_pos[:, -1:]  # generate continues each position component by +1
-        gen_pos = last + (steps[None, :, None] if last.dim() == 3 else steps[None, :])
-        fed_pos = torch.cat([suffix_pos, gen_pos], dim=1)
-        full = torch.cat([mask, torch.ones_like(new_tokens[:, 1:], dtype=torch.bool)], dim=1)
-        seen = L + n_new - 1
-        layers = self._adapter.read_cache(self.model, cache, state.layers, fed_pos, seen)
-        fed = torch.cat([ids[:, T:], new_tokens[:, :-1]], dim=1)
-        return self._next_state(state, fed, full, fed_pos, layers, logits_at(seen)).with_checkpoint(
-            self.max_checkpoints)
-
-    def _from_stored_logits(self, ids: torch.Tensor, mask: torch.Tensor,
-                            kwargs: dict[str, Any]) -> Any:
-        """First token from ``last_logits`` (no re-feed), the rest through ``generate``."""
-        config, _ = _compat.generation_config(self.model, dict(kwargs))
-        if kwargs.get("return_dict_in_generate") or (ids.shape[0] > 1 and eos_ids(config)):
-            return self._refeed_last(ids, mask, kwargs)  # per-row stops and logit outputs
-        assert self._state.last_logits is not None
-        first = _compat.first_token(self.model, config, ids, self._state.last_logits)[:, None]
-        streamer = kwargs.get("streamer")
-        if streamer is not None:
-            streamer.put(ids.cpu())
-            streamer.put(first[:, 0].cpu())
-        if finished(config, first, ids.shape[1]):
-            if streamer is not None:
-                streamer.end()
-            return first
-        ones = torch.ones_like(first, dtype=torch.bool)
-        rest = self._hf_generate(torch.cat([ids, first], 1), torch.cat([mask, ones], 1), {},
-                                 rest_kwargs(kwargs, config, streamer))
-        return torch.cat([first, rest], dim=1)
-
-    def _refeed_last(self, ids: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, Any]) -> Any:
-        """Fallback for the fully processed case: roll back one slot and let generate run."""
-        L = ids.shape[1]
-        target = self._adapter.safe_prefix(self.model, ids, L - 1)
-        if self._state.rollback_limit(target):
-            self._state, target, mode = self._from_checkpoint(self._state, target)
-        else:
-            self._state, mode = self._state.truncated(target), "rollback"
-        self.last_plan = ResumePlan(reused=target, fed=L - target, mode=mode)
-        self._pre_feed_stepwise(ids, mask, {})
-        return self._hf_generate(ids, mask, {}, kwargs)
+def _answer(generated: Generated, return_dict: bool) -> Any:
+    """What ``generate`` returns: new ids ``[B, N]``, or the output object holding them."""
+    return generated.output if return_dict else generated.tokens
 
 
-def _masks(model: torch.nn.Module, state: State, first: torch.Tensor) -> Any:
-    """Per-layer masks while a compressed state is in use; nothing otherwise (bitwise the plain path)."""
-    return layer_masks(model, state.layers, first) if needs_masks(state.layers) else nullcontext()
-
-
-def _mask_arg(mask: torch.Tensor) -> torch.Tensor | None:
-    """Drop an all-ones mask, as ``generate`` does, so both paths run the same kernels."""
-    return None if bool(mask.all()) else mask.long()
+def _check_settings(**settings: int | None) -> None:
+    rules = {"chunk_size": 1, "sliding_reserve": 0, "max_checkpoints": 0, "checkpoint_every": 1}
+    for name, value in settings.items():
+        if value is None and name == "checkpoint_every":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < rules[name]:
+            raise InputError(f"invalid Session setting {name}", expected=f"int >= {rules[name]}",
+                             found=repr(value), fix=f"pass {name}={max(rules[name], 1)} or more")

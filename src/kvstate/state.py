@@ -16,7 +16,9 @@ Shapes (``B`` batch rows, ``T`` token slots processed, ``V`` vocabulary):
   storage or dtype casts applied on load.
 
 ``T`` is *tokens seen*; each layer separately reports *slots stored*. States are
-never modified: operations return new states that share unchanged tensors.
+never modified: operations return new states that share unchanged tensors. The
+tensors of a ``State`` are shared with every fork and every later state, so they are
+read-only by contract; ``clone()`` gives a private copy. Files: ``kvstate.io``.
 
 ``checkpoints`` snapshot the layers that cannot be cropped (recurrent / SSM) at call
 boundaries; ``truncated`` uses one to roll such layers back (llama.cpp's context
@@ -25,8 +27,7 @@ checkpoints and mlx-lm's segment checkpoints serve the same purpose).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -176,24 +177,27 @@ class State:
         checkpoints = (*self.checkpoints, Checkpoint(self.tokens_seen, MappingProxyType(layers)))
         return replace(self, checkpoints=checkpoints[-keep:])
 
+    def clone(self) -> State:
+        """A deep copy that shares no tensor memory with this state."""
+        return self._map(lambda t: t.clone())
+
     def to(self, device: torch.device | str) -> State:
         """A copy with every tensor on ``device``."""
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> State:
+        """This state with ``fn`` applied to every tensor (layers, checkpoints, logits, extras)."""
+        def layer(x: LayerState) -> LayerState:
+            return type(x).from_parts(x.meta(), {k: fn(v) for k, v in x.tensors().items()})
+
         return replace(
-            self, tokens=self.tokens.to(device), mask=self.mask.to(device),
-            positions=self.positions.to(device),
-            layers=tuple(layer.to(device) for layer in self.layers),
-            checkpoints=tuple(Checkpoint(c.tokens_seen, MappingProxyType(
-                {i: layer.to(device) for i, layer in c.layers.items()})) for c in self.checkpoints),
-            next_position=self.next_position.to(device),
-            last_logits=None if self.last_logits is None else self.last_logits.to(device),
-            extras=MappingProxyType({k: v.to(device) for k, v in self.extras.items()}))
-
-    def save(self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
-             compact: str | None = None) -> int:
-        """Write this state to one crash-safe file; see ``kvstate.statefile``. Returns bytes."""
-        from .files import save_state
-
-        return save_state(self, path, metadata=metadata, compact=compact)
+            self, tokens=fn(self.tokens), mask=fn(self.mask), positions=fn(self.positions),
+            layers=tuple(layer(x) for x in self.layers),
+            checkpoints=tuple(Checkpoint(c.tokens_seen, MappingProxyType({i: layer(x) for i, x in c.layers.items()}))
+                              for c in self.checkpoints),
+            next_position=fn(self.next_position),
+            last_logits=None if self.last_logits is None else fn(self.last_logits),
+            extras=MappingProxyType({k: fn(v) for k, v in self.extras.items()}))
 
     def summary(self) -> dict[str, object]:
         """JSON-able overview: batch, tokens, per-layer kinds and lengths, bytes."""

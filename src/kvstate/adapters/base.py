@@ -4,12 +4,15 @@ An adapter answers the questions that differ between model families: which confi
 describes the decoder, which layer kinds it has, how positions are assigned to new
 slots, which model inputs belong to unprocessed tokens, how its state is moved in
 and out of a transformers cache, and which model-side values (outside any cache)
-belong to the state. The generic adapter covers standard decoder-only models.
-Families are registered by ``model_type``; anything else raises ``UnsupportedModelError``.
+belong to the state. What an adapter can do is declared once, as ``Capabilities``
+values the planner and the engine read; nothing probes with ``hasattr``.
+The generic adapter covers standard decoder-only models. Families are registered
+by ``model_type``; anything else raises ``UnsupportedModelError``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,15 +22,32 @@ from ..errors import UnsupportedModelError
 from ..layers import AttentionLayerState, HybridLayerState, LayerState, RecurrentLayerState
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family can do, as values (read by the planner, the engine and the session).
+
+    Attributes:
+        name: the adapter's name, for messages.
+        position_dims: ``R``; positions are ``[B, S]`` when 1, else ``[B, S, R]`` (multimodal RoPE).
+        stepwise: transformers drops state on multi-token chunks after position 0, so
+            continuations are fed one token per forward.
+        position_ids: the model takes explicit ``position_ids``.
+        padding: padded (left-padded) batches are supported.
+        input_keys: extra model inputs tied to token slots (e.g. ``pixel_values``).
+    """
+
+    name: str = "generic-decoder"
+    position_dims: int = 1
+    stepwise: bool = False
+    position_ids: bool = True
+    padding: bool = True
+    input_keys: tuple[str, ...] = ()
+
+
 class Adapter:
     """Generic decoder-only family: 1-D positions, state entirely in the cache."""
 
-    name = "generic-decoder"
-    position_dims = 1  # R: positions are [B, S] when 1, else [B, S, R] (multimodal RoPE)
-    stepwise_continuation = False  # transformers drops state on multi-token chunks after position 0
-    takes_position_ids = True
-    supports_padding = True
-    input_keys: tuple[str, ...] = ()  # extra model inputs tied to token slots (e.g. pixel_values)
+    caps = Capabilities()
 
     def text_config(self, model: torch.nn.Module) -> Any:
         return model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
@@ -59,17 +79,21 @@ class Adapter:
         return positions.masked_fill(~new_mask, 0)
 
     def model_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """The ``position_ids`` the model takes for stored positions."""
+        """The ``position_ids`` the model takes for stored positions ``[B, Q(, R)]``."""
         return positions
+
+    def state_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Stored positions ``[B, Q(, R)]`` of the ``position_ids`` a forward received."""
+        return position_ids
 
     def select_inputs(self, model: torch.nn.Module, ids: torch.Tensor, processed: int,
                       inputs: dict[str, Any]) -> dict[str, Any]:
         """The extra model inputs that belong to tokens after ``processed`` slots."""
         return inputs
 
-    def safe_prefix(self, model: torch.nn.Module, ids: torch.Tensor, n: int) -> int:
-        """The longest prefix ``<= n`` that does not split a multimodal item."""
-        return n
+    def media_spans(self, model: torch.nn.Module, ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
+        """``[start, end)`` slot ranges of multimodal items in ``ids`` ``[B, L]``; a resume never splits one."""
+        return ()
 
     def synthetic_image(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, Any]] | None:
         """``(placeholder ids [1, n], image inputs)`` for verify's multimodal rows; None if text-only."""

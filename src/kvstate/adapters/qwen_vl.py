@@ -18,15 +18,14 @@ import torch
 
 from .. import _compat
 from ..errors import UnsupportedError
-from .base import Adapter
+from .base import Adapter, Capabilities
 
 _VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw")
 
 
 class QwenVLAdapter(Adapter):
-    name = "qwen-vl"
-    position_dims = 3
-    input_keys = ("pixel_values", "image_grid_thw", "mm_token_type_ids", *_VIDEO_INPUTS)
+    caps = Capabilities(name="qwen-vl", position_dims=3,
+                        input_keys=("pixel_values", "image_grid_thw", "mm_token_type_ids", *_VIDEO_INPUTS))
 
     def chunk_positions(self, model: torch.nn.Module, next_position: torch.Tensor, ids: torch.Tensor,
                         new_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
@@ -46,6 +45,11 @@ class QwenVLAdapter(Adapter):
     def model_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return positions.permute(2, 0, 1)  # [B, Q, 3] -> [3, B, Q]
 
+    def state_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        if position_ids.dim() == 2:  # text-only 1-D positions: every M-RoPE component is the same
+            return position_ids[..., None].expand(*position_ids.shape, 3)
+        return position_ids[-3:].permute(1, 2, 0)  # [3 or 4, B, Q] -> [B, Q, 3] (a leading text row is dropped)
+
     def select_inputs(self, model: torch.nn.Module, ids: torch.Tensor, processed: int,
                       inputs: dict[str, Any]) -> dict[str, Any]:
         """Drop pixels of images already processed (they must never be fed twice)."""
@@ -60,12 +64,10 @@ class QwenVLAdapter(Adapter):
             rest.update(pixel_values=inputs["pixel_values"][rows:], image_grid_thw=grid[done:])
         return rest
 
-    def safe_prefix(self, model: torch.nn.Module, ids: torch.Tensor, n: int) -> int:
-        """Never split an image's placeholder run between state and suffix."""
-        for start, end in _image_runs(ids[0], int(model.config.image_token_id)):  # type: ignore[union-attr]
-            if start < n < end:
-                return start
-        return n
+    def media_spans(self, model: torch.nn.Module, ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
+        """Each image's placeholder run: never split between state and suffix."""
+        token = int(model.config.image_token_id)  # type: ignore[union-attr]
+        return tuple(span for row in ids for span in _image_runs(row, token))
 
     def media_hashes(self, model: torch.nn.Module, ids: torch.Tensor,
                      inputs: dict[str, Any]) -> list[tuple[int, str]] | None:

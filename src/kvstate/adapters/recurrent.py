@@ -21,27 +21,27 @@ import torch
 
 from .. import _compat
 from ..layers import LayerState, RecurrentLayerState
-from .base import Adapter
+from .base import Adapter, Capabilities
 
 
 class RecurrentAdapter(Adapter):
     """Families whose recurrent state lives in the transformers cache."""
 
-    name = "recurrent-hybrid"
-    supports_padding = False
-
-    def __init__(self, *, stepwise: bool = False, position_ids: bool = True) -> None:
-        self.stepwise_continuation = stepwise
-        self.takes_position_ids = position_ids
+    def __init__(self, *, stepwise: bool = False, position_ids: bool = True,
+                 name: str = "recurrent-hybrid") -> None:
+        self.caps = Capabilities(name=name, stepwise=stepwise, position_ids=position_ids, padding=False)
 
 
 class RecurrentGemmaAdapter(RecurrentAdapter):
-    """RecurrentGemma: module-held conv1d and RG-LRU states, local attention in the cache."""
+    """RecurrentGemma: module-held conv1d and RG-LRU states, local attention in the cache.
 
-    name = "recurrent-gemma"
+    The module states are moved in by ``build_cache`` and out by ``read_cache``; the
+    engine holds the model's lock around both, so sessions on one model never see
+    each other's states.
+    """
 
     def __init__(self) -> None:
-        super().__init__(stepwise=True)
+        super().__init__(stepwise=True, name="recurrent-gemma")
 
     def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
         cache = super().build_cache(model, tuple(

@@ -7,12 +7,11 @@ an MLX port made was to infer it from the compressed length). Recurrent and hybr
 layers are never touched: they have no slots. Sliding layers compress within
 their window. Attention-based policies (TOVA, SnapKV) need the attention of the
 last W queries: kvstate re-runs those W tokens once, with eager attention, on a
-copy of the state rolled back by W, and discards that forward's state.
+copy of the state rolled back by W (``Engine.observe``), and discards that forward's state.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -21,12 +20,12 @@ import torch
 from .. import _compat
 from ..errors import InputError, UnsupportedError
 from ..layers import AttentionLayerState, LayerState
+from ..protocols import AttentionObserver
 from ..state import State
-from .masks import layer_masks, needs_masks
 from .policies import Policy, ReRotate, ScoreInput
 
 
-def compress_state(model: Any, adapter: Any, state: State, policy: Policy) -> State:
+def compress_state(observer: AttentionObserver, model: Any, state: State, policy: Policy) -> State:
     """``state`` with each attention layer reduced by ``policy``; a ratio of 0 returns it unchanged."""
     if state.is_empty:
         raise InputError("nothing to compress", expected="a state with processed tokens", found="an empty state")
@@ -36,7 +35,7 @@ def compress_state(model: Any, adapter: Any, state: State, policy: Policy) -> St
     n = len(state.layers)
     if all(policy.ratio_for(i, n) == 0 for i in range(n)):
         return state  # ratio 0: the identity, bitwise, without re-running anything
-    attention = _observe(model, adapter, state, policy.observation_window) if policy.observation_window else {}
+    attention = observer.observe(state, policy.observation_window) if policy.observation_window else {}
     layers = tuple(_compress_layer(i, n, layer, policy, attention.get(i), state.tokens_seen)
                    for i, layer in enumerate(state.layers))
     compressed = replace(state, layers=layers)
@@ -65,28 +64,6 @@ def _compress_layer(i: int, n: int, layer: LayerState, policy: Policy, attention
                                                                                                     positions.shape[2]))
     return layer.with_slots(keys.gather(2, gather), values.gather(2, gather), kept_positions,
                             compressed_at=tokens_seen)
-
-
-def _observe(model: Any, adapter: Any, state: State, window: int) -> dict[int, torch.Tensor]:
-    """Attention ``[B, H, W, S]`` of the last ``window`` queries, per attention layer index."""
-    T = state.tokens_seen
-    if window > T or state.rollback_limit(T - window):
-        raise UnsupportedError(f"this policy re-runs the last {window} tokens, and the state cannot roll back "
-                               "that far", found="; ".join(state.rollback_limit(T - window)) or f"{T} tokens",
-                               fix="use KNorm, StreamingLLM or Random, a smaller window, or checkpoint_every")
-    base = state.truncated(T - window)
-    positions = state.positions[:, T - window:]
-    cache = adapter.build_cache(model, base.layers, base.batch_size)
-    masks = layer_masks(model, base.layers, positions) if needs_masks(base.layers) else nullcontext()
-    kwargs = {"position_ids": adapter.model_positions(positions)} if adapter.takes_position_ids else {}
-    with _compat.attention_backend(model, "eager"), masks, torch.no_grad():
-        out = model(input_ids=state.tokens[:, T - window:], use_cache=True, output_attentions=True,
-                    logits_to_keep=1, **{_compat.CACHE_KWARG: cache}, **kwargs)
-    indices = [i for i, layer in enumerate(state.layers) if isinstance(layer, AttentionLayerState)]
-    maps = [a for a in out.attentions if a is not None]
-    if len(maps) != len(indices):
-        raise UnsupportedError("could not match attention maps to layers", expected=len(indices), found=len(maps))
-    return dict(zip(indices, maps, strict=True))
 
 
 def rerotate(model: Any, state: State) -> State:

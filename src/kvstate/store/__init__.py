@@ -13,23 +13,31 @@ Entries are whole state files (validated on load like any state file). Recurrent
 layers are reusable only where a checkpoint exists, so a store-backed session
 checkpoints every chunk. Compressed states are keyed apart from uncompressed ones.
 The store serves single-row conversations; batched sessions bypass it.
+
+A store is a cache: when its backend fails (a full disk, a Redis that went away),
+``lookup`` answers a miss and ``offer`` writes nothing, each with a ``StoreWarning``
+and a count in ``stats()["failures"]``. The store sees states and ``PrefixQuery``
+values (``kvstate.protocols``), never a session.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import InputError, StateFileError
-from ..files import state_from_bytes, state_to_bytes
+from ..errors import InputError, StateFileError, StoreWarning
+from ..fingerprint import Fingerprint
+from ..io import state_from_bytes, state_to_bytes
+from ..protocols import PrefixQuery
 from ..state import State
 from .backends import COUNTERS, FolderBackend, RedisBackend
 from .keys import chain, salt
 
-__all__ = ["FolderBackend", "PrefixStore", "RedisBackend"]
+__all__ = ["FolderBackend", "PrefixStore", "RedisBackend", "StoreWarning"]
 
 
 class PrefixStore:
@@ -47,24 +55,45 @@ class PrefixStore:
             else FolderBackend(Path(text))
         self.chunk_tokens, self.namespace = chunk_tokens, namespace
         self.capacity_bytes, self.write = capacity_bytes, write
+        self.failures = 0  # backend failures in this process (reads answered as misses, writes skipped)
 
     # ----- keys --------------------------------------------------------------------------
-    def keys(self, session: Any, ids: torch.Tensor, media: list[tuple[int, str]], compressed: bool) -> list[str]:
-        """Chain keys of every full chunk of ``ids`` ``[1, L]``."""
-        return chain(salt(session.fingerprint, self.namespace, compressed), ids[0], self.chunk_tokens, media)
+    def keys(self, fingerprint: Fingerprint, tokens: torch.Tensor, media: tuple[tuple[int, str], ...],
+             compressed: bool) -> list[str]:
+        """Chain keys of every full chunk of ``tokens`` ``[1, L]``."""
+        return chain(salt(fingerprint, self.namespace, compressed), tokens[0], self.chunk_tokens, list(media))
 
-    # ----- lookup and write-back ---------------------------------------------------------------
-    def lookup(self, session: Any, ids: torch.Tensor, media: list[tuple[int, str]], *, longer_than: int,
-               at_most: int) -> State | None:
+    # ----- lookup and write-back (the StateSource / StateSink protocols) -----------------------
+    def lookup(self, query: PrefixQuery, *, longer_than: int, at_most: int) -> State | None:
         """The longest stored prefix state with ``longer_than < length <= at_most`` tokens, or None."""
-        keys = self.keys(session, ids, media, compressed=False)
+        try:
+            return self._lookup(query, longer_than, at_most)
+        except Exception as exc:  # a cache that cannot be read is a miss
+            self._failed("read", exc)
+            return None
+
+    def offer(self, state: State, query: PrefixQuery, seconds_per_token: float = 0.0) -> int:
+        """Write the aligned prefixes of ``state`` the policy asks for; returns how many were written."""
+        try:
+            return self._offer(state, query, seconds_per_token)
+        except Exception as exc:  # the caller's answer never depends on the cache
+            self._failed("write", exc)
+            return 0
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self.failures += 1
+        warnings.warn(f"kvstate: prefix store {what} failed ({self.backend.describe()}), continuing without it: "
+                      f"{type(exc).__name__}: {exc}", StoreWarning, stacklevel=4)
+
+    def _lookup(self, query: PrefixQuery, longer_than: int, at_most: int) -> State | None:
+        keys = self.keys(query.fingerprint, query.tokens, query.media, compressed=False)
         for i in range(len(keys) - 1, -1, -1):
             n = (i + 1) * self.chunk_tokens
             if n > at_most:
                 continue
             if n <= longer_than:
                 break
-            state = self._load(keys[i], ids[:, :n])
+            state = self._load(keys[i], query.tokens[:, :n])
             if state is not None:
                 cost = float(state.metadata.get("kvstate.prefill_seconds_per_token", 0.0))
                 self.backend.bump({"hits": 1, "tokens_reused": n, "seconds_saved_x1000": int(n * cost * 1000)})
@@ -84,19 +113,17 @@ class PrefixStore:
             return None  # belt and braces against key collisions
         return state
 
-    def save(self, session: Any, media: list[tuple[int, str]]) -> int:
-        """Write the aligned prefixes the policy asks for; returns how many were written."""
-        state: State = session.state
+    def _offer(self, state: State, query: PrefixQuery, seconds_per_token: float) -> int:
         if state.batch_size != 1 or not bool(state.mask.all()):
             return 0
         compressed = any(getattr(layer, "compressed", False) for layer in state.layers)
-        keys = self.keys(session, state.tokens, media, compressed)
+        keys = self.keys(query.fingerprint, state.tokens, query.media, compressed)
         written = 0
         for i in self._boundaries(len(keys)):
             n = (i + 1) * self.chunk_tokens
             if self.backend.contains(keys[i]) or state.rollback_limit(n):
                 continue
-            cost = {"kvstate.prefill_seconds_per_token": f"{session.prefill_seconds_per_token:.6g}"}
+            cost = {"kvstate.prefill_seconds_per_token": f"{seconds_per_token:.6g}"}
             self.backend.put(keys[i], state_to_bytes(state.truncated(n), metadata=cost), self.capacity_bytes)
             written += 1
         if written:
@@ -119,7 +146,8 @@ class PrefixStore:
         counters = {name: 0 for name in COUNTERS} | self.backend.counters()
         saved = counters.pop("seconds_saved_x1000") / 1000
         return {"backend": self.backend.describe(), "entries": len(entries), "bytes": sum(e[1] for e in entries),
-                "capacity_bytes": self.capacity_bytes, **counters, "estimated_prefill_seconds_saved": saved}
+                "capacity_bytes": self.capacity_bytes, **counters, "estimated_prefill_seconds_saved": saved,
+                "failures": self.failures}
 
     def ls(self) -> list[dict[str, Any]]:
         return [{"key": k, "bytes": b, "last_access": t} for k, b, t in sorted(self.backend.entries(),

@@ -148,7 +148,13 @@ class RedisBackend:
     """Entries as values in a Redis server (``redis://host:port/db``)."""
 
     def __init__(self, url: str, prefix: str = "kvstate:") -> None:
-        import redis
+        try:
+            import redis
+        except ImportError as exc:
+            from ..errors import UnsupportedError
+
+            raise UnsupportedError("the Redis backend needs the redis package", found=str(exc),
+                                   fix="pip install 'kvstate[redis]'") from exc
 
         self.url, self.prefix = url, prefix
         self.client = redis.Redis.from_url(url)

@@ -133,8 +133,8 @@ def sliding_row(m: Matrix) -> None:
 
 
 def padded_row(m: Matrix) -> None:
-    if not m.adapter.supports_padding:
-        m.skipped.append(f"left-padded batch: {m.adapter.name} models refuse padding")
+    if not m.adapter.caps.padding:
+        m.skipped.append(f"left-padded batch: {m.adapter.caps.name} models refuse padding")
         return
     L = m.ids.shape[1]
     short = m.ids[:, L // 3:]

@@ -28,12 +28,12 @@ import torch
 
 from .. import _compat
 from ..adapters import adapter_for
+from ..io import save_state
 from ..layers import LAYER_KINDS
 from ..session import Session
 from ..state import State
 from .report import Row, compare, crashed
 
-FAULTS = ("corrupt-k", "drop-mask", "refeed-last", "zero-rope-deltas", "shift-positions")
 Result = tuple[torch.Tensor, torch.Tensor]  # first-step logits [B, V], greedy tokens [B, N]
 
 
@@ -136,7 +136,7 @@ def cache_variant_rows(m: Matrix) -> None:
         layer.tensors()["keys"][..., -1, :] += 1.0
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "prefix.kvs"
-        prefix.save(path)
+        save_state(prefix, path)
         variants = [("kvstate: original state", "a new Session adopts the state",
                      lambda: Session(m.model, state=prefix), True),
                     ("kvstate: rebuilt from raw K/V", "cloned K/V tensors, re-validated",
@@ -170,7 +170,7 @@ CHILD = """
 import sys, torch
 from safetensors.torch import load_file, save_file
 from kvstate import Session
-from kvstate.models import load_model
+from kvstate.testing.models import load_model
 spec, attn, folder, n = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4])
 model = load_model(spec, attn, progress=False)[0]
 ids = load_file(folder + "/ids.safetensors")["ids"]

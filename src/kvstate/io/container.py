@@ -6,7 +6,7 @@ Layout (plain safetensors, readable by ``safetensors.safe_open``)::
 
 The JSON header maps tensor names to ``{dtype, shape, data_offsets}`` and carries
 ``__metadata__["kvstate"]``, a JSON string with kvstate's own versioned header (see
-``kvstate.codec``), which includes a CRC-32 of every tensor.
+``kvstate.io.schema``), which includes a CRC-32 of every tensor.
 
 Loading never unpickles, never trusts a size it has not checked against the file,
 and turns every defect into ``StateFileError``: the header length is capped, every
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import StateFileError
+from ..errors import StateFileError
 
 MAX_HEADER_BYTES = 64 * 2**20  # generous for token lists; bounds what a hostile file can make us parse
 _DTYPES: dict[str, torch.dtype] = {

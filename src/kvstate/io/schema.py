@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from .errors import StateFileError
-from .fingerprint import Fingerprint
-from .layers import LAYER_KINDS
-from .state import Checkpoint, State
-from .statefile import crc32
+from ..errors import StateFileError
+from ..fingerprint import Fingerprint
+from ..layers import LAYER_KINDS
+from ..state import Checkpoint, State
+from .container import crc32
 
 FORMAT = "kvstate.state"
 VERSION = 1

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from ..errors import UnsupportedError
-from ..layers import AttentionLayerState, LayerState
+from . import _compat
+from .errors import UnsupportedError
+from .layers import AttentionLayerState, LayerState
 
 _BACKENDS = ("sdpa", "eager")
 
@@ -35,22 +35,22 @@ def needs_masks(layers: tuple[LayerState, ...]) -> bool:
 
 
 @contextmanager
-def layer_masks(model: Any, layers: tuple[LayerState, ...], first: torch.Tensor) -> Iterator[None]:
+def layer_masks(model: Any, layers: tuple[LayerState, ...], queries: Any) -> Iterator[None]:
     """Give each attention layer its own mask while ``model`` runs from ``layers``.
 
-    ``first`` ``[B, Q(, R)]`` are the positions of the first forward's tokens; later
-    forwards (``generate`` steps) continue each position component by one.
+    ``queries.current`` holds the positions ``[B, Q(, R)]`` of the tokens in the forward
+    that is running (the engine's ``Recorder`` sets it before the decoder runs).
     """
     backend = _compat.attention_implementation(model)
     if backend not in _BACKENDS:
         raise UnsupportedError("compressed states need per-layer masks", expected=_BACKENDS, found=backend,
                                fix="load the model with attn_implementation='sdpa' or 'eager'")
-    plan = _Plan(layers, first, backend)
-    handles = [model.get_decoder().register_forward_pre_hook(plan.start_forward, with_kwargs=True)]
-    for i, decoder_layer in enumerate(_compat.decoder_layers(model)):
-        if isinstance(layers[i], AttentionLayerState):
-            handles.append(decoder_layer.register_forward_pre_hook(plan.layer_hook(i), with_kwargs=True))
+    plan = _Plan(layers, queries, backend)
+    handles = []
     try:
+        for i, decoder_layer in enumerate(_compat.decoder_layers(model)):
+            if isinstance(layers[i], AttentionLayerState):
+                handles.append(decoder_layer.register_forward_pre_hook(plan.layer_hook(i), with_kwargs=True))
         yield
     finally:
         for handle in handles:
@@ -58,41 +58,28 @@ def layer_masks(model: Any, layers: tuple[LayerState, ...], first: torch.Tensor)
 
 
 class _Plan:
-    """Key positions per layer, updated forward by forward."""
+    """Key positions per layer, extended forward by forward."""
 
-    def __init__(self, layers: tuple[LayerState, ...], first: torch.Tensor, backend: str) -> None:
+    def __init__(self, layers: tuple[LayerState, ...], queries: Any, backend: str) -> None:
         self.keys = {i: layer.positions for i, layer in enumerate(layers)
                      if isinstance(layer, AttentionLayerState)}
         self.windows = {i: layer.window for i, layer in enumerate(layers) if isinstance(layer, AttentionLayerState)}
-        self.pending: torch.Tensor | None = first
-        self.last: torch.Tensor | None = None
-        self.query = first
+        self.queries = queries
         self.backend = backend
-
-    def start_forward(self, _module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds")
-        q = int((ids if ids is not None else embeds).shape[1])
-        if self.pending is not None and self.pending.shape[1] == q:
-            self.query, self.pending = self.pending, None
-        else:  # a generate step: each component continues by one
-            assert self.last is not None, "the first forward must match the planned positions"
-            steps = torch.arange(1, q + 1, device=self.last.device)
-            self.query = self.last + (steps[None, :, None] if self.last.dim() == 3 else steps[None, :])
-        self.last = self.query[:, -1:]
 
     def layer_hook(self, i: int) -> Any:
         def hook(_module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
             if "attention_mask" not in kwargs:
                 raise UnsupportedError("this model passes attention masks positionally; per-layer masks "
                                        "cannot be applied", found=type(_module).__name__)
+            query = self.queries.current
             old, window = self.keys[i], self.windows[i]
-            keys = self.query if old is None else torch.cat([old, self.query], dim=1)
+            keys = query if old is None else torch.cat([old, query], dim=1)
             self.keys[i] = keys
             if window is not None:  # transformers' sliding layers hand attention only the last W - 1 + Q slots
-                keys = keys[:, -(window - 1 + self.query.shape[1]):]
+                keys = keys[:, -(window - 1 + query.shape[1]):]
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            kwargs["attention_mask"] = self._mask(keys, self.query, window, hidden.dtype)
+            kwargs["attention_mask"] = self._mask(keys, query, window, hidden.dtype)
             return args, kwargs
 
         return hook

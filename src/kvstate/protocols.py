@@ -1,0 +1,81 @@
+"""The seams between kvstate's parts, as small typed Protocols.
+
+* ``ModelAdapter``: what the engine and the session need from a model family
+  (``kvstate.adapters.Adapter`` implements it; ``Capabilities`` are values).
+* ``StateSource`` / ``StateSink``: what a session needs from a prefix store. A store
+  sees states and ``PrefixQuery`` values, never a session.
+* ``AttentionObserver``: what a compression policy may ask of the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from .adapters.base import Capabilities
+    from .fingerprint import Fingerprint
+    from .layers import LayerState
+    from .state import State
+
+
+class ModelAdapter(Protocol):
+    """Per-family knowledge (see ``kvstate.adapters.base`` for each method's contract)."""
+
+    caps: Capabilities
+
+    def text_config(self, model: torch.nn.Module) -> Any: ...
+    def empty_layers(self, model: torch.nn.Module, sliding_reserve: int) -> tuple[LayerState, ...]: ...
+    def kv_shape(self, model: torch.nn.Module) -> tuple[int, int]: ...
+    def chunk_positions(self, model: torch.nn.Module, next_position: torch.Tensor, ids: torch.Tensor,
+                        new_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor: ...
+    def model_positions(self, positions: torch.Tensor) -> torch.Tensor: ...
+    def state_positions(self, position_ids: torch.Tensor) -> torch.Tensor: ...
+    def select_inputs(self, model: torch.nn.Module, ids: torch.Tensor, processed: int,
+                      inputs: dict[str, Any]) -> dict[str, Any]: ...
+    def media_spans(self, model: torch.nn.Module, ids: torch.Tensor) -> tuple[tuple[int, int], ...]: ...
+    def media_hashes(self, model: torch.nn.Module, ids: torch.Tensor,
+                     inputs: dict[str, Any]) -> list[tuple[int, str]] | None: ...
+    def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any: ...
+    def read_cache(self, model: torch.nn.Module, cache: Any, layers: tuple[LayerState, ...],
+                   positions: torch.Tensor, tokens_seen: int) -> tuple[LayerState, ...]: ...
+    def capture_extras(self, model: torch.nn.Module, next_position: torch.Tensor,
+                       tokens_seen: int) -> dict[str, torch.Tensor]: ...
+    def restore_extras(self, model: torch.nn.Module, extras: dict[str, torch.Tensor]) -> None: ...
+    def reset_model(self, model: torch.nn.Module) -> None: ...
+
+
+@dataclass(frozen=True)
+class PrefixQuery:
+    """What identifies a prefix: the model, a history ``tokens`` ``[1, L]`` (CPU), and the
+    ``(start slot, content hash)`` of every media item in it."""
+
+    fingerprint: Fingerprint
+    tokens: torch.Tensor
+    media: tuple[tuple[int, str], ...] = ()
+
+
+class StateSource(Protocol):
+    """Hands out stored prefix states."""
+
+    def lookup(self, query: PrefixQuery, *, longer_than: int, at_most: int) -> State | None:
+        """The longest stored prefix of ``query.tokens`` with ``longer_than < length <= at_most``, or None."""
+        ...
+
+
+class StateSink(Protocol):
+    """Takes states to store."""
+
+    chunk_tokens: int
+
+    def offer(self, state: State, query: PrefixQuery, seconds_per_token: float = 0.0) -> int:
+        """Store prefixes of ``state`` (whose media are ``query.media``); returns how many were written."""
+        ...
+
+
+class AttentionObserver(Protocol):
+    """What a compression policy may ask of the engine: attention of the last ``window`` queries."""
+
+    def observe(self, state: State, window: int) -> dict[int, torch.Tensor]: ...

@@ -1,0 +1,92 @@
+"""Resume planning, as pure functions: which prefix of a state a request can keep.
+
+``plan(state, ids, mask, spans)`` compares a request's full history ``ids`` ``[B, L]``
+(and its padding ``mask``) with the tokens a state has processed, and says how
+many of them to keep and how many to feed before the first new token. It touches
+no model and changes nothing, so it is tested on toy states. The rules:
+
+* keep the longest common prefix, never splitting a multimodal item (``spans``);
+* if the whole history is processed and the state holds its last logits, feed
+  nothing (``stored-logits``: the first forward of ``generate`` is memoized);
+* otherwise feed at least one token: cut the state back where every layer allows
+  (``rollback``), else to the latest checkpoint that fits (``checkpoint``), else
+  start over (``recompute``). A token is never processed twice.
+
+``start_state`` applies a plan (a pure ``State`` operation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .state import State
+
+MODES = ("continue", "rollback", "checkpoint", "recompute", "stored-logits")
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """How a call uses a state.
+
+    ``reused`` slots come from the state (``source`` ``"state"``, or ``"store"`` for a
+    prefix loaded from a ``PrefixStore``); ``fed`` slots go through the model before
+    the first new token; ``mode`` is one of ``MODES``.
+    """
+
+    reused: int
+    fed: int
+    mode: str
+    source: str = "state"
+
+
+def common_prefix(state: State, ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """Longest prefix (in slots) on which the state and the request agree for every row."""
+    n = min(state.tokens_seen, ids.shape[1])
+    same_mask = state.mask[:, :n] == mask[:, :n]
+    same_tok = (state.tokens[:, :n] == ids[:, :n]) | ~mask[:, :n]
+    agree = (same_mask & same_tok).all(dim=0)
+    bad = (~agree).nonzero()
+    return int(bad[0]) if bad.numel() else n
+
+
+def safe_point(n: int, spans: Sequence[tuple[int, int]]) -> int:
+    """The largest ``m <= n`` that does not fall inside a ``[start, end)`` span."""
+    for start, end in sorted(spans, reverse=True):
+        if start < n < end:
+            n = start
+    return n
+
+
+def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
+         spans: Sequence[tuple[int, int]] = (), source: str = "state") -> ResumePlan:
+    """How to continue the history ``ids`` ``[B, L]`` from ``state`` (see the module docstring)."""
+    T, L = state.tokens_seen, ids.shape[1]
+    shared = safe_point(common_prefix(state, ids, mask), spans)
+    if shared == T == L and state.last_logits is not None:
+        return ResumePlan(T, 0, "stored-logits", source)
+    target = safe_point(min(shared, L - 1), spans)
+    if target == T:
+        return ResumePlan(T, L - T, "continue", source)
+    if not state.rollback_limit(target):
+        uses_checkpoint = any(layer.rollback_limit(target) for layer in state.layers)
+        return ResumePlan(target, L - target, "checkpoint" if uses_checkpoint else "rollback", source)
+    for checkpoint in reversed(state.checkpoints):
+        n = checkpoint.tokens_seen
+        if n <= target and safe_point(n, spans) == n and not state.rollback_limit(n):
+            return ResumePlan(n, L - n, "checkpoint", source)
+    return ResumePlan(0, L, "recompute", source)
+
+
+def best(plans: Sequence[ResumePlan]) -> ResumePlan:
+    """The plan that reuses most (the first wins ties, so the session's own state beats a store)."""
+    return max(plans, key=lambda p: (p.reused, p.mode == "stored-logits"))
+
+
+def start_state(state: State, resume: ResumePlan, empty: State) -> State:
+    """The state the engine starts from: ``state`` cut to ``resume.reused``, or ``empty``."""
+    if resume.mode == "recompute":
+        return empty
+    return state.truncated(resume.reused)
