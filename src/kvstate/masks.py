@@ -17,6 +17,7 @@ raise ``UnsupportedError`` rather than attend to the wrong slots.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -68,10 +69,7 @@ class _Plan:
         self.backend = backend
 
     def layer_hook(self, i: int) -> Any:
-        def hook(_module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-            if "attention_mask" not in kwargs:
-                raise UnsupportedError("this model passes attention masks positionally; per-layer masks "
-                                       "cannot be applied", found=type(_module).__name__)
+        def hook(module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
             query = self.queries.current
             old, window = self.keys[i], self.windows[i]
             keys = query if old is None else torch.cat([old, query], dim=1)
@@ -79,8 +77,7 @@ class _Plan:
             if window is not None:  # transformers' sliding layers hand attention only the last W - 1 + Q slots
                 keys = keys[:, -(window - 1 + query.shape[1]):]
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            kwargs["attention_mask"] = self._mask(keys, query, window, hidden.dtype)
-            return args, kwargs
+            return _with_mask(module, args, kwargs, self._mask(keys, query, window, hidden.dtype))
 
         return hook
 
@@ -99,3 +96,15 @@ class _Plan:
         if self.backend == "sdpa":
             return visible
         return torch.zeros(visible.shape, dtype=dtype, device=keys.device).masked_fill(~visible, torch.finfo(dtype).min)
+
+
+def _with_mask(module: Any, args: tuple, kwargs: dict[str, Any], mask: torch.Tensor) -> tuple[tuple, dict[str, Any]]:
+    """The decoder layer's call with ``attention_mask`` replaced, whether it came by keyword or by position."""
+    if "attention_mask" in kwargs:
+        return args, {**kwargs, "attention_mask": mask}
+    names = [n for n in inspect.signature(module.forward).parameters if n not in ("self", "args", "kwargs")]
+    if "attention_mask" in names and names.index("attention_mask") < len(args):
+        i = names.index("attention_mask")
+        return (*args[:i], mask, *args[i + 1:]), kwargs
+    raise UnsupportedError("per-layer masks cannot be applied: the decoder layer takes no attention_mask",
+                           found=type(module).__name__, fix="compress only models whose layers take a mask")

@@ -9,8 +9,8 @@ Every verb takes the same walk (``docs/design.md``):
 
 States are immutable and the engine never changes the one it is given, so an
 exception at any step, ``KeyboardInterrupt`` included, leaves ``session.state``
-exactly as it was. A prefix store is read before planning and written after the
-commit; a store that fails costs a warning, never the answer. ``fork`` is O(1):
+exactly as it was. A prefix store is read before planning and offered the new
+state just before the commit; a store that fails costs a warning, never the answer. ``fork`` is O(1):
 forks share tensors until one of them moves on, and nothing writes in place.
 """
 
@@ -216,9 +216,10 @@ class Session:
             feed = self._engine.feed_for(start, ids[:, T:], mask,
                                          self._adapter.select_inputs(self.model, ids, T, inputs))
         generated = self._engine.generate(start, feed, ids, mask, options, self._settings())
-        self._commit(generated.state.with_checkpoint(self.max_checkpoints), plan)
+        new = generated.state.with_checkpoint(self.max_checkpoints)
         if query is not None:
-            self._offer(query)
+            self._offer(new, query)  # before the commit: a Ctrl-C while writing leaves the session as it was
+        self._commit(new, plan)
         return _answer(generated, options.return_dict)
 
     # ----- internals ---------------------------------------------------------------------
@@ -262,9 +263,9 @@ class Session:
                           StoreWarning, stacklevel=3)
             return None
 
-    def _offer(self, query: PrefixQuery) -> None:
+    def _offer(self, state: State, query: PrefixQuery) -> None:
         try:
-            self.store.offer(self._state, query, self._engine.seconds_per_token)
+            self.store.offer(state, query, self._engine.seconds_per_token)
         except Exception as exc:  # the answer is already committed; never lose it to a cache
             warnings.warn(f"kvstate: prefix store write failed: {type(exc).__name__}: {exc}", StoreWarning,
                           stacklevel=3)
