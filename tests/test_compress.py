@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kvstate import Session, supported_model_types
+from kvstate import Session
 from kvstate.compress import TOVA, KNorm, PerLayerBudget, Random, ReRotate, SnapKV, StreamingLLM
 from kvstate.testing.tiny import IMAGE_TOKEN, image_span, tiny_image
 from tiny import WINDOW, assert_logits_close, prompt, tiny_model
@@ -30,21 +30,25 @@ NEEDS_ROLLBACK = ("snapkv", "tova")  # re-run their observation window
 RECURRENT_OK = ("lfm2", "qwen3_next", "jamba", "falcon_h1", "mamba", "mamba2", "recurrent_gemma")
 
 
-@pytest.mark.parametrize("arch", supported_model_types())
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_ratio_zero_is_bitwise_identity(arch, name):
-    model = tiny_model(arch)
+def test_ratio_zero_is_bitwise_identity():
+    """Ratio 0 returns the very same state for every policy, so continuing is the uncompressed path.
+
+    The identity is one early return in ``compress_state``; checking it once per policy,
+    on a sliding-window model, plus a budget of all-zero per-layer ratios, covers it.
+    """
+    model = tiny_model("gemma3_text")
     ids, more = prompt(30), prompt(4, seed=7)
-    plain, squeezed = Session(model), Session(model)
+    s = Session(model)
+    s.extend(ids)
+    before = s.state
+    for name, make in POLICIES.items():
+        s.compress(make(0.0))
+        assert s.state is before, name
+    s.compress(PerLayerBudget(0.3, policy=KNorm(), ratios=(0.0,) * len(before.layers)))
+    assert s.state is before
+    plain = Session(model)
     plain.extend(ids)
-    squeezed.extend(ids)
-    before = squeezed.state
-    squeezed.compress(POLICIES[name](0.0))
-    assert squeezed.state is before  # ratio 0 returns the state itself
-    assert torch.equal(squeezed.extend(more), plain.extend(more))
-    history = torch.cat([ids, more, prompt(3, seed=8)], 1)
-    assert torch.equal(squeezed.generate(history, max_new_tokens=4, do_sample=False),
-                       plain.generate(history, max_new_tokens=4, do_sample=False))
+    assert torch.equal(s.extend(more), plain.extend(more))
 
 
 def retained_tokens(state, layer):
