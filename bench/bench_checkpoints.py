@@ -11,17 +11,14 @@ Writes ``bench/results/checkpoints.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from common import write_results
 from kvstate import Session
 from kvstate.testing.tiny import CONFIGS, tiny_model, tiny_prompt
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def run(model, history, diverged, every: int, keep: int) -> tuple[float, Session]:
@@ -62,9 +59,7 @@ def main() -> None:
         "state_bytes": summary["nbytes"],
         "checkpoint_bytes_per_checkpoint": summary["checkpoint_nbytes"] / max(len(summary["checkpoints"]), 1),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "checkpoints.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_results("checkpoints", result)
 
 
 if __name__ == "__main__":

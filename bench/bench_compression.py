@@ -15,18 +15,17 @@ Run: ``python bench/bench_compression.py [--cases 20]`` (needs the ``bench`` ext
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
 
 import torch
 
+from common import RESULTS, write_results
 from kvstate import Session
 from kvstate.compress import TOVA, KNorm, PerLayerBudget, Random, SnapKV, StreamingLLM
 from kvstate.testing import load_default_model
 
-RESULTS = Path(__file__).parent / "results"
 BUDGETS = (1.0, 0.5, 0.25, 0.1)
 POLICIES = {
     "StreamingLLM": lambda r: StreamingLLM(r, sinks=4),
@@ -149,10 +148,8 @@ def main() -> None:
               "budgets": list(BUDGETS), "passkey": run_passkey(model, tokenizer, args),
               "fidelity": run_fidelity(model, tokenizer, args)}
     result["seconds"] = time.perf_counter() - start
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "compression.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results("compression", result)
     plot(result, RESULTS / "compression.png")
-    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Writes ``bench/results/state_io.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -22,11 +21,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from common import median_time
-from kvstate import Session, codec
+from common import RESULTS, median_time, write_results
+from kvstate import Session
+from kvstate.io import schema
 from kvstate.testing import load_default_model
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def prompt_ids(tokenizer, n: int) -> torch.Tensor:
@@ -39,7 +37,7 @@ def io_row(model, ids, folder: Path, repeats: int) -> dict:
     session.extend(ids)
     with torch.no_grad():
         cache = model(ids, use_cache=True).cache
-    _, tensors = codec.encode(session.state)
+    _, tensors = schema.encode(session.state)
     kv_mb = sum(t.numel() * t.element_size() for n, t in tensors.items() if n.startswith("layers.")) / 1e6
     ours, pickled, raw = folder / "s.kvs", folder / "cache.pt", folder / "raw.safetensors"
 
@@ -127,9 +125,7 @@ def main() -> None:
             result["io"].append(io_row(model, ids, folder, args.repeats))
             result["ttft"].append(ttft_row(model, ids, folder, args.repeats))
         result["compact"] = compact_rows(model, prompt_ids(tokenizer, args.tokens[0]), folder)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "state_io.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_results("state_io", result)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ Starts its own ``redis-server`` on loopback. Writes ``bench/results/store.json``
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import socket
 import subprocess
@@ -22,11 +21,10 @@ from pathlib import Path
 
 import torch
 
-from common import median_time
+from common import median_time, write_results
 from kvstate import PrefixStore, Session
+from kvstate.protocols import PrefixQuery
 from kvstate.testing import load_default_model
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def start_redis(folder: str) -> tuple[subprocess.Popen, str]:
@@ -59,7 +57,8 @@ def miss_cost(model, request, location: str, repeats: int) -> dict:
     store = PrefixStore(location, namespace="never-written")
     session = Session(model)
     last = request.shape[1] - 1
-    lookup = median_time(lambda: store.lookup(session, request, [], longer_than=0, at_most=last), repeats)
+    query = PrefixQuery(session.fingerprint, request)
+    lookup = median_time(lambda: store.lookup(query, longer_than=0, at_most=last), repeats)
     prefill = median_time(lambda: Session(model).generate(request, max_new_tokens=1, do_sample=False), repeats)
     return {"lookup_s": lookup, "prefill_s": prefill, "overhead_pct": 100 * lookup / prefill}
 
@@ -114,9 +113,7 @@ def main() -> None:
                                     "redis": throughput(redis_url, entry, args.ops)}
         finally:
             redis_proc.terminate()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "store.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_results("store", result)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,71 @@
-"""Shared helpers of the benchmark scripts (run them as ``python bench/<name>.py``)."""
+"""Shared helpers of the benchmark scripts (run them as ``python bench/<name>.py``).
+
+Every results file starts with ``environment()``: the commit the numbers came from,
+whether the tree had uncommitted changes, the library versions and the cores, so a
+number in the README can always be traced to the code that produced it.
+"""
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of ``repeats`` calls of ``fn``, in seconds."""
-    times = []
+    return statistics.median(times(fn, repeats))
+
+
+def times(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None) -> list[float]:
+    """Wall times of ``repeats`` calls of ``fn(setup())`` (or ``fn()``), setup excluded, in seconds."""
+    out = []
     for _ in range(repeats):
+        arg = setup() if setup is not None else None
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        fn(arg) if setup is not None else fn()  # type: ignore[call-arg]
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment() -> dict[str, object]:
+    """Commit, library versions, cores and threads of this run."""
+    import torch
+    import transformers
+
+    import kvstate
+
+    return {
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "kvstate": kvstate.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    }
+
+
+def write_results(name: str, result: dict[str, object]) -> Path:
+    """``bench/results/<name>.json`` with the environment first; prints it too."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    text = json.dumps({"environment": environment(), **result}, indent=2) + "\n"
+    path.write_text(text)
+    print(text)
+    return path
