@@ -1,6 +1,6 @@
 """Shared helpers of the benchmark scripts (run them as ``python bench/<name>.py``).
 
-Every results file starts with ``environment()``: the commit the numbers came from,
+Every results file starts with ``environment()`` (key ``env``): the commit the numbers came from,
 whether the tree had uncommitted changes, the library versions and the cores, so a
 number in the README can always be traced to the code that produced it.
 """
@@ -65,7 +65,7 @@ def write_results(name: str, result: dict[str, object]) -> Path:
     """``bench/results/<name>.json`` with the environment first; prints it too."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    text = json.dumps({"environment": environment(), **result}, indent=2) + "\n"
+    text = json.dumps({"env": environment(), **result}, indent=2) + "\n"
     path.write_text(text)
     print(text)
     return path

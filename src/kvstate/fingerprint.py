@@ -113,3 +113,13 @@ def fingerprint(model: torch.nn.Module, tokenizer: object | None = None) -> Fing
         dtype=str(dtype).removeprefix("torch."),
         tokenizer_hash=None if tokenizer is None else tokenizer_hash(tokenizer),
     )
+
+
+def media_digest(*tensors: torch.Tensor) -> str:
+    """SHA-256 of tensors' dtypes, shapes and bytes (an image's pixels and grid)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{t.dtype}{list(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -2,8 +2,8 @@
 
 * ``ModelAdapter``: what the engine and the session need from a model family
   (``kvstate.adapters.Adapter`` implements it; ``Capabilities`` are values).
-* ``StateSource`` / ``StateSink``: what a session needs from a prefix store. A store
-  sees states and ``PrefixQuery`` values, never a session.
+* ``StateSource`` / ``StateSink`` (together ``PrefixCache``): what a session needs from
+  a prefix store. A store sees states and ``PrefixQuery`` values, never a session.
 * ``AttentionObserver``: what a compression policy may ask of the engine.
 """
 
@@ -73,6 +73,10 @@ class StateSink(Protocol):
     def offer(self, state: State, query: PrefixQuery, seconds_per_token: float = 0.0) -> int:
         """Store prefixes of ``state`` (whose media are ``query.media``); returns how many were written."""
         ...
+
+
+class PrefixCache(StateSource, StateSink, Protocol):
+    """A store a ``Session`` reads before planning and offers states to (``kvstate.PrefixStore``)."""
 
 
 class AttentionObserver(Protocol):

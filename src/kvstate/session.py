@@ -31,7 +31,7 @@ from .errors import InputError, LayoutMismatchError, StoreWarning, UnsupportedEr
 from .fingerprint import Fingerprint, fingerprint
 from .inputs import as_ids, check_batch, check_model, check_positions, full_mask, history_mask, model_inputs
 from .options import resolve
-from .protocols import PrefixQuery, StateSink, StateSource
+from .protocols import PrefixCache, PrefixQuery
 from .resume import ResumePlan
 from .state import State
 
@@ -51,7 +51,7 @@ class Session:
         max_checkpoints: snapshots of non-croppable (recurrent) layers kept for rollback;
             the oldest is evicted first. Taken at the end of every call.
         checkpoint_every: also checkpoint every N tokens inside long feeds.
-        store: a ``kvstate.PrefixStore`` (any ``StateSource`` + ``StateSink``);
+        store: a ``kvstate.PrefixStore`` (any ``kvstate.protocols.PrefixCache``);
             ``generate`` starts from the longest stored prefix of its history and
             writes prefixes back.
         state: start from this state instead of an empty one (checked against the model).
@@ -62,7 +62,7 @@ class Session:
 
     def __init__(self, model: torch.nn.Module, *, tokenizer: object | None = None,
                  chunk_size: int = 512, sliding_reserve: int = 64, max_checkpoints: int = 16,
-                 checkpoint_every: int | None = None, store: Any = None,
+                 checkpoint_every: int | None = None, store: PrefixCache | None = None,
                  state: State | None = None, _fingerprint: Fingerprint | None = None) -> None:
         _check_settings(chunk_size=chunk_size, sliding_reserve=sliding_reserve, max_checkpoints=max_checkpoints,
                         checkpoint_every=checkpoint_every)
@@ -71,7 +71,7 @@ class Session:
         self._engine = Engine(model, self._adapter)
         self.chunk_size, self.sliding_reserve = chunk_size, sliding_reserve
         self.max_checkpoints, self.checkpoint_every = max_checkpoints, checkpoint_every
-        self.store: StateSource | StateSink | Any = store
+        self.store = store
         self._fingerprint = _fingerprint or fingerprint(model, tokenizer)
         self.last_plan: ResumePlan | None = None
         self._state = self._empty(1) if state is None else self._adopt(state)

@@ -18,6 +18,7 @@ import torch
 
 from .. import _compat
 from ..errors import UnsupportedError
+from ..fingerprint import media_digest
 from .base import Adapter, Capabilities
 
 _VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw")
@@ -72,8 +73,6 @@ class QwenVLAdapter(Adapter):
     def media_hashes(self, model: torch.nn.Module, ids: torch.Tensor,
                      inputs: dict[str, Any]) -> list[tuple[int, str]] | None:
         """One hash per image run; None when the pixels given do not cover every image in ``ids``."""
-        from ..store.keys import media_digest
-
         runs = _image_runs(ids[0], int(model.config.image_token_id))  # type: ignore[union-attr]
         grid = inputs.get("image_grid_thw")
         if not runs:

@@ -13,7 +13,7 @@ copy of the state rolled back by W (``Engine.observe``), and discards that forwa
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -97,7 +97,16 @@ def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
     return (k * emb.cos() + rotated_half * emb.sin()).to(keys.dtype)
 
 
-def decode_with_budget(session: Any, input_ids: torch.Tensor, policy: Policy, *, budget: int, every: int,
+class Decoder(Protocol):
+    """What budgeted decoding needs of a session (``kvstate.Session`` has it)."""
+
+    @property
+    def state(self) -> State: ...
+    def extend(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def compress(self, policy: Policy) -> None: ...
+
+
+def decode_with_budget(session: Decoder, input_ids: torch.Tensor, policy: Policy, *, budget: int, every: int,
                        max_new_tokens: int) -> torch.Tensor:
     """Greedy decoding that compresses every ``every`` new tokens down to ``budget`` slots per layer.
 
@@ -118,7 +127,7 @@ def decode_with_budget(session: Any, input_ids: torch.Tensor, policy: Policy, *,
     return torch.cat(out, dim=1)
 
 
-def _compress_to(session: Any, policy: Policy, budget: int) -> None:
+def _compress_to(session: Decoder, policy: Policy, budget: int) -> None:
     from dataclasses import replace as replace_policy
 
     slots = max((layer.slots for layer in session.state.layers if isinstance(layer, AttentionLayerState)), default=0)

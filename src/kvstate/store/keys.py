@@ -38,13 +38,3 @@ def chain(seed: bytes, tokens: torch.Tensor, chunk: int, media: list[tuple[int, 
         h = hashlib.sha256(h + block + "|".join(hashes).encode()).digest()
         keys.append(h.hex())
     return keys
-
-
-def media_digest(*tensors: torch.Tensor) -> str:
-    """SHA-256 of tensors' dtypes, shapes and bytes (an image's pixels and grid)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().to("cpu").contiguous()
-        h.update(f"{t.dtype}{list(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
