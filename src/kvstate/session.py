@@ -17,6 +17,7 @@ forks share tensors until one of them moves on, and nothing writes in place.
 from __future__ import annotations
 
 import copy
+import operator
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -121,10 +122,14 @@ class Session:
 
     def truncate(self, n_tokens: int) -> None:
         """Roll back to the first ``n_tokens`` slots; ``RollbackError`` if a layer cannot."""
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int):
+        try:
+            n = operator.index(n_tokens)
+        except TypeError:
+            n = None
+        if n is None or isinstance(n_tokens, bool):
             raise InputError("truncate takes a token count", expected="int", found=repr(n_tokens),
                              fix="pass an int between 0 and state.tokens_seen")
-        self._commit(self._state.truncated(n_tokens))
+        self._commit(self._state.truncated(n))
 
     def compress(self, policy: Any) -> None:
         """Evict slots from the attention layers with ``policy`` (see ``kvstate.compress``).
