@@ -1,6 +1,6 @@
 """``Session``: one explicit ``State`` for one loaded transformers model.
 
-Every verb takes the same walk (``docs/design.md``):
+Every verb takes the same walk (``docs/architecture.md``):
 
 1. **validate** the caller's ids, masks, options and media, copying what it keeps;
 2. **plan** with pure code (``kvstate.resume``): which prefix of the state to keep;
