@@ -197,6 +197,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, to check the script")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-repeats", type=int, default=7, help="decode differences are small: more repeats")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model()
@@ -208,8 +209,8 @@ def main() -> None:
         "model": "gemma3-270m (fp32, sdpa), CPU",
         "ttft": ttft,
         "fork": bench_fork(model, ids[:, :histories[0]], args.repeats),
-        "decode": bench_decode(model, ids, 256 if args.quick else 1024, 8 if args.quick else 32, args.repeats,
-                               args.quick),
+        "decode": bench_decode(model, ids, 256 if args.quick else 1024, 8 if args.quick else 32,
+                               1 if args.quick else args.decode_repeats, args.quick),
     }
     if args.quick:  # a check of the script, not a result
         print(result)

@@ -1,8 +1,8 @@
 """Shared helpers of the benchmark scripts (run them as ``python bench/<name>.py``).
 
 Every results file starts with ``environment()`` (key ``env``): the commit the numbers came from,
-whether the tree had uncommitted changes, the library versions and the cores, so a
-number in the README can always be traced to the code that produced it.
+whether tracked files other than results had uncommitted changes, the library versions
+and the cores, so a number in the README can always be traced to the code that produced it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def environment() -> dict[str, object]:
 
     return {
         "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # uncommitted changes to tracked files other than results (which a run rewrites)
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "kvstate": kvstate.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
