@@ -54,7 +54,8 @@ def environment() -> dict[str, object]:
     return {
         "commit": _git("rev-parse", "HEAD"),
         # uncommitted changes to tracked files other than results (which a run rewrites)
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)bench/results")),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                           ":(top,exclude)bench/results")),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "kvstate": kvstate.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
