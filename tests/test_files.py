@@ -185,7 +185,7 @@ def test_real_safetensors_and_exact_size(tmp_path):
     size = s.save(tmp_path / "s.kvs")
     with safe_open(str(tmp_path / "s.kvs"), "pt") as f:
         meta = json.loads(f.metadata()["kvstate"])
-        assert meta["format"] == "kvstate.state" and meta["version"] == 1
+        assert meta["format"] == "kvstate.state" and meta["version"] == 2 and meta["checksum"] == "xxh3-64"
         assert torch.equal(f.get_tensor("layers.0.keys"), s.state.layers[0].keys)
     assert size == Path(tmp_path / "s.kvs").stat().st_size
 
@@ -197,14 +197,31 @@ def test_wrong_version_and_garbage(tmp_path):
     s.extend(prompt(4))
     s.save(tmp_path / "s.kvs")
     header, tensors = container.read(tmp_path / "s.kvs")
-    container.write(tmp_path / "v2.kvs", tensors, {**header, "version": 2})
+    container.write(tmp_path / "v3.kvs", tensors, {**header, "version": 3})
     with pytest.raises(StateFileError, match="version"):
-        load_state(tmp_path / "v2.kvs")
+        load_state(tmp_path / "v3.kvs")
     (tmp_path / "junk.kvs").write_bytes(b"\xff" * 8 + b"{}")
     with pytest.raises(StateFileError, match="oversized"):
         load_state(tmp_path / "junk.kvs")
-    with pytest.raises(StateFileError, match="cannot read"):
+    with pytest.raises(StateFileError, match="cannot open"):
         load_state(tmp_path / "missing.kvs")
+
+
+def test_version_1_files_with_crc32_still_load(tmp_path):
+    from kvstate.io import container
+
+    s = Session(tiny_model("llama"))
+    s.extend(prompt(6))
+    s.save(tmp_path / "s.kvs")
+    header, tensors = container.read(tmp_path / "s.kvs")
+    old = {k: v for k, v in header.items() if k not in ("checksum", "header_crc")}
+    old.update(version=1, checksums={name: container.digest(t, "crc32") for name, t in tensors.items()})
+    container.write(tmp_path / "v1.kvs", tensors, old)
+    assert_states_equal(load_state(tmp_path / "v1.kvs"), load_state(tmp_path / "s.kvs"))
+    broken = {**old, "checksums": {**old["checksums"], "positions": "00000000"}}
+    container.write(tmp_path / "bad.kvs", tensors, broken)
+    with pytest.raises(StateFileError, match="checksum"):
+        load_state(tmp_path / "bad.kvs")
 
 
 def test_pure_ssm_state_dtype_is_checked_and_castable(tmp_path):

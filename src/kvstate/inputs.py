@@ -21,7 +21,7 @@ from .errors import (
     MaskError,
     PositionError,
 )
-from .fingerprint import Fingerprint
+from .fingerprint import Fingerprint, mismatch
 from .state import State
 
 
@@ -117,7 +117,7 @@ def check_positions(state: State, given: torch.Tensor | None, expected: torch.Te
                         found=given.tolist(), fix="omit position_ids, or pass state.next_position + offsets")
 
 
-def check_model(state: State, fingerprint: Fingerprint, model_dtype: torch.dtype,
+def check_model(state: State, fingerprint: Fingerprint, model: torch.nn.Module, model_dtype: torch.dtype,
                 device: torch.device) -> None:
     """Refuse a state stored on another device or dtype, or produced by another model."""
     if state.device.type != device.type:
@@ -128,9 +128,9 @@ def check_model(state: State, fingerprint: Fingerprint, model_dtype: torch.dtype
         raise DtypeMismatchError("state K/V dtype differs from the model's",
                                  expected=str(model_dtype), found=str(kv_dtype),
                                  fix="load the model in the state's dtype, or reset() and re-feed")
-    if state.fingerprint is not None and state.fingerprint != fingerprint:
+    differences = [] if state.fingerprint is None else \
+        mismatch(state.fingerprint, model, fingerprint, cast="kvstate.cast" in state.metadata)
+    if differences:
         raise FingerprintMismatchError(
-            "state belongs to a different model",
-            expected=f"model fingerprint {fingerprint.to_dict()}",
-            found="; ".join(state.fingerprint.differences(fingerprint)),
-            fix="load the model the state was made with, or start a fresh Session")
+            "state belongs to a different model", expected=f"model fingerprint {fingerprint.to_dict()}",
+            found="; ".join(differences), fix="load the model the state was made with, or start a fresh Session")

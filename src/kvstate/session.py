@@ -21,6 +21,7 @@ import operator
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from . import resume
 from .adapters import adapter_for
 from .engine import Engine, FeedSettings, Generated
-from .errors import InputError, LayoutMismatchError, StoreWarning, UnsupportedError
+from .errors import FingerprintMismatchError, InputError, LayoutMismatchError, StoreWarning, UnsupportedError
 from .fingerprint import Fingerprint, fingerprint
 from .inputs import as_ids, check_batch, check_model, check_positions, full_mask, history_mask, model_inputs
 from .options import resolve
@@ -112,6 +113,7 @@ class Session:
     def reset(self) -> None:
         """Forget everything: outputs then equal a freshly loaded model's."""
         self._engine.reset_model()
+        self._fingerprint = replace(fingerprint(self.model), tokenizer_hash=self._fingerprint.tokenizer_hash)
         self._commit(self._empty(1))
 
     def fork(self) -> Session:
@@ -140,6 +142,7 @@ class Session:
         """
         from .compress.apply import compress_state
 
+        self._check_weights()
         self._commit(compress_state(self._engine, self.model, self._state, policy))
 
     # ----- files -------------------------------------------------------------------------
@@ -180,6 +183,7 @@ class Session:
             inputs: the family's media inputs for these tokens (e.g. ``pixel_values``).
         """
         inputs = model_inputs(inputs, self._adapter.caps.input_keys, self._adapter.caps.name)
+        self._check_weights()
         ids = self._ids(input_ids)
         state = self._state_for_batch(ids.shape[0])
         if ids.shape[1] == 0:
@@ -207,6 +211,7 @@ class Session:
         """
         inputs = {k: generate_kwargs.pop(k) for k in self._adapter.caps.input_keys if k in generate_kwargs}
         options = resolve(self.model, generate_kwargs)
+        self._check_weights()
         ids = self._ids(input_ids)
         state = self._state_for_batch(ids.shape[0])
         mask = history_mask(ids, attention_mask)
@@ -231,6 +236,24 @@ class Session:
     def _commit(self, state: State, plan: ResumePlan | None = None) -> None:
         """The only place the session's state changes."""
         self._state, self.last_plan = state, plan if plan is not None else self.last_plan
+
+    def _check_weights(self) -> None:
+        """The model still has the weights the state was made with; an in-place edit since is noticed.
+
+        Cheap when nothing changed: ``fingerprint`` is cached per model, keyed by every
+        tensor's version counter.
+        """
+        current = fingerprint(self.model)
+        if current.weights_digest == self._fingerprint.weights_digest:
+            return
+        current = replace(current, tokenizer_hash=self._fingerprint.tokenizer_hash)
+        if not self._state.is_empty:
+            raise FingerprintMismatchError(
+                "the model's weights changed after this session's state was made",
+                expected=f"weights_digest {self._fingerprint.weights_digest}",
+                found=f"weights_digest {current.weights_digest}",
+                fix="reset() to start over on the new weights, or restore the weights the state was made with")
+        self._fingerprint = current
 
     def _settings(self) -> FeedSettings:
         return FeedSettings(self.chunk_size, self.checkpoint_every, self.max_checkpoints)
@@ -284,7 +307,7 @@ class Session:
                                    found="attention_mask with padding", fix="run one row per Session")
 
     def _adopt(self, state: State) -> State:
-        check_model(state, self._fingerprint, self.dtype, self.device)
+        check_model(state, self._fingerprint, self.model, self.dtype, self.device)
         expected = [(layer.kind, layer.meta().get("window")) for layer in self._empty(1).layers]
         found = [(layer.kind, layer.meta().get("window")) for layer in state.layers]
         if found != expected:

@@ -77,10 +77,11 @@ def _cast_layer(layer: Any, dtype: torch.dtype) -> Any:
 def inspect_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A JSON-able description of a state file (schema: docs/inspect.schema.json).
 
-    Reads the header only; tensor bytes are counted from their declared sizes.
+    Reads the header only, and validates it as a load would (without allocating what it
+    declares); tensor bytes are counted from their declared sizes.
     """
     header, entries, size = container.read_header(path)
-    schema._check_version(header)
+    schema.validate(header, entries)
     try:
         return _describe(path, header, entries, size)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:

@@ -6,31 +6,41 @@ Layout (plain safetensors, readable by ``safetensors.safe_open``)::
 
 The JSON header maps tensor names to ``{dtype, shape, data_offsets}`` and carries
 ``__metadata__["kvstate"]``, a JSON string with kvstate's own versioned header (see
-``kvstate.io.schema``), which includes a CRC-32 of every tensor.
+``kvstate.io.schema``), which includes a checksum of every tensor (XXH3-64 from format
+version 2, CRC-32 in version 1).
 
-Loading never unpickles, never trusts a size it has not checked against the file,
-and turns every defect into ``StateFileError``: the header length is capped, every
-tensor must lie inside the file, shapes must match their byte ranges, regions may
-not overlap, nothing may trail, and checksums must match. Saving writes a
-temporary file in the target folder, fsyncs it, then renames it over the target,
-so a crash leaves the previous file intact.
+Loading never unpickles, never trusts a size it has not checked against the file, and
+turns every defect into ``StateFileError``, as safetensors' and llama.cpp's loaders do:
+only regular files are opened (a FIFO, a device or a folder is refused before it can
+block or stream forever); the 8-byte header length is read first and capped; the header
+JSON rejects duplicate keys and non-finite numbers; every tensor must lie inside the
+file, its byte range must equal its shape, regions tile the data exactly; and only then
+is memory allocated, once, for the data, which is read and hashed in one pass. A load
+therefore costs about the file size in memory and time proportional to it. Saving
+writes a temporary file in the target folder, fsyncs it, then renames it over the
+target, so a crash leaves the previous file intact.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import uuid
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
+import xxhash
 
 from ..errors import StateFileError
 
 MAX_HEADER_BYTES = 64 * 2**20  # generous for token lists; bounds what a hostile file can make us parse
+CHUNK = 8 * 2**20  # read and hash in pieces that stay in cache
+CHECKSUMS = ("xxh3-64", "crc32")  # by format version: 2, 1
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -39,13 +49,45 @@ _DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-def crc32(tensor: torch.Tensor) -> str:
-    """CRC-32 over a tensor's dtype, shape and bytes, as 8 hex digits (integrity, not authentication).
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (already checked by the layout validation)."""
+    return _DTYPES[name]
 
-    Binding dtype and shape means a header edit that reinterprets intact bytes is caught too.
-    """
-    seed = zlib.crc32(f"{_NAMES[tensor.dtype]}{list(tensor.shape)}".encode())
-    return f"{zlib.crc32(_bytes(tensor), seed) & 0xFFFFFFFF:08x}"
+
+def _seed(tensor_or_entry: torch.Tensor | tuple[str, list[int]]) -> str:
+    """What binds a checksum to a tensor's dtype and shape, so a header edit that
+    reinterprets intact bytes is caught too."""
+    if isinstance(tensor_or_entry, torch.Tensor):
+        return f"{_NAMES[tensor_or_entry.dtype]}{list(tensor_or_entry.shape)}"
+    return f"{tensor_or_entry[0]}{tensor_or_entry[1]}"
+
+
+def digest(tensor: torch.Tensor, algorithm: str = "xxh3-64") -> str:
+    """Checksum of a tensor's dtype, shape and bytes, as hex (integrity, not authentication)."""
+    hasher = _hasher(algorithm, _seed(tensor))
+    hasher.update(_bytes(tensor))
+    return hasher.hexdigest()
+
+
+class _Crc32:
+    """CRC-32 with the streaming interface of ``xxhash`` (format version 1)."""
+
+    def __init__(self, seed: str) -> None:
+        self.value = zlib.crc32(seed.encode())
+
+    def update(self, data: memoryview) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value & 0xFFFFFFFF:08x}"
+
+
+def _hasher(algorithm: str, seed: str) -> xxhash.xxh3_64 | _Crc32:
+    if algorithm == "crc32":
+        return _Crc32(seed)
+    if algorithm == "xxh3-64":
+        return xxhash.xxh3_64(seed=zlib.crc32(seed.encode()))
+    raise StateFileError("unknown checksum algorithm", expected=CHECKSUMS, found=algorithm, fix="upgrade kvstate")
 
 
 def header_crc(header: dict) -> str:
@@ -62,6 +104,7 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
 def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], header: dict) -> int:
     """Atomically write ``tensors`` plus the kvstate ``header`` (JSON-able) to ``path``."""
     path = Path(path)
+    check_target(path)
     raw, blobs = _layout(tensors, header)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -72,11 +115,25 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], hea
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StateFileError("cannot write state file", found=f"{path}: {exc}",
+                             fix="check the free space and the folder's permissions") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
     return len(raw) + sum(blob.nbytes for blob in blobs)
+
+
+def check_target(path: Path) -> None:
+    """Refuse a save path that cannot become a file, before any work is done."""
+    if path.is_dir():
+        raise StateFileError("cannot save a state over a folder", expected="a file path", found=f"{path} is a folder",
+                             fix="pass a file name inside the folder, e.g. folder/chat.kvs")
+    if not path.parent.is_dir():
+        raise StateFileError("the folder to save into does not exist", expected="an existing folder",
+                             found=str(path.parent), fix=f"create it first: mkdir -p {path.parent}")
 
 
 def to_bytes(tensors: Mapping[str, torch.Tensor], header: dict) -> bytes:
@@ -115,18 +172,74 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def read(path: str | os.PathLike[str], *, verify: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read and validate a state file: (kvstate header, tensors on CPU)."""
+    """Read and validate a state file: (kvstate header, tensors on CPU, owning their memory)."""
     path = Path(path)
+    with _open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = _read_exactly(f, 8, path)
+        head += _read_exactly(f, _header_length(head, size, path), path)
+        entries, header, start = _parse_header(head, path, size)
+        _check_memory(size - start, path)
+        data = bytearray(size)  # the one copy: tensors view into it
+        data[:start] = head
+        sums = _checksums(header, entries, path) if verify else {}
+        for name, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            a, b = (start + o for o in e["data_offsets"])
+            _read_into(f, memoryview(data)[a:b], path, _hasher(sums[name][0], _seed((e["dtype"], e["shape"])))
+                       if verify else None, sums.get(name, ("", ""))[1], name)
+    return header, _tensors(data, start, entries, path)
+
+
+def _open_regular(path: Path) -> Any:
+    """``path`` opened for reading if it is a regular file; FIFOs, devices and folders are refused first.
+
+    ``O_NONBLOCK`` keeps a FIFO swapped in after the check from blocking the open.
+    """
     try:
-        with open(path, "rb") as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)  # the one copy: tensors view into it
-            got = f.readinto(data)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
-        raise StateFileError("cannot read state file", found=f"{path}: {exc}",
+        raise StateFileError("cannot open state file", found=f"{path}: {exc}",
                              fix="check the path and permissions") from exc
-    if got != len(data):
-        raise StateFileError("file changed size while being read", expected=len(data), found=got)
-    return parse(data, path, verify=verify)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "folder" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "device or special file"
+        raise StateFileError("not a regular file", expected="a state file", found=f"{path} is a {kind}",
+                             fix="pass the path of a file written by kvstate's save")
+    return os.fdopen(fd, "rb")
+
+
+def _read_exactly(f: Any, n: int, path: Path) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise StateFileError("file ends early", expected=f"{n} more bytes", found=f"{len(data)} in {path}",
+                             fix="the file is truncated; re-save the state")
+    return data
+
+
+def _read_into(f: Any, target: memoryview, path: Path, hasher: Any, expected: str, name: str) -> None:
+    """Fill ``target`` from ``f`` in cache-sized pieces, hashing each piece as it arrives."""
+    for i in range(0, len(target), CHUNK):
+        piece = target[i:i + CHUNK]
+        if f.readinto(piece) != len(piece):
+            raise StateFileError("file ends early", expected=f"{len(target)} bytes of {name!r}",
+                                 found=f"fewer in {path}", fix="the file is truncated; re-save the state")
+        if hasher is not None:
+            hasher.update(piece)
+    if hasher is not None and hasher.hexdigest() != expected:
+        raise StateFileError("tensor checksum mismatch", expected=expected, found=hasher.hexdigest(),
+                             fix=f"{name!r} in {path} is corrupt; re-save the state")
+
+
+def _check_memory(data_size: int, path: Path) -> None:
+    """Refuse a file whose data could never fit in memory before allocating for it."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if data_size > physical:
+        raise StateFileError("state file larger than this machine's memory", expected=f"<= {physical} bytes",
+                             found=f"{data_size} bytes of tensors in {path}", fix="load it on a larger machine")
 
 
 def parse(data: bytes | bytearray, source: str | os.PathLike[str] = "<bytes>", *,
@@ -137,24 +250,26 @@ def parse(data: bytes | bytearray, source: str | os.PathLike[str] = "<bytes>", *
     """
     path = Path(source)
     entries, header, start = _parse_header(data, path, len(data))
-    tensors = _tensors(data, start, entries, path)
+    buffer = data if isinstance(data, bytearray) else bytearray(data)  # writable memory for frombuffer
     if verify:
-        _verify_checksums(header, tensors, path)
-    return header, tensors
+        for name, (algorithm, expected) in _checksums(header, entries, path).items():
+            a, b = (start + o for o in entries[name]["data_offsets"])
+            hasher = _hasher(algorithm, _seed((entries[name]["dtype"], entries[name]["shape"])))
+            hasher.update(memoryview(buffer)[a:b])
+            if hasher.hexdigest() != expected:
+                raise StateFileError("tensor checksum mismatch", expected=expected, found=hasher.hexdigest(),
+                                     fix=f"{name!r} in {path} is corrupt; re-save the state")
+    return header, _tensors(buffer, start, entries, path)
 
 
 def read_header(path: str | os.PathLike[str]) -> tuple[dict, dict[str, dict], int]:
     """The kvstate header, the tensor entries and the file size, without reading tensor bytes."""
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            n = _header_length(prefix, path.stat().st_size, path)
-            data = prefix + f.read(n)
-    except OSError as exc:
-        raise StateFileError("cannot read state file", found=f"{path}: {exc}") from exc
-    size = path.stat().st_size
-    entries, header, _ = _parse_header(data, path, size, check_data=False)
+    with _open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = _read_exactly(f, 8, path)
+        head += _read_exactly(f, _header_length(head, size, path), path)
+    entries, header, _ = _parse_header(head, path, size)
     return header, entries, size
 
 
@@ -162,23 +277,39 @@ def _header_length(prefix: bytes, file_size: int, path: Path) -> int:
     if len(prefix) < 8:
         raise StateFileError("file too short to be a state file", expected=">= 8 bytes",
                              found=f"{len(prefix)} bytes in {path}", fix="re-save the state")
-    (n,) = struct.unpack("<Q", prefix)
+    (n,) = struct.unpack("<Q", prefix[:8])
     if n > MAX_HEADER_BYTES or n > file_size - 8:
-        raise StateFileError("header length is oversized or past the end of the file",
+        raise StateFileError("not a state file: its header length is oversized or past the end of the file",
                              expected=f"<= {min(MAX_HEADER_BYTES, max(file_size - 8, 0))} bytes",
-                             found=f"{n} bytes in {path}", fix="the file is truncated or not a state file")
+                             found=f"{n} bytes in {path}", fix="pass a file written by kvstate's save")
     return n
 
 
-def _parse_header(data: bytes, path: Path, file_size: int,
-                  check_data: bool = True) -> tuple[dict, dict, int]:
-    n = _header_length(data[:8], file_size, path)
+def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})[:5]}")
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} in JSON")
+
+
+def _json(text: bytes | str) -> Any:
+    """Strict JSON: duplicate keys and NaN / Infinity are errors, as in safetensors."""
+    return json.loads(text, object_pairs_hook=_strict_object, parse_constant=_no_constant)
+
+
+def _parse_header(data: bytes | bytearray, path: Path, file_size: int) -> tuple[dict, dict, int]:
+    """Header length, JSON and layout of a file of ``file_size`` bytes whose first bytes are ``data``."""
+    n = _header_length(bytes(data[:8]), file_size, path)
     if len(data) < 8 + n:
         raise StateFileError("file ends inside its header", expected=f"{8 + n} bytes",
                              found=f"{len(data)} bytes in {path}", fix="the file is truncated")
     try:
-        entries = json.loads(bytes(data[8:8 + n]).decode("utf-8"))
-        header = json.loads(entries["__metadata__"]["kvstate"])
+        entries = _json(bytes(data[8:8 + n]).decode("utf-8"))
+        header = _json(entries["__metadata__"]["kvstate"])
     except (ValueError, RecursionError, TypeError, KeyError) as exc:
         raise StateFileError("header is not a kvstate safetensors header",
                              expected='JSON with __metadata__["kvstate"]',
@@ -189,9 +320,20 @@ def _parse_header(data: bytes, path: Path, file_size: int,
         raise StateFileError("header checksum mismatch", expected=header_crc(header),
                              found=header.get("header_crc"), fix=f"{path} is corrupt; re-save the state")
     entries = {k: v for k, v in entries.items() if k != "__metadata__"}
-    if check_data:
-        _check_layout(entries, len(data) - 8 - n, path)
+    _check_layout(entries, file_size - 8 - n, path)
     return entries, header, 8 + n
+
+
+def _checksums(header: dict, entries: dict, path: Path) -> dict[str, tuple[str, str]]:
+    """``name -> (algorithm, expected hex)`` for every tensor; the table must cover them all."""
+    sums = header.get("checksums")
+    if not isinstance(sums, dict) or set(sums) != set(entries) or not all(isinstance(v, str) for v in sums.values()):
+        raise StateFileError("checksum table missing or incomplete", expected=sorted(entries),
+                             found=sorted(sums) if isinstance(sums, dict) else sums, fix="re-save the state")
+    algorithm = header.get("checksum", "crc32")
+    if algorithm not in CHECKSUMS:
+        raise StateFileError("unknown checksum algorithm", expected=CHECKSUMS, found=algorithm, fix="upgrade kvstate")
+    return {name: (algorithm, value) for name, value in sums.items()}
 
 
 def _check_layout(entries: dict, data_size: int, path: Path) -> None:
@@ -238,14 +380,3 @@ def _tensors(data: bytes | bytearray, start: int, entries: dict, path: Path) -> 
             raw = raw.clone()  # a view needs the offset aligned to the element size
         out[name] = raw.view(dtype).reshape(e["shape"])
     return out
-
-
-def _verify_checksums(header: dict, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    sums = header.get("checksums")
-    if not isinstance(sums, dict) or set(sums) != set(tensors):
-        raise StateFileError("checksum table missing or incomplete", expected=sorted(tensors),
-                             found=sorted(sums) if isinstance(sums, dict) else sums, fix="re-save the state")
-    for name, t in tensors.items():
-        if crc32(t) != sums[name]:
-            raise StateFileError("tensor checksum mismatch", expected=sums[name], found=crc32(t),
-                                 fix=f"{name!r} in {path} is corrupt; re-save the state")

@@ -1,6 +1,6 @@
 """``State`` <-> (kvstate header, named tensors), and optional compact K/V storage.
 
-Header fields (format ``kvstate.state``, version 1; documented in docs/state-file.md):
+Header fields (format ``kvstate.state``, version 2; documented in docs/state-file.md):
 ``format``, ``version``, ``fingerprint``, ``batch_size``, ``tokens_seen``, ``tokens``
 (``[B][T]`` ints), ``mask`` (per row, runs ``[start, count]`` of real slots),
 ``next_position``, ``layers`` (``kind``, ``tokens_seen``, ``slots``, ``window``,
@@ -8,7 +8,10 @@ Header fields (format ``kvstate.state``, version 1; documented in docs/state-fil
 positions, or ``"tensor"`` for multimodal positions stored as a tensor),
 ``checkpoints`` (``tokens_seen`` and per-layer ``meta`` of each snapshot),
 ``has_last_logits``, ``extras`` (names), ``storage`` (``exact``, ``bfloat16``,
-``float16`` or ``int8``), ``kv_dtype``, ``metadata`` (str -> str) and ``checksums``.
+``float16`` or ``int8``), ``kv_dtype``, ``metadata`` (str -> str), ``checksum`` (the algorithm)
+and ``checksums``. Every count is bounded by the one above it (slots <= a layer's
+tokens_seen <= the state's), and the state's by its token list, so a header cannot
+make the loader allocate more than the file holds.
 The position of every processed slot is the tensor ``positions``.
 
 Only retained slots are written: a sliding layer's K/V that views larger storage is
@@ -27,10 +30,11 @@ from ..errors import StateFileError
 from ..fingerprint import Fingerprint
 from ..layers import LAYER_KINDS
 from ..state import Checkpoint, State
-from .container import crc32
+from .container import digest, dtype_of
 
 FORMAT = "kvstate.state"
-VERSION = 1
+VERSION = 2  # 2: XXH3-64 tensor checksums (``checksum`` field); 1: CRC-32, still read
+READABLE = (1, 2)
 COMPACT = ("bfloat16", "float16", "int8")
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float64": torch.float64}
@@ -64,7 +68,8 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "has_last_logits": state.last_logits is not None, "extras": sorted(state.extras),
         "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "metadata": meta,
     }
-    header["checksums"] = {name: crc32(t) for name, t in tensors.items()}
+    header["checksum"] = "xxh3-64"
+    header["checksums"] = {name: digest(t) for name, t in tensors.items()}
     return header, tensors
 
 
@@ -96,9 +101,18 @@ def decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
                              fix="re-save the state with this kvstate version") from exc
 
 
+def validate(header: dict[str, Any], entries: dict[str, Any]) -> None:
+    """Every check ``decode`` makes, on the header alone: tensors are stood in for by
+    shape-only (meta) tensors, so nothing the file declares is allocated."""
+    decode(header, {name: torch.empty(e["shape"], dtype=dtype_of(e["dtype"]), device="meta")
+                    for name, e in entries.items()})
+
+
 def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
     _check_version(header)
     B, T = _int(header, "batch_size"), _int(header, "tokens_seen")
+    if B < 1:
+        raise StateFileError("batch_size must be at least 1", found=B, fix="re-save the state")
     tokens = torch.tensor(_list(header, "tokens"), dtype=torch.long).reshape(B, T)
     mask = _mask_from_runs(_list(header, "mask"), B, T)
     positions = tensors["positions"]
@@ -109,9 +123,9 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
     if kv_dtype is None:
         raise StateFileError("unknown kv_dtype", expected=sorted(_DTYPE_NAMES), found=header.get("kv_dtype"))
     storage = header.get("storage")
-    layers = tuple(_layer(f"layers.{i}.", spec, tensors, B, kv_dtype, storage)
+    layers = tuple(_layer(f"layers.{i}.", spec, tensors, B, kv_dtype, storage, T)
                    for i, spec in enumerate(_list(header, "layers")))
-    checkpoints = tuple(_checkpoint(k, c, tensors, B, kv_dtype, storage, len(layers))
+    checkpoints = tuple(_checkpoint(k, c, tensors, B, kv_dtype, storage, len(layers), T)
                         for k, c in enumerate(_list(header, "checkpoints")))
     extras = {name: tensors[f"extras.{name}"] for name in _list(header, "extras")}
     last = tensors["last_logits"] if header.get("has_last_logits") is True else None
@@ -131,36 +145,39 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
 def _check_version(header: dict[str, Any]) -> None:
     if header.get("format") != FORMAT:
         raise StateFileError("not a kvstate state file", expected=FORMAT, found=header.get("format"))
-    if header.get("version") != VERSION:
-        raise StateFileError("unsupported state file version", expected=VERSION,
+    if header.get("version") not in READABLE:
+        raise StateFileError("unsupported state file version", expected=READABLE,
                              found=header.get("version"), fix="load it with the kvstate version that wrote it")
 
 
 def _checkpoint(k: int, entry: Any, tensors: dict[str, torch.Tensor], B: int, kv_dtype: torch.dtype,
-                storage: str | None, n_layers: int) -> Checkpoint:
+                storage: str | None, n_layers: int, T: int) -> Checkpoint:
+    seen = _bounded(entry, "tokens_seen", T, "the state's tokens_seen")
     layers = {}
     for key, spec in dict(entry["layers"]).items():
         i = int(key)
         if not 0 <= i < n_layers:
             raise StateFileError("checkpoint names a layer that does not exist", expected=f"0..{n_layers - 1}", found=i)
-        layers[i] = _layer(f"checkpoints.{k}.layers.{i}.", spec, tensors, B, kv_dtype, storage)
-    return Checkpoint(_int(entry, "tokens_seen"), MappingProxyType(layers))
+        layers[i] = _layer(f"checkpoints.{k}.layers.{i}.", spec, tensors, B, kv_dtype, storage, seen)
+    return Checkpoint(seen, MappingProxyType(layers))
 
 
 def _layer(prefix: str, spec: dict[str, Any], tensors: dict[str, torch.Tensor], B: int,
-           kv_dtype: torch.dtype, storage: str | None) -> Any:
+           kv_dtype: torch.dtype, storage: str | None, T: int) -> Any:
+    """One layer; ``T`` bounds its counts, so no header number can make us allocate more than the file holds."""
     cls = LAYER_KINDS.get(spec.get("kind"))  # type: ignore[arg-type]
     if cls is None:
         raise StateFileError(f"{prefix} has an unknown layer kind", expected=sorted(LAYER_KINDS),
                              found=spec.get("kind"), fix="upgrade kvstate")
-    slots, seen = _int(spec, "slots"), _int(spec, "tokens_seen")
+    seen = _bounded(spec, "tokens_seen", T, "the state's tokens_seen")
+    slots = _bounded(spec, "slots", seen, f"{prefix} tokens_seen")
     parts = {name[len(prefix):]: t for name, t in tensors.items()
              if name.startswith(prefix) and not name.endswith(".scale") and name[len(prefix):] != "positions"}
     for name in ("keys", "values"):
         if name in parts:
             parts[name] = _unpack(f"{prefix}{name}", tensors, kv_dtype, storage)
             t = parts[name]
-            if t.dim() != 4 or t.shape[0] != B or t.shape[2] != slots:
+            if t.dim() != 4 or t.shape[0] != B or t.shape[2] != slots or (slots and 0 in (t.shape[1], t.shape[3])):
                 raise StateFileError(f"{prefix}{name} has the wrong shape", expected=f"[{B}, H, {slots}, D]",
                                      found=tuple(t.shape))
     if slots and ("keys" not in parts or "values" not in parts or parts["keys"].shape != parts["values"].shape
@@ -256,6 +273,14 @@ def _pair(run: Any) -> tuple[int, int]:
     if not (isinstance(run, list) and len(run) == 2 and all(type(x) is int for x in run) and run[1] >= 0):
         raise StateFileError("malformed run", expected="[start, count] ints", found=str(run)[:80])
     return run[0], run[1]
+
+
+def _bounded(d: dict[str, Any], key: str, limit: int, what: str) -> int:
+    value = _int(d, key)
+    if value > limit:
+        raise StateFileError(f"header field {key!r} exceeds {what}", expected=f"<= {limit}", found=value,
+                             fix="the file is corrupt or crafted; re-save the state")
+    return value
 
 
 def _int(d: dict[str, Any], key: str) -> int:
