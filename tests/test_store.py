@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +19,7 @@ from kvstate import PrefixStore, Session
 from kvstate.io import state_from_bytes, state_to_bytes
 from kvstate.protocols import PrefixQuery
 from kvstate.testing.tiny import image_span, tiny_image
+from redis_server import redis_server
 from tiny import prompt, tiny_model
 
 CHUNK = 16
@@ -28,27 +27,8 @@ CHUNK = 16
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.fail("redis-server is not installed: apt-get install redis-server (.ci/run does)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    folder = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(folder)], stdout=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
+    with redis_server(tmp_path_factory.mktemp("redis")) as (url, _):
+        yield url
 
 
 @pytest.fixture(params=["folder", "redis"])

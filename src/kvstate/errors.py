@@ -86,5 +86,9 @@ class LayoutMismatchError(KVStateError):
     """The state's layers (count, kinds, heads, head dim) do not fit the model."""
 
 
+class StoreError(KVStateError):
+    """A prefix store cannot be created: the path or URL is unusable."""
+
+
 class StoreWarning(UserWarning):
     """A prefix store failed; the call went on without it (a store is a cache, never the answer)."""

@@ -16,7 +16,9 @@ The store serves single-row conversations; batched sessions bypass it.
 
 A store is a cache: when its backend fails (a full disk, a Redis that went away),
 ``lookup`` answers a miss and ``offer`` writes nothing, each with a ``StoreWarning``
-and a count in ``stats()["failures"]``. The store sees states and ``PrefixQuery``
+and a count in ``stats()["failures"]``. A damaged entry is a miss and is removed; damaged
+counters start again. An unusable folder or a malformed URL raises ``StoreError`` when
+the store is created. ``health()`` says whether the backend answers now. The store sees states and ``PrefixQuery``
 values (``kvstate.protocols``), never a session.
 """
 
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError, StateFileError, StoreWarning
+from ..errors import InputError, StateFileError, StoreError, StoreWarning
 from ..fingerprint import Fingerprint
 from ..io import state_from_bytes, state_to_bytes
 from ..protocols import PrefixQuery
@@ -107,8 +109,11 @@ class PrefixStore:
             return None
         try:
             state = state_from_bytes(data, f"store entry {key}")
-        except StateFileError:
-            return None  # a damaged entry is a miss, never a wrong answer
+        except StateFileError as exc:  # a damaged entry is a miss, never a wrong answer; and it goes
+            self.backend.delete(key)
+            warnings.warn(f"kvstate: removed a damaged prefix store entry {key[:16]}: {exc}", StoreWarning,
+                          stacklevel=5)
+            return None
         if not torch.equal(state.tokens.cpu(), prefix.cpu()):
             return None  # belt and braces against key collisions
         return state
@@ -142,8 +147,13 @@ class PrefixStore:
 
     # ----- administration ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        entries = self.backend.entries()
-        counters = {name: 0 for name in COUNTERS} | self.backend.counters()
+        """Entries, bytes, counters shared by every user of the store, and this process's failures."""
+        try:
+            entries = self.backend.entries()
+            counters = {name: 0 for name in COUNTERS} | self.backend.counters()
+        except Exception as exc:  # unreachable backend: one typed error, not a client traceback
+            raise StoreError("prefix store unreachable", found=f"{self.backend.describe()}: {exc}",
+                             fix="check that the folder exists or the Redis server runs (store.health())") from exc
         saved = counters.pop("seconds_saved_x1000") / 1000
         return {"backend": self.backend.describe(), "entries": len(entries), "bytes": sum(e[1] for e in entries),
                 "capacity_bytes": self.capacity_bytes, **counters, "estimated_prefill_seconds_saved": saved,
@@ -155,3 +165,9 @@ class PrefixStore:
 
     def prune(self, max_bytes: int) -> int:
         return self.backend.prune(max_bytes)
+
+    def health(self) -> dict[str, Any]:
+        """Whether the backend answers now, and how many calls it failed in this process."""
+        problem = self.backend.health()
+        return {"backend": self.backend.describe(), "ok": not problem, "problem": problem or None,
+                "failures": self.failures}

@@ -18,10 +18,13 @@ import json
 import os
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from ..errors import StoreError, StoreWarning, UnsupportedError
 
 COUNTERS = ("hits", "misses", "writes", "evictions", "tokens_reused", "seconds_saved_x1000")
 
@@ -30,8 +33,15 @@ class FolderBackend:
     """Entries as files in a local folder."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
-        (self.root / "entries").mkdir(parents=True, exist_ok=True)
+        self.root = Path(root).expanduser()
+        try:
+            (self.root / "entries").mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".probe.{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise StoreError("cannot use this folder as a prefix store", expected="a writable folder",
+                             found=f"{self.root}: {exc}", fix="pass a folder you can write to") from exc
 
     def describe(self) -> str:
         return f"folder {self.root}"
@@ -47,6 +57,19 @@ class FolderBackend:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def health(self) -> str:
+        """Empty when the folder is usable, else what is wrong."""
+        try:
+            probe = self.root / "entries" / f".probe.{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+            return ""
+        except OSError as exc:
+            return f"{type(exc).__name__}: {exc}"
 
     def get(self, key: str) -> bytes | None:
         path = self._path(key)
@@ -113,12 +136,29 @@ class FolderBackend:
 
     @staticmethod
     def _read_stats(path: Path) -> dict[str, int]:
+        """The counters; a damaged file counts as empty and is rewritten at the next bump (with a warning)."""
         try:
-            return {k: int(v) for k, v in json.loads(path.read_text()).items()}
-        except (FileNotFoundError, ValueError):
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
             return {}
+        except (ValueError, OSError):
+            data = None
+        if isinstance(data, dict) and all(type(v) is int for v in data.values()):
+            return data
+        warnings.warn(f"kvstate: prefix store counters in {path} were damaged; starting them again",
+                      StoreWarning, stacklevel=4)
+        return {}
 
 
+# Counters are added with ``tonumber(...) or 0``, not HINCRBY: a damaged counter starts again
+# at zero instead of making every later call fail.
+_ADD = """
+local function add(hash, field, n)
+  local value = (tonumber(redis.call('HGET', hash, field)) or 0) + n
+  redis.call('HSET', hash, field, value)
+  return value
+end
+"""
 _EVICT = """
 local total = tonumber(redis.call('HGET', KEYS[4], 'bytes')) or 0
 local evicted = 0
@@ -129,19 +169,30 @@ while capacity >= 0 and total > capacity do
   local size = tonumber(redis.call('HGET', KEYS[3], oldest[1])) or 0
   redis.call('DEL', ARGV[5] .. oldest[1])
   redis.call('HDEL', KEYS[3], oldest[1])
-  total = redis.call('HINCRBY', KEYS[4], 'bytes', -size)
+  total = add(KEYS[4], 'bytes', -size)
   evicted = evicted + 1
 end
-redis.call('HINCRBY', KEYS[4], 'evictions', evicted)
+add(KEYS[4], 'evictions', evicted)
 return evicted
 """
-_PUT = """
+_PUT = _ADD + """
 local old = redis.call('HGET', KEYS[3], ARGV[1])
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[1], string.len(ARGV[2]))
-redis.call('HINCRBY', KEYS[4], 'bytes', string.len(ARGV[2]) - (tonumber(old) or 0))
+add(KEYS[4], 'bytes', string.len(ARGV[2]) - (tonumber(old) or 0))
 """ + _EVICT
+_PRUNE = _ADD + _EVICT
+_DELETE = _ADD + """
+local size = tonumber(redis.call('HGET', KEYS[3], ARGV[1])) or 0
+redis.call('DEL', ARGV[2] .. ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+add(KEYS[4], 'bytes', -size)
+"""
+_BUMP = _ADD + """
+for i = 1, #ARGV, 2 do add(KEYS[1], ARGV[i], tonumber(ARGV[i + 1])) end
+"""
 
 
 class RedisBackend:
@@ -151,15 +202,19 @@ class RedisBackend:
         try:
             import redis
         except ImportError as exc:
-            from ..errors import UnsupportedError
-
             raise UnsupportedError("the Redis backend needs the redis package", found=str(exc),
                                    fix="pip install 'kvstate[redis]'") from exc
 
         self.url, self.prefix = url, prefix
-        self.client = redis.Redis.from_url(url)
+        try:
+            self.client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=10)
+        except ValueError as exc:
+            raise StoreError("malformed Redis URL", expected="redis://host:port/db, rediss://... or unix://...",
+                             found=url, fix="check the URL") from exc
         self._put = self.client.register_script(_PUT)
-        self._evict = self.client.register_script(_EVICT)
+        self._evict = self.client.register_script(_PRUNE)
+        self._bump = self.client.register_script(_BUMP)
+        self._evict_one = self.client.register_script(_DELETE)
         self._lru, self._sizes, self._stats = f"{prefix}lru", f"{prefix}sizes", f"{prefix}stats"
 
     def describe(self) -> str:
@@ -173,6 +228,18 @@ class RedisBackend:
 
     def contains(self, key: str) -> bool:
         return bool(self.client.exists(self.prefix + "entry:" + key))
+
+    def delete(self, key: str) -> None:
+        keys = ["", self._lru, self._sizes, self._stats]
+        self._evict_one(keys=keys, args=[key, self.prefix + "entry:"])
+
+    def health(self) -> str:
+        """Empty when the server answers, else what is wrong."""
+        try:
+            self.client.ping()
+            return ""
+        except Exception as exc:  # any client or connection error: report, never raise
+            return f"{type(exc).__name__}: {exc}"
 
     def put(self, key: str, data: bytes, capacity: int | None) -> int:
         keys = [self.prefix + "entry:" + key, self._lru, self._sizes, self._stats]
@@ -189,10 +256,14 @@ class RedisBackend:
         return int(self._evict(keys=keys, args=["", "", 0, capacity, self.prefix + "entry:"]))
 
     def bump(self, counts: dict[str, int]) -> None:
-        with self.client.pipeline() as pipe:
-            for name, n in counts.items():
-                pipe.hincrby(self._stats, name, int(n))
-            pipe.execute()
+        self._bump(keys=[self._stats], args=[x for name, n in counts.items() for x in (name, int(n))])
 
     def counters(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self.client.hgetall(self._stats).items() if k.decode() != "bytes"}
+        out = {}
+        for k, v in self.client.hgetall(self._stats).items():
+            try:
+                out[k.decode()] = int(v)
+            except ValueError:  # a damaged counter counts as zero, and the next bump restarts it
+                out[k.decode()] = 0
+        out.pop("bytes", None)
+        return out

@@ -1,0 +1,140 @@
+"""Issue 11, acceptance 3: a failing prefix store never fails the call, with a folder and a real Redis.
+
+Every case checks that ``generate`` returns exactly the store-less answer, and that the
+failure shows: a warning, and a count in ``health()`` / ``stats()``. A full disk is
+simulated by an ``OSError(ENOSPC)`` at the backend boundary (mounting a tiny
+filesystem needs privileges the CI machine may not grant).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import warnings
+
+import pytest
+import torch
+
+from kvstate import PrefixStore, Session, StoreWarning
+from kvstate.errors import StoreError
+from kvstate.io import state_from_bytes
+from redis_server import redis_server
+from tiny import prompt, tiny_model
+
+CHUNK = 8
+N = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def answer(model, ids):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False)[:,
+                                                                                                        ids.shape[1]:]
+
+
+def call(model, store, ids):
+    """``generate`` through the store; returns (tokens, StoreWarnings raised)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokens = Session(model, store=store).generate(ids, max_new_tokens=N, do_sample=False)
+    return tokens, [w for w in caught if issubclass(w.category, StoreWarning)]
+
+
+@pytest.fixture(params=["folder", "redis"])
+def store_at(request, tmp_path):
+    """A function making a store at a fresh location of the backend."""
+    if request.param == "folder":
+        yield lambda: PrefixStore(tmp_path / "store", chunk_tokens=CHUNK, write="all")
+        return
+    with redis_server(tmp_path) as (url, _):
+        yield lambda: PrefixStore(url, chunk_tokens=CHUNK, write="all")
+
+
+def test_corrupt_entries_are_misses_and_are_removed(model, store_at):
+    ids = prompt(40)
+    store = store_at()
+    call(model, store, ids)  # fill it
+    keys = [k for k, _, _ in store.backend.entries()]
+    for key in keys:
+        data = bytearray(store.backend.get(key))
+        data[-5] ^= 0xFF  # flip a byte in the tensor data
+        store.backend.put(key, bytes(data), None)
+    more = torch.cat([ids, prompt(3, seed=4)], 1)
+    tokens, warned = call(model, store, more)
+    assert torch.equal(tokens, answer(model, more)) and warned
+    for key, _, _ in store.backend.entries():  # damaged entries were removed (and good ones written again)
+        state_from_bytes(store.backend.get(key))
+
+
+def test_corrupt_counters_are_started_again(model, store_at, tmp_path):
+    store = store_at()
+    if store.backend.describe().startswith("folder"):
+        (store.backend.root / "stats.json").write_text(json.dumps({"hits": [1]}))
+    else:
+        store.backend.client.hset(store.backend._stats, "hits", "not a number")
+    ids = prompt(30)
+    tokens, _ = call(model, store, ids)
+    assert torch.equal(tokens, answer(model, ids))
+    again, _ = call(model, store, ids)
+    assert torch.equal(again, answer(model, ids))
+    assert store.stats()["hits"] >= 1  # counting works again
+
+
+def test_a_full_or_unwritable_store_warns_and_counts(model, store_at, monkeypatch):
+    store = store_at()
+    monkeypatch.setattr(store.backend, "put", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
+    ids = prompt(30)
+    tokens, warned = call(model, store, ids)
+    assert torch.equal(tokens, answer(model, ids)) and warned
+    assert store.health()["failures"] == 1 and store.stats()["failures"] == 1
+
+
+def test_redis_down_before_the_call(model, tmp_path):
+    with redis_server(tmp_path) as (url, proc):
+        store = PrefixStore(url, chunk_tokens=CHUNK)
+        assert store.health()["ok"]
+        proc.terminate()
+        proc.wait(timeout=10)
+        ids = prompt(30)
+        tokens, warned = call(model, store, ids)
+        assert torch.equal(tokens, answer(model, ids))
+        assert len(warned) == 2  # the read and the write
+        health = store.health()
+        assert not health["ok"] and health["failures"] == 2 and "Connection" in health["problem"]
+        with pytest.raises(StoreError, match="unreachable"):
+            store.stats()
+
+
+def test_redis_killed_mid_call(model, tmp_path):
+    with redis_server(tmp_path) as (url, proc):
+        store = PrefixStore(url, chunk_tokens=CHUNK)
+        read = store.backend.get
+
+        def read_then_die(key):
+            data = read(key)
+            proc.kill()  # the server dies after the lookup, before the write-back
+            proc.wait(timeout=10)
+            return data
+
+        store.backend.get = read_then_die
+        ids = prompt(30)
+        tokens, warned = call(model, store, ids)
+        assert torch.equal(tokens, answer(model, ids)) and warned
+        assert store.health()["failures"] >= 1
+
+
+@pytest.mark.parametrize("location", ["redis://[bad", "redis://host:notaport/0"])
+def test_malformed_urls_fail_at_construction(location):
+    with pytest.raises(StoreError, match="Redis URL"):
+        PrefixStore(location)
+
+
+def test_an_unusable_folder_fails_at_construction(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError, match="folder"):
+        PrefixStore(tmp_path / "file")
+    with pytest.raises(StoreError, match="folder"):
+        PrefixStore("/proc/kvstate-store")
