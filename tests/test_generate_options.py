@@ -250,3 +250,18 @@ def test_refused_options_raise_before_anything_runs(arch):
             assert calls[0] == 0, f"{name}: the model ran before the refusal"
             assert "fix:" in str(info.value), name
             assert_same_state(session.state, before)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2", "jamba"])
+def test_streamer_echo_on_pure_recurrent_and_stepwise_families(arch):
+    """The echo is the whole history on every family (it was only the suffix for Mamba continuations)."""
+    model = tiny_model(arch)
+    history = prompt(20, seed=5)
+    theirs, ours = Echo(), Echo()
+    ref = model.generate(history, attention_mask=torch.ones_like(history), max_new_tokens=N, do_sample=False,
+                         streamer=theirs)
+    s = Session(model)
+    s.extend(history[:, :14])
+    tokens = s.generate(history, max_new_tokens=N, do_sample=False, streamer=ours)
+    assert torch.equal(tokens, ref[:, 20:])
+    assert [p.tolist() for p in ours.puts] == [p.tolist() for p in theirs.puts]

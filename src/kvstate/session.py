@@ -190,6 +190,7 @@ class Session:
             raise InputError("extend needs at least one new token", expected="Q >= 1", found=0)
         mask = full_mask(state, state.tokens_seen + ids.shape[1], attention_mask, self.device)
         self._check_padding(mask)
+        self._adapter.check_inputs(self.model, ids, inputs, 0)
         feed = self._engine.feed_for(state, ids, mask, inputs)
         new_mask = mask[:, state.tokens_seen:]
         check_positions(state, position_ids, self._adapter.model_positions(feed.positions), new_mask)
@@ -219,6 +220,7 @@ class Session:
         spans = self._adapter.media_spans(self.model, ids)
         query = self._query(ids, mask, inputs)
         plan, base = self._plan(state, ids, mask, spans, query)
+        self._adapter.check_inputs(self.model, ids, inputs, plan.reused)
         start = resume.start_state(base, plan, self._empty(ids.shape[0]))
         feed = None
         if plan.fed:

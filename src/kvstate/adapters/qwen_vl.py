@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..errors import UnsupportedError
+from ..errors import InputError, UnsupportedError
 from ..fingerprint import media_digest
 from .base import Adapter, Capabilities
 
@@ -64,6 +64,35 @@ class QwenVLAdapter(Adapter):
         if done < grid.shape[0]:
             rest.update(pixel_values=inputs["pixel_values"][rows:], image_grid_thw=grid[done:])
         return rest
+
+    def check_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any], fed_from: int) -> None:
+        """Pixels and grids go together, describe exactly the image runs in ``ids``, and one row only."""
+        pixels, grid = inputs.get("pixel_values"), inputs.get("image_grid_thw")
+        token = int(model.config.image_token_id)  # type: ignore[union-attr]
+        runs = [_image_runs(row, token) for row in ids]
+        if (pixels is None) != (grid is None):
+            raise InputError("pixel_values and image_grid_thw go together", found=sorted(k for k in inputs),
+                             fix="pass both, as the processor returns them")
+        if any(runs) and ids.shape[0] > 1:
+            raise UnsupportedError("images in a batch of several rows are not supported yet",
+                                   found=f"{ids.shape[0]} rows", fix="run one conversation per Session")
+        if grid is None:
+            unfed = [(a, b) for a, b in runs[0] if b > fed_from] if runs else []
+            if unfed:
+                raise InputError("image placeholders without their pixels", expected="pixel_values and image_grid_thw",
+                                 found=f"image placeholder runs at {unfed} that are not processed yet",
+                                 fix="pass the images' pixel_values and image_grid_thw")
+            return
+        merge = int(model.config.vision_config.spatial_merge_size)  # type: ignore[union-attr]
+        need = (grid.prod(-1) // merge**2).tolist()
+        have = [b - a for a, b in runs[0]] if runs else []
+        if need != have:
+            raise InputError("image placeholders do not match image_grid_thw", expected=f"runs of {need} tokens",
+                             found=f"runs of {have} tokens", fix="pass every image of the history, in order, with "
+                             "the ids the processor made for them")
+        if pixels.shape[0] != int(grid.prod(-1).sum()):
+            raise InputError("pixel_values do not match image_grid_thw", expected=int(grid.prod(-1).sum()),
+                             found=pixels.shape[0], fix="pass pixel_values and image_grid_thw from one processor call")
 
     def media_spans(self, model: torch.nn.Module, ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
         """Each image's placeholder run: never split between state and suffix."""
