@@ -19,6 +19,7 @@ _EXPORTS = {
     "save_state": "io", "load_state": "io", "inspect_state": "io",
     "Fingerprint": "fingerprint", "fingerprint": "fingerprint",
     "Adapter": "adapters", "Capabilities": "adapters", "register": "adapters", "supported_model_types": "adapters",
+    "continue_text": "text",
     "KVStateError": "errors", "InputError": "errors", "RollbackError": "errors", "StateFileError": "errors",
     "UnsupportedError": "errors", "UnsupportedModelError": "errors",
 }
@@ -26,7 +27,7 @@ __all__ = [
     "Adapter", "AttentionLayerState", "Capabilities", "Fingerprint", "InputError", "KVStateError", "LayerState",
     "PrefixStore", "ResumePlan", "RollbackError", "Session", "State", "StateFileError", "StoreWarning",
     "UnsupportedError", "UnsupportedModelError", "fingerprint", "inspect_state", "load_state", "register",
-    "save_state", "supported_model_types",
+    "save_state", "supported_model_types", "continue_text",
 ]
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from .session import Session
     from .state import State
     from .store import PrefixStore
+    from .text import continue_text
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,9 @@
-"""The ``kvstate`` command: a thin layer over the library (parsing and printing only)."""
+"""The ``kvstate`` command: a thin layer over the library (parsing and printing only).
+
+Every user mistake ends in one line, ``kvstate: error: ...`` with the fix, and exit code 2;
+``--debug`` shows the traceback instead. Nothing heavy is imported before a command runs,
+so ``kvstate --help`` answers at once.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .verify.faults import FAULTS
 
@@ -22,27 +27,61 @@ EPILOG = """examples:
   kvstate inspect doc.kvs [--json]
   kvstate generate --store ~/.cache/kvstate/store --prompt "..."   # repeated prompts get faster
   kvstate store stats --store redis://127.0.0.1:6379/0
+
+models: 'default' (the embedded Gemma-3-270M), 'tiny:<model_type>' (random weights, no
+tokenizer), or a local folder with config.json, weights and tokenizer files. kvstate never
+downloads: fetch a hub model with `huggingface-cli download <id> --local-dir <folder>`.
 """
+BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+class UserError(Exception):
+    """A mistake on the command line: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
+        sys.stderr.write(f"kvstate: error: {message} (see `{self.prog} --help`)\n")
+        raise SystemExit(2)
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {value}")
+    return value
+
+
+def backends(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown attention backend {unknown or text!r}; pick from {BACKENDS}")
+    return names
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvstate", description="Explicit, portable, exact generation state for transformers.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    sub = parser.add_subparsers(dest="command", required=True)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(prog="kvstate", description="Explicit, portable, exact generation state for transformers.",
+                     formatter_class=formatter, epilog=EPILOG)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     v = sub.add_parser("verify", help="the generation-equivalence control matrix, with diagnosis",
                        description="Continue one prompt through every kvstate path (and, for contrast, the "
                        "usual plain-transformers ways) and compare first-step logits and greedy tokens with a "
                        "fresh full-prompt run. Prints which branch of the resume contract a failure points to. "
                        "Exits 1 when a kvstate row fails; plain-transformers rows never fail the run.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+                       formatter_class=formatter, epilog=EPILOG)
     v.add_argument("--model", default="default",
                    help="'default' (embedded Gemma-3-270M), 'tiny:<model_type>' (random tiny "
                    "config), or a local folder for from_pretrained")
     v.add_argument("--prompt", help="prompt text (default: a built-in paragraph)")
     v.add_argument("--prompt-file", type=Path, help="read the prompt text from this file")
-    v.add_argument("--new-tokens", type=int, default=16, help="greedy tokens to compare (default 16)")
-    v.add_argument("--backends", help="comma-separated attention backends to run, e.g. eager,sdpa "
+    v.add_argument("--new-tokens", type=positive, default=16, help="greedy tokens to compare (default 16)")
+    v.add_argument("--backends", type=backends, help=f"comma-separated attention backends, from {BACKENDS} "
                    "(default: the model's own)")
     v.add_argument("--quick", action="store_true", help="fewer tokens, skip the slowest rows (< 1 min)")
     v.add_argument("--json", action="store_true", help="print JSON (schema: docs/verify.schema.json)")
@@ -54,41 +93,59 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("file", type=Path)
     i.add_argument("--json", action="store_true", help="JSON (schema: docs/inspect.schema.json)")
     p = sub.add_parser("prefill", help="process a prompt once and save the state to a file")
-    p.add_argument("--model", default="default", help="'default' or a local folder")
+    p.add_argument("--model", default="default", help="'default' or a local folder with a tokenizer")
     p.add_argument("--prompt-file", type=Path, required=True, help="text file with the prompt")
     p.add_argument("--out", type=Path, required=True, help="state file to write")
-    p.add_argument("--chunk-size", type=int, default=256, help="tokens per forward (progress granularity)")
-    g = sub.add_parser("generate", help="continue a saved state with more text; prints the answer")
-    g.add_argument("--model", default="default", help="'default' or a local folder")
+    p.add_argument("--chunk-size", type=positive, default=256, help="tokens per forward (progress granularity)")
+    g = sub.add_parser("generate", help="continue a saved state, or a store's prefix, with text; prints the answer")
+    g.add_argument("--model", default="default", help="'default' or a local folder with a tokenizer")
     g.add_argument("--state", type=Path, help="state file from `kvstate prefill`")
     g.add_argument("--store", help="prefix store (folder or redis://...): reuse and save prefixes")
-    g.add_argument("--prompt", default="", help="text appended after the saved tokens (or the whole prompt)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--prompt", default="", help="text after the saved text (with --state), or the whole prompt")
+    g.add_argument("--max-new-tokens", type=positive, default=64)
     g.add_argument("--save", type=Path, help="also save the continued conversation here")
     st = sub.add_parser("store", help="inspect or prune a prefix store")
-    st.add_argument("action", choices=["stats", "ls", "prune"])
+    st.add_argument("action", choices=["stats", "ls", "prune", "health"])
     st.add_argument("--store", required=True, help="folder or redis://host:port/db")
     st.add_argument("--max-bytes", type=int, help="prune: evict least recently used entries down to this size")
     st.add_argument("--json", action="store_true")
     return parser
 
 
-def _load(spec: str, attn: str | None = None) -> tuple[Any, Any]:
-    from .testing.models import load_model
+def _load(spec: str, attn: str | None = None, *, text: str | None = None) -> tuple[Any, Any]:
+    """Model and tokenizer; ``text`` names the command when it needs a tokenizer (checked before weights load)."""
+    from .testing import models
 
-    return load_model(spec, attn)
+    return models.load_model(spec, attn, need_tokenizer=text)
 
 
-def _prompt_ids(args: argparse.Namespace, tokenizer: Any) -> Any:
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read prompt file {path}: {exc.strerror if isinstance(exc, OSError) else exc}; "
+                        "pass a readable UTF-8 text file") from exc
+
+
+def _check_save_path(path: Path) -> None:
+    """Refuse an output path before any work, not after the answer."""
+    from .io.container import check_target
+
+    check_target(path)
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer: Any, text: str | None) -> Any:
     from .testing.tiny import tiny_prompt
     from .verify import DEFAULT_PROMPT
 
-    text = args.prompt_file.read_text() if args.prompt_file else args.prompt
     if tokenizer is None:
         if text:
-            raise SystemExit("kvstate: tiny models have no tokenizer; omit --prompt/--prompt-file")
+            raise UserError(f"{args.model!r} has no tokenizer to encode --prompt; omit it (a random prompt is used)")
         return tiny_prompt(40)
-    return tokenizer(text or DEFAULT_PROMPT, return_tensors="pt").input_ids
+    ids = tokenizer(text or DEFAULT_PROMPT, return_tensors="pt").input_ids
+    if ids.shape[1] < 4:
+        raise UserError(f"the prompt is {ids.shape[1]} tokens long; verify needs at least 4")
+    return ids
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -99,11 +156,13 @@ def _verify(args: argparse.Namespace) -> int:
         print("\n".join(supported_model_types()))
         return 0
     reports = []
-    for backend in (args.backends.split(",") if args.backends else [None]):
-        model, tokenizer = _load(args.model, backend)
+    prompt = _read_text(args.prompt_file) if args.prompt_file else args.prompt  # before any model loads
+    text = None if args.model.startswith("tiny:") else "verify"  # a prompt to encode
+    for backend in args.backends or [None]:
+        model, tokenizer = _load(args.model, backend, text=text)
         new_tokens = 4 if args.quick and args.new_tokens == 16 else args.new_tokens
         reports.append(verify(
-            model, _prompt_ids(args, tokenizer), new_tokens=new_tokens, name=args.model,
+            model, _prompt_ids(args, tokenizer, prompt), new_tokens=new_tokens, name=args.model,
             fresh=lambda backend=backend: _load(args.model, backend)[0], spec=args.model,
             fault=args.inject, quick=args.quick, progress=True))
     ok = all(r.ok for r in reports)
@@ -151,8 +210,10 @@ def _prefill(args: argparse.Namespace) -> int:
 
     from .session import Session
 
-    model, tokenizer = _load(args.model)
-    ids = tokenizer(args.prompt_file.read_text(), return_tensors="pt").input_ids
+    text = _read_text(args.prompt_file)
+    _check_save_path(args.out)
+    model, tokenizer = _load(args.model, text="prefill")
+    ids = tokenizer(text, return_tensors="pt").input_ids
     session = Session(model, tokenizer=tokenizer, chunk_size=args.chunk_size)
     with tqdm(total=ids.shape[1], desc="prefill", unit="tok", file=sys.stderr) as bar:
         for start in range(0, ids.shape[1], args.chunk_size):
@@ -166,23 +227,29 @@ def _prefill(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import time
 
-    import torch
     from transformers import TextStreamer
 
     from .session import Session
-    from .store import PrefixStore
+    from .text import history_ids
 
     if (args.state is None) == (args.store is None):
-        raise SystemExit("kvstate generate: pass exactly one of --state FILE or --store LOCATION")
-    model, tokenizer = _load(args.model)
+        raise UserError("generate needs exactly one of --state FILE or --store LOCATION")
+    if args.store is not None and not args.prompt:
+        raise UserError("generate --store needs --prompt: the text to answer")
+    if args.save:
+        _check_save_path(args.save)
+    if args.state is not None:
+        from .io import inspect_state
+
+        inspect_state(args.state)  # a missing or broken file is refused before the model loads
+    store = _open_store(args.store) if args.store is not None else None
+    model, tokenizer = _load(args.model, text="generate")
     start = time.perf_counter()
     if args.state is not None:
         session = Session.load(args.state, model, tokenizer=tokenizer)
-        new = tokenizer(args.prompt, add_special_tokens=False, return_tensors="pt").input_ids
-        history = torch.cat([session.tokens, new], 1)
     else:
-        session = Session(model, tokenizer=tokenizer, store=PrefixStore(args.store))
-        history = tokenizer(args.prompt, return_tensors="pt").input_ids
+        session = Session(model, tokenizer=tokenizer, store=store)
+    history = history_ids(tokenizer, session.tokens, args.prompt)  # one tokenization: exact at the boundary
     session.generate(history, max_new_tokens=args.max_new_tokens, do_sample=False,
                      streamer=TextStreamer(tokenizer, skip_prompt=True))
     plan = session.last_plan
@@ -193,13 +260,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _store(args: argparse.Namespace) -> int:
+def _open_store(location: str) -> Any:
     from .store import PrefixStore
 
-    store = PrefixStore(args.store)
+    return PrefixStore(location)
+
+
+def _store(args: argparse.Namespace) -> int:
+    store = _open_store(args.store)
+    if args.action == "health":
+        health = store.health()
+        print(json.dumps(health, indent=2) if args.json else
+              f"{health['backend']}: {'ok' if health['ok'] else 'FAILING: ' + str(health['problem'])}")
+        return 0 if health["ok"] else 1
     if args.action == "prune":
         if args.max_bytes is None:
-            raise SystemExit("kvstate store prune: --max-bytes is required")
+            raise UserError("store prune needs --max-bytes N")
         print(f"evicted {store.prune(args.max_bytes)} entries; {store.stats()['bytes']:,} bytes remain")
         return 0
     data = store.stats() if args.action == "stats" else store.ls()
@@ -225,9 +301,20 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return commands[args.command](args)
-    except KVStateError as exc:
-        print(f"kvstate: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except (KVStateError, UserError) as exc:
+        if args.debug:
+            raise
+        name = "" if isinstance(exc, UserError) else f"{type(exc).__name__}: "
+        print(f"kvstate: error: {name}{exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvstate: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # not a known mistake: still one line, the traceback with --debug
+        if args.debug:
+            raise
+        print(f"kvstate: error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -73,9 +73,11 @@ class FeedSettings:
 
 @dataclass(frozen=True)
 class Generated:
-    """A ``generate`` run: the state after it, the new tokens ``[B, N]``, transformers' output."""
+    """A ``generate`` run: the state after it, the state right after the history was fed (before
+    decoding), the new tokens ``[B, N]``, and transformers' output."""
 
     state: State
+    prefilled: State
     tokens: torch.Tensor
     output: Any
 
@@ -201,7 +203,7 @@ class Engine:
         if not isinstance(output, torch.Tensor):
             output.sequences = new
             setattr(output, _compat.CACHE_KWARG, None)  # the state is the cache; never hand out its tensors
-        return Generated(state, new, output)
+        return Generated(state, run["state"], new, output)
 
     def observe(self, state: State, window: int) -> dict[int, torch.Tensor]:
         """Attention ``[B, H, W, S]`` of the last ``window`` queries, per attention layer index.

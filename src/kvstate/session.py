@@ -229,8 +229,9 @@ class Session:
                                          self._adapter.select_inputs(self.model, ids, T, inputs))
         generated = self._engine.generate(start, feed, ids, mask, options, self._settings())
         new = generated.state.with_checkpoint(self.max_checkpoints)
-        if query is not None:
-            self._offer(new, query)  # before the commit: a Ctrl-C while writing leaves the session as it was
+        if query is not None:  # before the commit: a Ctrl-C while writing leaves the session as it was
+            self._offer(generated.prefilled, query)  # the prompt: what a repeated request can reuse
+            self._offer(new, query)  # the whole conversation: what the next turn can reuse
         self._commit(new, plan)
         return _answer(generated, options.return_dict)
 

@@ -5,7 +5,9 @@ longest chunk-aligned prefix of the requested history that any session of the sa
 model, dtype and namespace has stored, loads it, and feeds only the rest. After
 each call it writes back chunk-aligned prefixes, by the ``write`` policy:
 
-* ``"turns"`` (default): the longest aligned prefix of the state, once per call;
+* ``"turns"`` (default): the longest aligned prefix of each state offered. A session
+  offers two per call: the history it was asked to continue (so the same prompt, or
+  one sharing its start, hits next time) and the conversation after the answer;
 * ``"all"``: every aligned prefix not stored yet;
 * an integer ``N``: aligned prefixes at multiples of ``N`` tokens.
 
@@ -122,7 +124,8 @@ class PrefixStore:
         if state.batch_size != 1 or not bool(state.mask.all()):
             return 0
         compressed = any(getattr(layer, "compressed", False) for layer in state.layers)
-        keys = self.keys(query.fingerprint, state.tokens, query.media, compressed)
+        # a request always feeds at least one token, so a prefix as long as the state is never usable
+        keys = self.keys(query.fingerprint, state.tokens[:, :max(state.tokens_seen - 1, 0)], query.media, compressed)
         written = 0
         for i in self._boundaries(len(keys)):
             n = (i + 1) * self.chunk_tokens
@@ -138,7 +141,7 @@ class PrefixStore:
     def _boundaries(self, n_chunks: int) -> list[int]:
         if n_chunks == 0:
             return []
-        if self.write == "turns":
+        if self.write == "turns":  # aligned prefixes strictly shorter than the state: a request feeds >= 1 token
             return [n_chunks - 1]
         if self.write == "all":
             return list(range(n_chunks))
