@@ -24,10 +24,29 @@ _EXPORTS = {
     "UnsupportedError": "errors", "UnsupportedModelError": "errors",
 }
 __all__ = [
-    "Adapter", "AttentionLayerState", "Capabilities", "Fingerprint", "InputError", "KVStateError", "LayerState",
-    "PrefixStore", "ResumePlan", "RollbackError", "Session", "State", "StateFileError", "StoreWarning",
-    "UnsupportedError", "UnsupportedModelError", "fingerprint", "inspect_state", "load_state", "register",
-    "save_state", "supported_model_types", "continue_text",
+    "Adapter",
+    "AttentionLayerState",
+    "Capabilities",
+    "Fingerprint",
+    "InputError",
+    "KVStateError",
+    "LayerState",
+    "PrefixStore",
+    "ResumePlan",
+    "RollbackError",
+    "Session",
+    "State",
+    "StateFileError",
+    "StoreWarning",
+    "UnsupportedError",
+    "UnsupportedModelError",
+    "continue_text",
+    "fingerprint",
+    "inspect_state",
+    "load_state",
+    "register",
+    "save_state",
+    "supported_model_types",
 ]
 
 if TYPE_CHECKING:
