@@ -206,7 +206,7 @@ def _open_regular(path: Path) -> Any:
         kind = "folder" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "device or special file"
         raise StateFileError("not a regular file", expected="a state file", found=f"{path} is a {kind}",
                              fix="pass the path of a file written by kvstate's save")
-    return os.fdopen(fd, "rb")
+    return os.fdopen(fd, "rb", buffering=0)  # large reads go straight into our buffer
 
 
 def _read_exactly(f: Any, n: int, path: Path) -> bytes:
