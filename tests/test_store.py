@@ -129,7 +129,7 @@ def test_compressed_states_are_stored_apart(tmp_path):
     plain_keys = store.keys(s.fingerprint, ids, (), False)
     s.compress(KNorm(0.5))
     query = PrefixQuery(s.fingerprint, ids)
-    assert store.offer(s.state, query) == 0  # a compressed state cannot be truncated to chunk boundaries
+    assert store.offer([s.state], query) == 0  # a compressed state cannot be truncated to chunk boundaries
     assert store.keys(s.fingerprint, ids, (), True)[0] != plain_keys[0]
 
 

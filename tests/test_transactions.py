@@ -189,7 +189,7 @@ class BrokenStore:
             raise self.read
         return None
 
-    def offer(self, state, query, seconds_per_token=0.0):
+    def offer(self, states, query, seconds_per_token=0.0):
         if self.write:
             raise self.write
         return 0

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -72,8 +73,8 @@ class StateSink(Protocol):
 
     chunk_tokens: int
 
-    def offer(self, state: State, query: PrefixQuery, seconds_per_token: float = 0.0) -> int:
-        """Store prefixes of ``state`` (whose media are ``query.media``); returns how many were written."""
+    def offer(self, states: Sequence[State], query: PrefixQuery, seconds_per_token: float = 0.0) -> int:
+        """Store prefixes of ``states`` (whose media are ``query.media``); returns how many were written."""
         ...
 
 

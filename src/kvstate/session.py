@@ -230,8 +230,8 @@ class Session:
         generated = self._engine.generate(start, feed, ids, mask, options, self._settings())
         new = generated.state.with_checkpoint(self.max_checkpoints)
         if query is not None:  # before the commit: a Ctrl-C while writing leaves the session as it was
-            self._offer(generated.prefilled, query)  # the prompt: what a repeated request can reuse
-            self._offer(new, query)  # the whole conversation: what the next turn can reuse
+            # the prompt (what a repeated request can reuse) and the conversation (what the next turn can)
+            self._offer((generated.prefilled, new), query)
         self._commit(new, plan)
         return _answer(generated, options.return_dict)
 
@@ -294,9 +294,9 @@ class Session:
                           StoreWarning, stacklevel=3)
             return None
 
-    def _offer(self, state: State, query: PrefixQuery) -> None:
+    def _offer(self, states: tuple[State, ...], query: PrefixQuery) -> None:
         try:
-            self.store.offer(state, query, self._engine.seconds_per_token)
+            self.store.offer(states, query, self._engine.seconds_per_token)
         except Exception as exc:  # the answer is already committed; never lose it to a cache
             warnings.warn(f"kvstate: prefix store write failed: {type(exc).__name__}: {exc}", StoreWarning,
                           stacklevel=3)

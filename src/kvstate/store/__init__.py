@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +77,10 @@ class PrefixStore:
             self._failed("read", exc)
             return None
 
-    def offer(self, state: State, query: PrefixQuery, seconds_per_token: float = 0.0) -> int:
-        """Write the aligned prefixes of ``state`` the policy asks for; returns how many were written."""
+    def offer(self, states: Sequence[State], query: PrefixQuery, seconds_per_token: float = 0.0) -> int:
+        """Write the aligned prefixes of ``states`` the policy asks for; returns how many were written."""
         try:
-            return self._offer(state, query, seconds_per_token)
+            return sum(self._offer(state, query, seconds_per_token) for state in states)
         except Exception as exc:  # the caller's answer never depends on the cache
             self._failed("write", exc)
             return 0
