@@ -220,3 +220,21 @@ def test_cli_store_commands(tmp_path, capsys):
     assert len(capsys.readouterr().out.strip().splitlines()) == 3
     assert main(["store", "prune", "--store", location, "--max-bytes", "1"]) == 0
     assert "evicted 3 entries" in capsys.readouterr().out
+
+
+def test_turns_serve_the_same_prompt_and_a_longer_one(tmp_path):
+    """An aligned prompt is stored at its full length (for longer requests) and one chunk shorter
+    (the same request again must feed at least one token)."""
+    model = tiny_model("llama")
+    store = PrefixStore(tmp_path / "s", chunk_tokens=CHUNK)
+    ids = prompt(2 * CHUNK)
+    Session(model, store=store).generate(ids, max_new_tokens=1)
+    again = Session(model, store=store)
+    again.generate(ids, max_new_tokens=1)
+    assert (again.last_plan.source, again.last_plan.reused) == ("store", CHUNK)
+    longer = Session(model, store=store)
+    more = torch.cat([ids, prompt(5, seed=3)], 1)
+    tokens = longer.generate(more, max_new_tokens=3, do_sample=False)
+    assert (longer.last_plan.source, longer.last_plan.reused) == ("store", 2 * CHUNK)
+    assert torch.equal(tokens, model.generate(more, attention_mask=torch.ones_like(more), max_new_tokens=3,
+                                              do_sample=False)[:, more.shape[1]:])

@@ -125,10 +125,9 @@ class PrefixStore:
         if state.batch_size != 1 or not bool(state.mask.all()):
             return 0
         compressed = any(getattr(layer, "compressed", False) for layer in state.layers)
-        # a request always feeds at least one token, so a prefix as long as the state is never usable
-        keys = self.keys(query.fingerprint, state.tokens[:, :max(state.tokens_seen - 1, 0)], query.media, compressed)
+        keys = self.keys(query.fingerprint, state.tokens, query.media, compressed)
         written = 0
-        for i in self._boundaries(len(keys)):
+        for i in self._boundaries(len(keys), state.tokens_seen):
             n = (i + 1) * self.chunk_tokens
             if self.backend.contains(keys[i]) or state.rollback_limit(n):
                 continue
@@ -139,11 +138,13 @@ class PrefixStore:
             self.backend.bump({"writes": written})
         return written
 
-    def _boundaries(self, n_chunks: int) -> list[int]:
+    def _boundaries(self, n_chunks: int, tokens: int) -> list[int]:
         if n_chunks == 0:
             return []
-        if self.write == "turns":  # aligned prefixes strictly shorter than the state: a request feeds >= 1 token
-            return [n_chunks - 1]
+        if self.write == "turns":
+            # the longest aligned prefix serves a longer request; the same request again feeds at least one
+            # token, so it needs the longest prefix shorter than itself (the same one unless the state is aligned)
+            return sorted({n_chunks - 1, (tokens - 1) // self.chunk_tokens - 1} - {-1})
         if self.write == "all":
             return list(range(n_chunks))
         step = max(1, int(self.write) // self.chunk_tokens)
