@@ -118,11 +118,23 @@ def test_rollback_past_retention():
 
 
 def test_unsupported_model_names_its_type():
+    from transformers import BertConfig, BertLMHeadModel
+
+    bidirectional = BertLMHeadModel(BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16,
+                                               intermediate_size=32, vocab_size=64)).eval()
+    with pytest.raises(UnsupportedModelError, match="bert failed kvstate's self-check") as info:
+        Session(bidirectional)
+    check_message(info.value)
+
+
+def test_a_model_with_active_dropout_is_refused():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
-    with pytest.raises(UnsupportedModelError, match="'gpt2'"):
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64))  # training mode
+    with pytest.raises(InputError, match="dropout") as info:
         Session(model)
+    check_message(info.value)
+    Session(model.eval())
 
 
 def test_bad_input_ids(session):

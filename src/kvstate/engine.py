@@ -219,7 +219,7 @@ class Engine:
                                    fix="use KNorm, StreamingLLM or Random, a smaller window, or checkpoint_every")
         base = state.truncated(T - window)
         kwargs: dict[str, Any] = {"input_ids": state.tokens[:, T - window:], "use_cache": True,
-                                  "output_attentions": True, "logits_to_keep": 1}
+                                  "output_attentions": True, **self._keep_one()}
         if self.adapter.caps.position_ids:
             kwargs["position_ids"] = self.adapter.model_positions(state.positions[:, T - window:])
         with self.lock, torch.no_grad():
@@ -272,7 +272,7 @@ class Engine:
         """One forward over ``ids`` ``[B, q]``; ``mask`` ``[B, T + q]``; ``positions`` ``[B, q(, R)]``."""
         cache = self.adapter.build_cache(self.model, state.layers, state.batch_size)
         self.adapter.restore_extras(self.model, dict(state.extras))
-        kwargs = dict(inputs, input_ids=ids, attention_mask=_mask_arg(mask), use_cache=True, logits_to_keep=1,
+        kwargs = dict(inputs, input_ids=ids, attention_mask=_mask_arg(mask), use_cache=True, **self._keep_one(),
                       **{_compat.CACHE_KWARG: cache})
         if self.adapter.caps.position_ids:
             kwargs["position_ids"] = self.adapter.model_positions(positions)
@@ -307,6 +307,10 @@ class Engine:
         return replace(state, tokens=torch.cat([state.tokens, fed], dim=1), mask=mask[:, :n],
                        positions=torch.cat([state.positions, seen.positions], dim=1), layers=layers,
                        next_position=next_position, last_logits=seen.logits, extras=MappingProxyType(extras))
+
+    def _keep_one(self) -> dict[str, int]:
+        """Only the last position's logits are needed, where the model can skip the rest."""
+        return {"logits_to_keep": 1} if self.adapter.caps.logits_to_keep else {}
 
     def _masks(self, layers: tuple[LayerState, ...], recorder: Recorder) -> AbstractContextManager[Any]:
         """Per-layer masks while a compressed state is in use; nothing otherwise (bitwise the plain path)."""

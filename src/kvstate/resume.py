@@ -61,8 +61,12 @@ def safe_point(n: int, spans: Sequence[tuple[int, int]]) -> int:
 
 
 def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
-         spans: Sequence[tuple[int, int]] = (), source: str = "state") -> ResumePlan:
-    """How to continue the history ``ids`` ``[B, L]`` from ``state`` (see the module docstring)."""
+         spans: Sequence[tuple[int, int]] = (), source: str = "state", rollback: bool = True) -> ResumePlan:
+    """How to continue the history ``ids`` ``[B, L]`` from ``state`` (see the module docstring).
+
+    ``rollback=False`` (a model whose state is not all in the cache): only continuing or
+    re-feeding from scratch is allowed.
+    """
     T, L = state.tokens_seen, ids.shape[1]
     shared = safe_point(common_prefix(state, ids, mask), spans)
     if shared == T == L and state.last_logits is not None:
@@ -70,6 +74,8 @@ def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
     target = safe_point(min(shared, L - 1), spans)
     if target == T:
         return ResumePlan(T, L - T, "continue", source)
+    if not rollback:
+        return ResumePlan(0, L, "recompute", source)
     if not state.rollback_limit(target):
         uses_checkpoint = any(layer.rollback_limit(target) for layer in state.layers)
         return ResumePlan(target, L - target, "checkpoint" if uses_checkpoint else "rollback", source)

@@ -27,14 +27,21 @@ from typing import Any
 import torch
 
 from . import resume
-from .adapters import adapter_for
 from .engine import Engine, FeedSettings, Generated
-from .errors import FingerprintMismatchError, InputError, LayoutMismatchError, StoreWarning, UnsupportedError
+from .errors import (
+    FingerprintMismatchError,
+    InputError,
+    LayoutMismatchError,
+    RollbackError,
+    StoreWarning,
+    UnsupportedError,
+)
 from .fingerprint import Fingerprint, fingerprint
 from .inputs import as_ids, check_batch, check_model, check_positions, full_mask, history_mask, model_inputs
 from .options import resolve
 from .protocols import PrefixCache, PrefixQuery
 from .resume import ResumePlan
+from .selfcheck import adapter_for
 from .state import State
 
 IdsLike = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
@@ -68,6 +75,7 @@ class Session:
                  state: State | None = None, _fingerprint: Fingerprint | None = None) -> None:
         _check_settings(chunk_size=chunk_size, sliding_reserve=sliding_reserve, max_checkpoints=max_checkpoints,
                         checkpoint_every=checkpoint_every)
+        _check_inference_mode(model)
         self.model = model
         self._adapter = adapter_for(model)
         self._engine = Engine(model, self._adapter)
@@ -131,6 +139,10 @@ class Session:
         if n is None or isinstance(n_tokens, bool):
             raise InputError("truncate takes a token count", expected="int", found=repr(n_tokens),
                              fix="pass an int between 0 and state.tokens_seen")
+        if not self._adapter.caps.rollback and n != self._state.tokens_seen:
+            raise RollbackError(f"{self._adapter.caps.name} models cannot roll back exactly",
+                                expected="a model whose state is all in the cache",
+                                found="the self-check found state outside the cache", fix="reset() and re-feed")
         self._commit(self._state.truncated(n))
 
     def compress(self, policy: Any) -> None:
@@ -268,11 +280,12 @@ class Session:
     def _plan(self, state: State, ids: torch.Tensor, mask: torch.Tensor, spans: Any,
               query: PrefixQuery | None) -> tuple[ResumePlan, State]:
         """The best plan over the session's state and, if it helps, the longest stored prefix."""
-        own = resume.plan(state, ids, mask, spans)
+        rollback = self._adapter.caps.rollback
+        own = resume.plan(state, ids, mask, spans, rollback=rollback)
         stored = None if query is None else self._lookup(query, longer_than=own.reused, at_most=ids.shape[1] - 1)
         if stored is None:
             return own, state
-        theirs = resume.plan(stored, ids, mask, spans, source="store")
+        theirs = resume.plan(stored, ids, mask, spans, source="store", rollback=rollback)
         chosen = resume.best([own, theirs])
         return chosen, stored if chosen is theirs else state
 
@@ -318,13 +331,13 @@ class Session:
                                       expected=f"{len(expected)} layers {expected}",
                                       found=f"{len(found)} layers {found}",
                                       fix="load the state into the model it was made with")
-        keyed = [(i, layer.tensors()["keys"]) for i, layer in enumerate(state.layers) if "keys" in layer.tensors()]
-        heads, head_dim = self._adapter.kv_shape(self.model) if keyed else (0, 0)
-        for i, keys in keyed:
-            if (keys.shape[1], keys.shape[3]) != (heads, head_dim):
+        keyed = [(i, layer.tensors()) for i, layer in enumerate(state.layers) if "keys" in layer.tensors()]
+        shapes = self._adapter.kv_shapes(self.model) if keyed else []
+        for i, tensors in keyed:
+            found = (tensors["keys"].shape[1], tensors["keys"].shape[3], tensors["values"].shape[3])
+            if shapes[i] is not None and found != shapes[i]:
                 raise LayoutMismatchError(f"layer {i} K/V head shape differs from the model's",
-                                          expected=f"(kv_heads, head_dim) = {(heads, head_dim)}",
-                                          found=(keys.shape[1], keys.shape[3]),
+                                          expected=f"(kv_heads, key dim, value dim) = {shapes[i]}", found=found,
                                           fix="load the state into the model it was made with")
         return state
 
@@ -339,6 +352,13 @@ class Session:
 def _answer(generated: Generated, return_dict: bool) -> Any:
     """What ``generate`` returns: new ids ``[B, N]``, or the output object holding them."""
     return generated.output if return_dict else generated.tokens
+
+
+def _check_inference_mode(model: torch.nn.Module) -> None:
+    """Dropout that is active makes every forward random: no state can continue it exactly."""
+    if model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        raise InputError("the model is in training mode, with dropout active", expected="model.eval()",
+                         found="model.training = True and dropout p > 0", fix="call model.eval() first")
 
 
 def _check_settings(**settings: int | None) -> None:

@@ -1,11 +1,11 @@
 """Per-family adapters behind one explicit registry (see ``base`` for the protocol)."""
 
-from .base import Adapter, Capabilities, adapter_for, register, supported_model_types
+from .base import Adapter, Capabilities, register, registered, supported_model_types
 from .qwen_vl import QwenVLAdapter
 from .recurrent import RecurrentAdapter, RecurrentGemmaAdapter
 
-__all__ = ["Adapter", "Capabilities", "QwenVLAdapter", "RecurrentAdapter", "RecurrentGemmaAdapter", "adapter_for",
-           "register", "supported_model_types"]
+__all__ = ["Adapter", "Capabilities", "QwenVLAdapter", "RecurrentAdapter", "RecurrentGemmaAdapter", "register",
+           "registered", "supported_model_types"]
 
 # Each registration is exercised by the test matrix (tests/test_core.py, tests/test_families.py).
 register(("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"), Adapter())

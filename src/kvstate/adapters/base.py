@@ -7,7 +7,8 @@ and out of a transformers cache, and which model-side values (outside any cache)
 belong to the state. What an adapter can do is declared once, as ``Capabilities``
 values the planner and the engine read; nothing probes with ``hasattr``.
 The generic adapter covers standard decoder-only models. Families are registered
-by ``model_type``; anything else raises ``UnsupportedModelError``.
+by ``model_type``; any other causal decoder gets the structural adapter
+(``structural``) once it passes the self-check (``kvstate.selfcheck``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..errors import UnsupportedModelError
 from ..layers import AttentionLayerState, HybridLayerState, LayerState, RecurrentLayerState
 
 
@@ -34,6 +34,10 @@ class Capabilities:
         position_ids: the model takes explicit ``position_ids``.
         padding: padded (left-padded) batches are supported.
         input_keys: extra model inputs tied to token slots (e.g. ``pixel_values``).
+        logits_to_keep: the model's forward takes ``logits_to_keep``.
+        rollback: cropping attention layers returns the model to an earlier state exactly
+            (False when the self-check found state outside the cache: then only
+            continuing or re-feeding is allowed).
     """
 
     name: str = "generic-decoder"
@@ -42,6 +46,8 @@ class Capabilities:
     position_ids: bool = True
     padding: bool = True
     input_keys: tuple[str, ...] = ()
+    logits_to_keep: bool = True
+    rollback: bool = True
 
 
 class Adapter:
@@ -64,12 +70,13 @@ class Adapter:
                 layers.append(AttentionLayerState.empty(window, sliding_reserve if window else 0))
         return tuple(layers)
 
-    def kv_shape(self, model: torch.nn.Module) -> tuple[int, int]:
-        """``(H, D)``: KV heads and head dim of the attention layers' K/V."""
+    def kv_shapes(self, model: torch.nn.Module) -> list[tuple[int, int, int] | None]:
+        """Per layer, ``(H, D_k, D_v)`` of the K/V it stores (None: the layer holds no K/V)."""
         config = self.text_config(model)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return int(heads), int(head_dim)
+        return [None if kind == "recurrent" else (int(heads), int(head_dim), int(head_dim))
+                for kind, _ in _compat.layer_specs(config)]
 
     # ----- positions and inputs ------------------------------------------------------
     def chunk_positions(self, model: torch.nn.Module, next_position: torch.Tensor, ids: torch.Tensor,
@@ -145,13 +152,6 @@ def supported_model_types() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def adapter_for(model: torch.nn.Module) -> Adapter:
-    """The adapter registered for ``model.config.model_type``."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    adapter = _REGISTRY.get(str(model_type))
-    if adapter is None:
-        raise UnsupportedModelError(
-            f"no kvstate adapter for model_type {model_type!r}",
-            expected="one of " + ", ".join(supported_model_types()), found=model_type,
-            fix="use a supported family, or register an Adapter with kvstate.register")
-    return adapter
+def registered(model: torch.nn.Module) -> Adapter | None:
+    """The adapter registered for ``model.config.model_type``, if any (else the self-check decides)."""
+    return _REGISTRY.get(str(getattr(getattr(model, "config", None), "model_type", None)))

@@ -180,7 +180,8 @@ def _layer(prefix: str, spec: dict[str, Any], tensors: dict[str, torch.Tensor], 
             if t.dim() != 4 or t.shape[0] != B or t.shape[2] != slots or (slots and 0 in (t.shape[1], t.shape[3])):
                 raise StateFileError(f"{prefix}{name} has the wrong shape", expected=f"[{B}, H, {slots}, D]",
                                      found=tuple(t.shape))
-    if slots and ("keys" not in parts or "values" not in parts or parts["keys"].shape != parts["values"].shape
+    # K and V share batch, heads and slots; their widths may differ (MLA stores narrower values)
+    if slots and ("keys" not in parts or "values" not in parts or parts["keys"].shape[:3] != parts["values"].shape[:3]
                   or seen < slots):
         raise StateFileError(f"{prefix} K/V are incomplete or inconsistent", found=spec)
     if slots:

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..adapters import adapter_for
 from ..io import save_state
 from ..layers import LAYER_KINDS
+from ..selfcheck import adapter_for
 from ..session import Session
 from ..state import State
 from .report import Row, compare, crashed

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..adapters import adapter_for
 from ..errors import InputError
+from ..selfcheck import adapter_for
 from .contract import (
     boundary_rows,
     compression_row,

@@ -1,0 +1,60 @@
+"""The structural adapter: any causal decoder whose whole state transformers' cache holds.
+
+No per-family knowledge: each layer's kind and window come from the transformers
+cache-layer objects the config builds (``_compat.layer_specs``), each layer's K and V
+widths from what a forward actually stored, and what the model can do from its
+``forward`` signature plus the self-check (``kvstate.selfcheck``), which decides
+whether a multi-token continuation is exact, whether only one token per forward is,
+and whether cropping is. Family adapters exist only for state outside the cache
+(Qwen-VL positions, RecurrentGemma's module states).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import replace
+
+import torch
+
+from .. import _compat
+from ..errors import UnsupportedModelError
+from .base import Adapter, Capabilities
+
+
+class StructuralAdapter(Adapter):
+    """An adapter derived from a model's structure; ``kv_shapes`` come from a forward it ran."""
+
+    def __init__(self, caps: Capabilities, kv_shapes: list[tuple[int, int, int] | None]) -> None:
+        self.caps = caps
+        self._kv_shapes = list(kv_shapes)
+
+    def kv_shapes(self, model: torch.nn.Module) -> list[tuple[int, int, int] | None]:
+        return list(self._kv_shapes)
+
+    def with_mode(self, *, stepwise: bool, rollback: bool) -> StructuralAdapter:
+        return StructuralAdapter(replace(self.caps, stepwise=stepwise, rollback=rollback), self._kv_shapes)
+
+
+def structural_caps(model: torch.nn.Module) -> Capabilities:
+    """What the model's signature and cache layout allow, before any self-check.
+
+    Raises ``UnsupportedModelError`` for models kvstate cannot hold exactly whatever the
+    check would find: no transformers cache in ``forward``, an encoder-decoder, or a
+    cache-layer class kvstate does not know.
+    """
+    config = model.config  # type: ignore[union-attr]
+    model_type = str(getattr(config, "model_type", type(model).__name__))
+    params = inspect.signature(model.forward).parameters
+    if _compat.CACHE_KWARG not in params and "past_key_values" not in params:
+        raise UnsupportedModelError(f"{model_type} does not take a transformers cache in forward()",
+                                    expected=f"a forward with a `{_compat.CACHE_KWARG}` argument",
+                                    found=", ".join(list(params)[:8]), fix="kvstate cannot hold this model's state")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{model_type} is an encoder-decoder", expected="a decoder-only causal LM",
+                                    found="config.is_encoder_decoder = True",
+                                    fix="kvstate holds decoder state only; use the model's ForCausalLM decoder")
+    kinds = [kind for kind, _ in _compat.layer_specs(config.get_text_config(decoder=True))]
+    return Capabilities(name=f"structural:{model_type}", position_ids="position_ids" in params,
+                        padding=not any(k in ("recurrent", "hybrid") for k in kinds),
+                        logits_to_keep="logits_to_keep" in params,
+                        stepwise=any(k in ("recurrent", "hybrid") for k in kinds))

@@ -1,0 +1,223 @@
+"""Which adapter a model gets, and the self-check that earns an unregistered model its trust.
+
+Registered families (``kvstate.adapters``) are trusted: the test suite proves them. Any
+other causal decoder gets the structural adapter, but only after a short equivalence
+probe on the user's own model, the first time kvstate meets its architecture (model
+type plus layer layout):
+
+1. a prefill of 12 random tokens in one forward, the reference; the same with the last
+   token changed must leave every earlier slot's K/V bitwise equal (causality);
+2. the same as 5 + 7: a multi-token continuation from the cache;
+3. if that differs, 5 + 7 one token per forward;
+4. a rollback: the 12-token state cropped to 8, then 4 tokens fed again;
+5. ``generate`` from the 5-token state against plain ``model.generate``.
+
+The architecture is accepted as ``exact`` (2 matches), ``stepwise`` (only 3 matches: a
+continuation is fed one token per forward, as transformers drops state on multi-token
+chunks for some families), and with rollback only if 4 matches; otherwise it is refused
+with ``UnsupportedModelError`` naming what failed (attention that is not causal, state
+outside the cache, a cache the model does not fill). Matching means the project
+tolerance, max |Δ| <= 1e-5 x max |reference| in fp32 (8 ulps of the dtype otherwise).
+
+Verdicts are cached as JSON per architecture and transformers version, under the user
+cache dir (``KVSTATE_SELFCHECK_CACHE`` overrides the folder; ``off`` disables the cache).
+``kvstate verify`` remains the full proof.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import _compat
+from .adapters import Adapter
+from .adapters.base import registered
+from .adapters.structural import StructuralAdapter, structural_caps
+from .engine import Engine, FeedSettings
+from .errors import KVStateError, UnsupportedError, UnsupportedModelError
+from .state import State
+
+PROBE_VERSION = 1  # bump when the probe changes, so cached verdicts are redone
+_SETTINGS = FeedSettings(chunk_size=64, checkpoint_every=None, max_checkpoints=4)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the probe found: ``mode`` is ``exact``, ``stepwise`` or ``refused`` (with ``reason``)."""
+
+    mode: str
+    rollback: bool
+    reason: str | None
+    seconds: float
+
+
+def adapter_for(model: torch.nn.Module) -> Adapter:
+    """The registered adapter of the model's family, else the structural one, if the self-check passes."""
+    adapter = registered(model)
+    if adapter is not None:
+        return adapter
+    try:
+        base = StructuralAdapter(structural_caps(model), kv_shapes=[])
+    except UnsupportedError as exc:
+        raise UnsupportedModelError(str(exc).split("; ")[0], found=exc.found, fix=exc.fix) from exc
+    verdict = cached_verdict(model, base)
+    if verdict.mode == "refused":
+        model_type = getattr(model.config, "model_type", type(model).__name__)  # type: ignore[union-attr]
+        raise UnsupportedModelError(f"{model_type} failed kvstate's self-check", expected="an exact continuation",
+                                    found=verdict.reason, fix="kvstate cannot hold this model's state exactly; "
+                                    "`kvstate verify` shows the details")
+    adapter = base.with_mode(stepwise=verdict.mode == "stepwise", rollback=verdict.rollback)
+    return StructuralAdapter(adapter.caps, kv_shapes(model, adapter))
+
+
+def cached_verdict(model: torch.nn.Module, adapter: StructuralAdapter) -> Verdict:
+    """The verdict for this architecture, from the cache or from a fresh probe."""
+    path = _cache_path(model)
+    if path is not None and path.is_file():
+        try:
+            return Verdict(**json.loads(path.read_text()))
+        except (ValueError, TypeError, OSError):
+            pass  # a damaged entry: probe again and rewrite it
+    verdict = probe(model, adapter)
+    if path is not None:
+        _write(path, json.dumps(asdict(verdict)))
+    return verdict
+
+
+def probe(model: torch.nn.Module, adapter: StructuralAdapter) -> Verdict:
+    """Run the equivalence probe (see the module docstring) on ``model``."""
+    start = time.perf_counter()
+    try:
+        mode, rollback, reason = _probe(model, adapter)
+    except (KVStateError, RuntimeError, ValueError, TypeError, IndexError, AttributeError, KeyError) as exc:
+        mode, rollback, reason = "refused", False, f"the probe failed: {type(exc).__name__}: {str(exc)[:200]}"
+    return Verdict(mode, rollback, reason, round(time.perf_counter() - start, 3))
+
+
+def _probe(model: torch.nn.Module, adapter: StructuralAdapter) -> tuple[str, bool, str | None]:
+    ids = _random_ids(model, 12)
+    chunked = Engine(model, adapter.with_mode(stepwise=False, rollback=True))
+    whole = _feed(chunked, _empty(chunked), ids)
+    if not _causal(chunked, whole, ids):
+        return "refused", False, "the attention is not causal: a later token changes the keys and values stored " \
+                                 "for earlier ones"
+    head = _feed(chunked, _empty(chunked), ids[:, :5])
+    if _close(_feed(chunked, head, ids[:, 5:]).last_logits, whole.last_logits):
+        engine, mode = chunked, "exact"
+    else:
+        engine = Engine(model, adapter.with_mode(stepwise=True, rollback=True))
+        if not _close(_feed(engine, head, ids[:, 5:]).last_logits, whole.last_logits):
+            return "refused", False, ("continuing from the cache does not reproduce a whole forward, in chunks or "
+                                      "one token at a time: the attention is not causal, or state lives outside "
+                                      "the cache")
+        mode = "stepwise"
+    rollback = _rolls_back(engine, whole, ids)
+    if not _generates_alike(model, engine, head, ids[:, :8]):
+        return "refused", False, "generate() from the cache disagrees with a plain model.generate()"
+    return mode, rollback, None
+
+
+def _causal(engine: Engine, whole: State, ids: torch.Tensor) -> bool:
+    """Changing the last token leaves every earlier slot's K/V bitwise equal (however small the model's
+    attention effects are, a bidirectional model changes them)."""
+    changed = ids.clone()
+    changed[0, -1] = ids[0, 0] if ids[0, 0] != ids[0, -1] else ids[0, 1]
+    other = _feed(engine, _empty(engine), changed)
+    for a, b in zip(whole.layers, other.layers, strict=True):
+        ta, tb = a.tensors(), b.tensors()
+        if "keys" in ta and not (torch.equal(ta["keys"][:, :, :-1], tb["keys"][:, :, :-1])
+                                 and torch.equal(ta["values"][:, :, :-1], tb["values"][:, :, :-1])):
+            return False
+    return True
+
+
+def _rolls_back(engine: Engine, whole: State, ids: torch.Tensor) -> bool:
+    """Cropping to 8 tokens and feeding the last 4 again gives the whole forward's logits."""
+    if whole.rollback_limit(8):
+        return True  # layers that cannot crop roll back through checkpoints, which restore exact states
+    return _close(_feed(engine, whole.truncated(8), ids[:, 8:]).last_logits, whole.last_logits)
+
+
+def _generates_alike(model: torch.nn.Module, engine: Engine, head: State, ids: torch.Tensor) -> bool:
+    from .options import resolve
+
+    options = resolve(model, {"max_new_tokens": 3, "do_sample": False})
+    feed = engine.feed_for(head, ids[:, head.tokens_seen:], torch.ones_like(ids, dtype=torch.bool), {})
+    mine = engine.generate(head, feed, ids, torch.ones_like(ids, dtype=torch.bool), options, _SETTINGS).tokens
+    with torch.no_grad():
+        plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,  # type: ignore[operator]
+                               eos_token_id=None)[:, ids.shape[1]:]
+    return torch.equal(mine, plain)
+
+
+def kv_shapes(model: torch.nn.Module, adapter: StructuralAdapter) -> list[tuple[int, int, int] | None]:
+    """Per layer, ``(H, D_k, D_v)`` of what one forward stored (None: no K/V)."""
+    engine = Engine(model, adapter)
+    state = _feed(engine, _empty(engine), _random_ids(model, 2))
+    out: list[tuple[int, int, int] | None] = []
+    for layer in state.layers:
+        t = layer.tensors()
+        out.append((int(t["keys"].shape[1]), int(t["keys"].shape[3]), int(t["values"].shape[3]))
+                   if "keys" in t else None)
+    return out
+
+
+def _feed(engine: Engine, state: State, ids: torch.Tensor) -> State:
+    mask = torch.ones(1, state.tokens_seen + ids.shape[1], dtype=torch.bool, device=ids.device)
+    return engine.feed(state, engine.feed_for(state, ids, mask, {}), _SETTINGS)
+
+
+def _empty(engine: Engine) -> State:
+    return engine.empty(1, sliding_reserve=16, fingerprint=None)
+
+
+def _random_ids(model: torch.nn.Module, n: int) -> torch.Tensor:
+    vocab = int(model.get_input_embeddings().num_embeddings)  # type: ignore[operator]
+    low = min(16, vocab // 2)  # clear of the special ids most vocabularies start with
+    gen = torch.Generator().manual_seed(1234)
+    device = next(model.parameters()).device
+    return torch.randint(low, vocab, (1, n), generator=gen).to(device)
+
+
+def _close(actual: torch.Tensor | None, reference: torch.Tensor | None) -> bool:
+    if actual is None or reference is None or actual.shape != reference.shape:
+        return False
+    a, b = actual.float(), reference.float()
+    ulps = 1e-5 if reference.dtype == torch.float32 else 8 * torch.finfo(reference.dtype).eps
+    return bool(torch.isfinite(a).all()) and float((a - b).abs().max()) <= ulps * float(b.abs().max())
+
+
+def _cache_path(model: torch.nn.Module) -> Path | None:
+    setting = os.environ.get("KVSTATE_SELFCHECK_CACHE")
+    if setting == "off":
+        return None
+    if setting:
+        folder = Path(setting)
+    else:
+        import platformdirs
+
+        folder = Path(platformdirs.user_cache_dir("kvstate")) / "selfcheck"
+    import transformers
+
+    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
+    layout = [kind for kind, _ in _compat.layer_specs(config)]
+    key = json.dumps([PROBE_VERSION, transformers.__version__, getattr(model.config, "model_type", ""),  # type: ignore[union-attr]
+                      type(model).__name__, layout, str(next(model.parameters()).dtype)])
+    return folder / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def _write(path: Path, text: str) -> None:
+    """Best effort: a cache that cannot be written only costs the next probe."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
