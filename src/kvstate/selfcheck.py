@@ -104,6 +104,8 @@ def _probe(model: torch.nn.Module, adapter: StructuralAdapter) -> tuple[str, boo
     ids = _random_ids(model, 12)
     chunked = Engine(model, adapter.with_mode(stepwise=False, rollback=True))
     whole = _feed(chunked, _empty(chunked), ids)
+    if not _same_kv(whole, _feed(chunked, _empty(chunked), ids), len(ids[0])):
+        return "refused", False, "two identical forwards from an empty cache disagree: state lives outside the cache"
     if not _causal(chunked, whole, ids):
         return "refused", False, "the attention is not causal: a later token changes the keys and values stored " \
                                  "for earlier ones"
@@ -128,11 +130,15 @@ def _causal(engine: Engine, whole: State, ids: torch.Tensor) -> bool:
     attention effects are, a bidirectional model changes them)."""
     changed = ids.clone()
     changed[0, -1] = ids[0, 0] if ids[0, 0] != ids[0, -1] else ids[0, 1]
-    other = _feed(engine, _empty(engine), changed)
-    for a, b in zip(whole.layers, other.layers, strict=True):
-        ta, tb = a.tensors(), b.tensors()
-        if "keys" in ta and not (torch.equal(ta["keys"][:, :, :-1], tb["keys"][:, :, :-1])
-                                 and torch.equal(ta["values"][:, :, :-1], tb["values"][:, :, :-1])):
+    return _same_kv(whole, _feed(engine, _empty(engine), changed), len(ids[0]) - 1)
+
+
+def _same_kv(a: State, b: State, slots: int) -> bool:
+    """The first ``slots`` K/V slots of every attention layer are bitwise equal in both states."""
+    for x, y in zip(a.layers, b.layers, strict=True):
+        tx, ty = x.tensors(), y.tensors()
+        if "keys" in tx and not (torch.equal(tx["keys"][:, :, :slots], ty["keys"][:, :, :slots])
+                                 and torch.equal(tx["values"][:, :, :slots], ty["values"][:, :, :slots])):
             return False
     return True
 

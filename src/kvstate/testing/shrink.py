@@ -84,8 +84,8 @@ CAP: dict[str, int] = {
     # periodic layer patterns: a period of 2 puts both kinds in 2 layers
     **dict.fromkeys(("attn_layer_period", "expert_layer_period", "sliding_window_pattern", "_sliding_window_pattern",
                      "full_attention_interval", "global_attn_every_n_layers", "no_rope_layer_interval",
-                     "interleave_moe_layer_step", "decoder_sparse_step", "moe_layer_interval",
-                     "attn_layer_offset", "expert_layer_offset"), 2),
+                     "interleave_moe_layer_step", "decoder_sparse_step", "moe_layer_interval"), 2),
+    **dict.fromkeys(("attn_layer_offset", "expert_layer_offset"), 1),
     **dict.fromkeys(("num_kv_shared_layers", "num_nextn_predict_layers", "num_mtp_layers"), 1),
     # vision / audio towers (built, never run by a text-only check)
     **dict.fromkeys(("image_size",), 32),
@@ -99,20 +99,31 @@ INDEX_LISTS = ("mlp_only_layers", "moe_layers", "global_attn_indexes", "full_att
                "hybrid_layer_ids", "local_layer_ids", "ple_layer_ids", "cross_attention_layers",
                "mtp_local_layer_ids", "fullatt_block_indexes", "deepstack_visual_indexes",
                "intermediate_layers_indices", "attn_layers", "swa_layers", "no_rope_layers_idx")
+# Lists that repeat cyclically over the layers: the layer count is at least their length.
+CYCLES = ("block_types",)
 Q_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads", "encoder_attention_heads",
            "decoder_attention_heads", "num_decoder_attention_heads", "num_encoder_attention_heads",
-           "conf_num_attention_heads", "swa_num_attention_heads", "linear_num_heads", "linear_num_key_heads")
+           "conf_num_attention_heads", "swa_num_attention_heads", "linear_num_heads")
 # kv-heads attribute -> the query-heads attribute it pairs with
 KV_HEADS = {"num_key_value_heads": "num_attention_heads", "num_kv_heads": "num_attention_heads",
-            "num_query_groups": "num_attention_heads", "swa_num_key_value_heads": "swa_num_attention_heads",
-            "linear_num_value_heads": "linear_num_key_heads"}
+            "num_query_groups": "num_attention_heads", "swa_num_key_value_heads": "swa_num_attention_heads"}
+# Flags that make an encoder family (used as a causal LM) causal and cache-using.
+CAUSAL_FLAGS = {"is_decoder": True, "causal": True}
 TOKEN_ID_SUFFIXES = ("_token_id", "_token_ids", "_token_index", "suppress_tokens")
 TOKEN_IDS = ("mask_index", "unk_index")
 
 # ---------------------------------------------------------------------------------------------------------------
 # Per-type overrides (applied after the rules; nested dicts merge into sub-configs). One line of reason each.
 # ---------------------------------------------------------------------------------------------------------------
-OVERRIDES: dict[str, dict[str, Any]] = {}
+OVERRIDES: dict[str, dict[str, Any]] = {
+    # DbrxAttention reads attn_config.rope_theta (undefined there) and clamps by clip_qkv even when it is None.
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # The rotary embedding looks rope_parameters up by layer type; the default is not keyed that way.
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # The defaults have no attention layer at all; a hybrid needs one for its cache (and to be a hybrid).
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+}
 
 # Types that cannot be built here, and why.
 UNBUILDABLE: dict[str, str] = {}
@@ -158,7 +169,7 @@ def tiny_causal_lm(model_type: str, seed: int = 0, attn: str | None = None) -> t
 Rule = Callable[[dict[str, Any], dict[str, Any]], None]
 
 
-def _shrink(cfg: Any, ids: dict[int, int]) -> dict[str, Any]:
+def _shrink(cfg: Any, ids: dict[int, int], top: bool = True) -> dict[str, Any]:
     """The changed attributes of ``cfg`` (sub-configs as nested dicts of their changes)."""
     from transformers import PretrainedConfig
 
@@ -167,9 +178,11 @@ def _shrink(cfg: Any, ids: dict[int, int]) -> dict[str, Any]:
     for rule in RULES:
         rule(old, new)
     _tokens(old, new, ids)
+    if top and not old.get("is_encoder_decoder"):
+        new.update({k: v for k, v in CAUSAL_FLAGS.items() if old.get(k) is False})
     for key, value in old.items():
         if isinstance(value, PretrainedConfig):
-            new[key] = _shrink(value, ids)
+            new[key] = _shrink(value, ids, top=False)
     return new
 
 
@@ -256,7 +269,9 @@ def _moe(old: dict[str, Any], new: dict[str, Any]) -> None:
     experts = next((new.get(k, old[k]) for k in ("n_routed_experts", "num_experts", "num_local_experts",
                                                   "moe_num_experts") if _is_int(old.get(k))), None)
     for key in ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts", "num_experts_per_token", "moe_top_k"):
-        if experts and _is_int(new.get(key, old.get(key))) and new.get(key, old[key]) > experts:
+        if experts and key in old and old[key] is None:
+            new[key] = min(TOP_K, experts)  # an unset top-k with experts set (deepseek_v2's default)
+        elif experts and _is_int(new.get(key, old.get(key))) and new.get(key, old[key]) > experts:
             new[key] = experts
     if _is_int(old.get("moe_layer_end_index")):
         new["moe_layer_end_index"] = -1 if old["moe_layer_end_index"] < 0 else MIN_LAYERS - 1
@@ -284,6 +299,10 @@ def _ssm(old: dict[str, Any], new: dict[str, Any]) -> None:
 
 def _linear_attention(old: dict[str, Any], new: dict[str, Any]) -> None:
     """Gated-delta / linear-attention heads 16 wide (values twice that where they were wider than keys)."""
+    k_heads, v_heads = old.get("linear_num_key_heads"), old.get("linear_num_value_heads")
+    if _is_int(k_heads) and _is_int(v_heads):
+        new["linear_num_key_heads"] = 2
+        new["linear_num_value_heads"] = 2 * (v_heads // k_heads if v_heads % k_heads == 0 else 1)
     k_dim, v_dim = old.get("linear_key_head_dim"), old.get("linear_value_head_dim")
     if _is_int(k_dim) and _is_int(v_dim):
         new["linear_key_head_dim"] = HEAD_DIM
@@ -301,7 +320,8 @@ def _layers(old: dict[str, Any], new: dict[str, Any]) -> None:
     per_layer = {k: v for k, v in old.items() if isinstance(v, list) and len(v) == n and n > 1
                  and k not in INDEX_LISTS and not _is_token_key(k) and k != "architectures"}
     index = {k: [i % n for i in old[k] if _is_int(i)] for k in INDEX_LISTS if isinstance(old.get(k), list)}
-    keep = _select(n, per_layer, index)
+    cycle = max((len(old[k]) for k in CYCLES if isinstance(old.get(k), list)), default=0)
+    keep = _select(n, per_layer, index, max(MIN_LAYERS, cycle))
     for key in counts:
         new[key] = min(old[key], len(keep)) if key != counts[0] else len(keep)
         new[key] = max(new[key], 1)
@@ -311,7 +331,7 @@ def _layers(old: dict[str, Any], new: dict[str, Any]) -> None:
         new[key] = [j for j, i in enumerate(keep) if i in indices]
 
 
-def _select(n: int, per_layer: dict[str, list[Any]], index: dict[str, list[int]]) -> list[int]:
+def _select(n: int, per_layer: dict[str, list[Any]], index: dict[str, list[int]], least: int) -> list[int]:
     """Greedy: layer i joins when it shows a (list, value) or (index list, member?) pair not seen yet."""
     seen: set[tuple[str, str]] = set()
     keep: list[int] = []
@@ -322,7 +342,7 @@ def _select(n: int, per_layer: dict[str, list[Any]], index: dict[str, list[int]]
             keep.append(i)
             seen |= kinds
     extra = [i for i in range(n) if i not in keep]
-    return sorted(keep + extra[: max(0, min(MIN_LAYERS, n) - len(keep))])
+    return sorted(keep + extra[: max(0, min(least, n) - len(keep))])
 
 
 RULES: tuple[Rule, ...] = (_sizes, _heads, _rotary, _mla, _moe, _ssm, _linear_attention, _layers)
