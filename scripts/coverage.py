@@ -1,0 +1,203 @@
+"""The coverage sweep (issue 12): every causal-LM type in the installed transformers, through kvstate.
+
+For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``:
+
+1. build a tiny random model with ``kvstate.testing.shrink`` (a type that cannot be
+   built is ``unbuilt``, with the reason);
+2. let kvstate pick its adapter: registered, structural (after the self-check), or a
+   typed refusal with its reason;
+3. if accepted, check the contract against plain transformers: a split resume, a
+   rollback to a divergent history, a fork, a reset, and save → load into a fresh
+   instance **in another process**, each equal to plain ``model.generate``.
+
+A type is ``exact`` or ``exact-stepwise`` only if every check holds; an accepted type
+that fails a check is ``WRONG`` (the goal is zero). Each type runs in worker processes
+that are restarted when one crashes or hangs; the save → load check runs in the other
+worker. Results go to a JSON file and to ``docs/coverage.md``.
+
+Run: ``python scripts/coverage.py [--types a,b,c] [--json out.json] [--markdown docs/coverage.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKER = r"""
+import json, os, sys, warnings, logging, traceback
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+import torch
+torch.set_num_threads(1)
+from kvstate import Session
+from kvstate.errors import KVStateError
+from kvstate.selfcheck import adapter_for
+from kvstate.testing.shrink import tiny_causal_lm
+
+def ids_for(model, n, seed):
+    vocab = model.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(min(16, vocab // 2), vocab, (1, n), generator=gen)
+
+def plain(model, ids, n):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, eos_token_id=None)
+    return out[:, ids.shape[1]:]
+
+def mine(session, ids, n):
+    return session.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+
+def phase1(t, folder):
+    try:
+        model = tiny_causal_lm(t)
+    except Exception as exc:
+        return {"status": "unbuilt", "reason": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    try:
+        adapter = adapter_for(model)
+    except KVStateError as exc:
+        return {"status": "refused", "reason": str(exc)[:300]}
+    status = "exact-stepwise" if adapter.caps.stepwise else "exact"
+    ids, other = ids_for(model, 24, 1), ids_for(model, 5, 2)
+    failed = []
+    try:
+        with torch.no_grad():
+            s = Session(model)
+            s.extend(ids[:, :16])
+            if not torch.equal(mine(s, ids, 4), plain(model, ids, 4)): failed.append("split resume")
+            fork = s.fork()
+            branch = torch.cat([ids[:, :20], other], 1)
+            if not torch.equal(mine(s, branch, 4), plain(model, branch, 4)): failed.append("rollback")
+            longer = torch.cat([ids, other], 1)
+            if not torch.equal(mine(fork, longer, 3), plain(model, longer, 3)): failed.append("fork")
+            fork.save(os.path.join(folder, t + ".kvs"))
+            expected = plain(model, torch.cat([longer, ids[:, :3]], 1), 3)
+            s.reset()
+            fresh = Session(model)
+            if not torch.equal(mine(s, ids[:, :12], 3), mine(fresh, ids[:, :12], 3)): failed.append("reset")
+    except Exception as exc:
+        failed.append(f"crashed: {type(exc).__name__}: {str(exc)[:200]}")
+        expected = None
+    return {"status": status if not failed else "WRONG", "adapter": adapter.caps.name, "failed": failed,
+            "expected": None if expected is None else expected.tolist(),
+            "continue": None if expected is None else torch.cat([longer, ids[:, :3]], 1).tolist()}
+
+def phase2(t, folder, expected, history):
+    try:
+        with torch.no_grad():
+            loaded = Session.load(os.path.join(folder, t + ".kvs"), tiny_causal_lm(t))
+            got = mine(loaded, torch.tensor(history), 3).tolist()
+        return {"ok": got == expected}
+    except Exception as exc:
+        return {"ok": False, "reason": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+for line in sys.stdin:
+    job = json.loads(line)
+    try:
+        out = phase1(job["type"], job["folder"]) if job["phase"] == 1 else \
+            phase2(job["type"], job["folder"], job["expected"], job["history"])
+    except BaseException as exc:
+        out = {"status": "WRONG", "failed": [f"crashed: {type(exc).__name__}: {exc}"]}
+    print(json.dumps(out), flush=True)
+"""
+
+
+class Worker:
+    """A persistent worker process; restarted after a crash or a hang."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, bufsize=1, env=self.env)
+
+    def run(self, job: dict, timeout: float = 240) -> dict | None:
+        self.proc.stdin.write(json.dumps(job) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
+        if line:
+            return json.loads(line)
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = self._spawn()
+        return None
+
+
+def sweep(types: list[str]) -> dict[str, dict]:
+    folder = tempfile.mkdtemp(prefix="kvstate-coverage-")
+    env = {**os.environ, "KVSTATE_SELFCHECK_CACHE": os.path.join(folder, "selfcheck")}
+    first, second = Worker(env), Worker(env)
+    results = {}
+    for t in types:
+        start = time.perf_counter()
+        r = first.run({"phase": 1, "type": t, "folder": folder}) or {"status": "WRONG", "failed": ["crashed"]}
+        if r.get("status", "").startswith("exact") and r.get("expected") is not None:
+            loaded = second.run({"phase": 2, "type": t, "folder": folder, "expected": r["expected"],
+                                 "history": r["continue"]}) or {"ok": False, "reason": "crashed"}
+            if not loaded["ok"]:
+                r["status"], r["failed"] = "WRONG", [*r["failed"], f"save → load: {loaded.get('reason', 'differs')}"]
+        r.pop("expected", None)
+        r.pop("continue", None)
+        r["seconds"] = round(time.perf_counter() - start, 1)
+        results[t] = r
+        print(f"{t:28} {r['status']:15} {r.get('reason') or ', '.join(r.get('failed', []))}"[:160], flush=True)
+    return results
+
+
+def markdown(results: dict[str, dict]) -> str:
+    import torch
+    import transformers
+
+    counts: dict[str, int] = {}
+    for r in results.values():
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    lines = [
+        "# Coverage: every causal-LM type in transformers, through kvstate", "",
+        f"Generated by `python scripts/coverage.py` with transformers {transformers.__version__} and torch "
+        f"{torch.__version__}, on tiny random models built by `kvstate.testing.shrink`.", "",
+        "* **exact**: kvstate resumes, rolls back, forks, resets, and saves → loads into a fresh instance in "
+        "another process, each equal to plain `model.generate`;",
+        "* **exact-stepwise**: the same, feeding continuations one token per forward (the model drops state on "
+        "multi-token chunks);",
+        "* **refused**: kvstate raises a typed error with the reason below (nothing is accepted on trust);",
+        "* **unbuilt**: no tiny model could be built here (the reason below);",
+        "* **WRONG**: accepted but a check failed. The goal is none.", "",
+        "Totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f" (of {len(results)}).", "",
+        "| model_type | status | adapter | reason |", "|---|---|---|---|",
+    ]
+    for t, r in sorted(results.items()):
+        reason = r.get("reason") or ", ".join(r.get("failed", []))
+        lines.append(f"| {t} | {r['status']} | {r.get('adapter', '')} | {reason.replace('|', '/')[:160]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--types", help="comma-separated model types (default: all)")
+    parser.add_argument("--json", type=Path, default=Path("bench/results/coverage.json"))
+    parser.add_argument("--markdown", type=Path, default=Path("docs/coverage.md"))
+    args = parser.parse_args()
+    types = args.types.split(",") if args.types else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    results = sweep(types)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1) + "\n")
+    if not args.types:
+        args.markdown.write_text(markdown(results))
+    counts = {s: sum(r["status"] == s for r in results.values()) for s in {r["status"] for r in results.values()}}
+    print(json.dumps(counts))
+
+
+if __name__ == "__main__":
+    main()
