@@ -29,12 +29,17 @@ def load_model(spec: str, attn: str | None = None, progress: bool = True,
 
         return load_default_model(attn_implementation=attn, progress=progress)
     if spec.startswith("tiny:"):
-        from .tiny import tiny_model
+        from .tiny import CONFIGS, tiny_model
 
         if need_tokenizer:
             raise InputError(f"{need_tokenizer} needs text, and tiny models have no tokenizer", found=spec,
                              fix="use --model default, or a folder with tokenizer files")
-        return tiny_model(spec.removeprefix("tiny:"), attn=attn), None
+        model_type = spec.removeprefix("tiny:")
+        if model_type in CONFIGS:  # the hand-made tiny configs of the families kvstate registers
+            return tiny_model(model_type, attn=attn), None
+        from .shrink import tiny_causal_lm  # any other causal-LM type transformers ships
+
+        return tiny_causal_lm(model_type, attn=attn), None
     folder = Path(spec).expanduser()
     if not (folder / "config.json").is_file():
         hub = not folder.exists() and spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
