@@ -11,8 +11,8 @@ The check: build the tiny model, forward 8 tokens with ``use_cache=True``, then 
 an attention mask. For recurrent/hybrid types whose ``generate`` fails inside transformers with "`get_seq_length` can
 only be called on Attention layers", a forward of 1 token continuing the cache counts instead (noted
 ``step-only``). Notes (not failures) also record: ``no-cache`` (the forward returns no cache), ``cache-mismatch``
-(cached 1-token step differs from the full recomputation), ``bidirectional`` (earlier logits depend on later tokens),
-parameter count and seconds.
+(the cached 1-token step differs from the full recomputation), ``bidirectional`` (earlier logits depend on later
+tokens), ``step-error`` / ``extra-check-error`` (those extra checks failed), parameter count and seconds.
 """
 
 from __future__ import annotations
@@ -44,25 +44,32 @@ def _check(model_type: str) -> tuple[str, list[str]]:
     with torch.no_grad():
         out = model(ids[:, :8], use_cache=True)
         cache_arg = _cache_argument(model)
-        cache = next((getattr(out, k) for k in (cache_arg, "past_key_values", "cache") if getattr(out, k, None)), None)
+        cache = next((getattr(out, k) for k in (cache_arg, "past_key_values", "cache")
+                      if getattr(out, k, None) is not None), None)
         if cache is None:
             notes.append("no-cache")
+        step = None
         try:
             model.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]), max_new_tokens=3, do_sample=False)
         except ValueError as e:
             if "get_seq_length" not in str(e) or cache is None:
                 raise
-            notes.append("step-only")
-        full = model(ids).logits.float()
+            notes.append("step-only")  # the 1-token continuation of the cache is the requirement instead
+            step = model(ids[:, 8:], **{cache_arg: cache}, use_cache=True).logits.float()
+        if step is None and cache is not None:
+            try:
+                step = model(ids[:, 8:], **{cache_arg: cache}, use_cache=True).logits.float()
+            except Exception as e:
+                notes.append(f"step-error({_brief(e)})")
         try:
-            step = model(ids[:, 8:], **{cache_arg: cache}, use_cache=True).logits.float() if cache else None
+            _compare(model, ids, step, notes)
         except Exception as e:
-            if "step-only" in notes:
-                raise  # the 1-token continuation is the build requirement here
-            step = None
-            notes.append(f"step-error({type(e).__name__}: {str(e)[:80]})")
-        _compare(model, ids, full, step, notes)
+            notes.append(f"extra-check-error({_brief(e)})")
     return "ok", notes
+
+
+def _brief(e: BaseException, n: int = 80) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:n]}"
 
 
 def _cache_argument(model: Any) -> str:
@@ -70,11 +77,13 @@ def _cache_argument(model: Any) -> str:
     import inspect
 
     params = inspect.signature(model.forward).parameters
-    return next((k for k in ("past_key_values", "cache", "cache_params", "mems") if k in params), "past_key_values")
+    names = ("past_key_values", "cache", "cache_params", "mems", "state", "past_buckets_states")
+    return next((k for k in names if k in params), "past_key_values")
 
 
-def _compare(model: Any, ids: Any, full: Any, step: Any, notes: list[str]) -> None:
+def _compare(model: Any, ids: Any, step: Any, notes: list[str]) -> None:
     """Note cache/causality oddities: a cached step that differs from recomputation, non-causal logits."""
+    full = model(ids).logits.float()
     scale = full.abs().max().item() or 1.0
     if step is not None and (step[:, -1] - full[:, -1]).abs().max().item() > 1e-4 * scale:
         notes.append("cache-mismatch")
@@ -96,15 +105,18 @@ def worker() -> None:
 
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
+    answers = os.fdopen(os.dup(1), "w")  # stdout is ours alone; whatever a model prints goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     for line in sys.stdin:
         model_type = line.strip()
         start = time.time()
         try:
             result, notes = _check(model_type)
         except BaseException as e:  # every failure is a result
-            result, notes = f"error: {type(e).__name__}: {' '.join(str(e).split())[:300]}", []
+            result, notes = f"error: {_brief(e, 300)}", []
         notes.append(f"{time.time() - start:.2f}s")
-        print(json.dumps({"type": model_type, "result": result, "notes": notes}), flush=True)
+        print(json.dumps({"type": model_type, "result": result, "notes": notes}), file=answers, flush=True)
 
 
 class _Slot:
@@ -177,7 +189,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="worker processes in parallel")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per type before a restart")
     parser.add_argument("--notes", help="also write {type: [notes]} as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     types = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

@@ -1,0 +1,35 @@
+"""Self-check cost (issue 12): the equivalence probe run on the real Gemma-3-270M, fp32, CPU.
+
+Gemma is a registered family, so kvstate never probes it in use; this runs the probe that an
+unregistered architecture of its size would get the first time (then the verdict is cached),
+and the one-forward K/V width check every structural model gets per instance.
+Writes ``bench/results/selfcheck.json``. Run: ``python bench/bench_selfcheck.py``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from common import write_results
+from kvstate.adapters.structural import StructuralAdapter, structural_caps
+from kvstate.selfcheck import kv_shapes, probe
+from kvstate.testing import load_default_model
+
+
+def main() -> None:
+    torch.set_grad_enabled(False)
+    model, _ = load_default_model()
+    adapter = StructuralAdapter(structural_caps(model), kv_shapes=[])
+    probe(model, adapter)  # warm-up: first-call costs of the kernels
+    verdict = probe(model, adapter)
+    start = time.perf_counter()
+    kv_shapes(model, adapter.with_mode(stepwise=verdict.mode == "stepwise", rollback=verdict.rollback))
+    widths = time.perf_counter() - start
+    write_results("selfcheck", {"model": "gemma3-270m (fp32, sdpa), CPU", "verdict": verdict.mode,
+                                "rollback": verdict.rollback, "probe_s": verdict.seconds, "kv_widths_s": widths})
+
+
+if __name__ == "__main__":
+    main()
