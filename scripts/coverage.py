@@ -43,7 +43,7 @@ from kvstate.selfcheck import adapter_for
 from kvstate.testing.shrink import tiny_causal_lm
 
 def ids_for(model, n, seed):
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) or model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(min(16, vocab // 2), vocab, (1, n), generator=gen)
 

@@ -101,6 +101,7 @@ OPTIONS = {
     "return_dict_scores_logits": lambda w, m: (
         {"return_dict_in_generate": True, "output_scores": True, "output_logits": True}, None),
     "streamer": lambda w, m: ({"streamer": Echo()}, None),
+    "use_cache_false": lambda w, m: ({"use_cache": False}, None),  # plain recomputes every step; same tokens
 }
 
 
@@ -225,7 +226,6 @@ REFUSED = {
     "output_attentions": ({"return_dict_in_generate": True, "output_attentions": True}, UnsupportedError),
     "output_hidden_states": ({"return_dict_in_generate": True, "output_hidden_states": True}, UnsupportedError),
     "cache_implementation": ({"cache_implementation": "static"}, UnsupportedError),
-    "use_cache": ({"use_cache": False}, UnsupportedError),
     "guidance_scale": ({"guidance_scale": 1.5}, UnsupportedError),
     "token_healing": ({"token_healing": True}, UnsupportedError),
     "penalty_alpha": ({"penalty_alpha": 0.6, "top_k": 4}, UnsupportedError),

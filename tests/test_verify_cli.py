@@ -53,7 +53,7 @@ def test_planted_fault_fails_the_row():
 def test_list_and_unknown_model(capsys):
     assert main(["verify", "--list"]) == 0
     assert "gemma3_text" in capsys.readouterr().out.split()
-    assert main(["verify", "--model", "tiny:gpt2"]) == 2
+    assert main(["verify", "--model", "tiny:no_such_model_type"]) == 2
     assert "UnsupportedModelError" in capsys.readouterr().err
 
 

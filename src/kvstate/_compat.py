@@ -15,15 +15,25 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import (
+    DummyLayer,
+    DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionLayer,
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .errors import KVStateError, UnsupportedError
-from .layers import AttentionLayerState, HybridLayerState, LayerState, RecurrentLayerState
+from .layers import (
+    AttentionLayerState,
+    HybridLayerState,
+    IndexedLayerState,
+    LayerState,
+    RecurrentLayerState,
+    StatelessLayerState,
+)
 
 CACHE_KWARG = "cache"  # was "past_key_values" before 5.24
 
@@ -38,7 +48,7 @@ def layer_specs(config: object) -> list[tuple[str, int | None]]:
                 f"layer {i} uses transformers cache layer {type(layer).__name__}",
                 expected=" / ".join(c.__name__ for c in _KIND_OF), found=type(layer).__name__,
                 fix="use a model family kvstate supports (`kvstate verify --list`)")
-        window = int(layer.sliding_window) if kind == "sliding_attention" else None
+        window = int(layer.sliding_window) if isinstance(layer, DynamicSlidingWindowLayer) else None
         specs.append((kind, window))
     return specs
 
@@ -46,8 +56,11 @@ def layer_specs(config: object) -> list[tuple[str, int | None]]:
 _KIND_OF: dict[type, str] = {
     DynamicLayer: "full_attention",
     DynamicSlidingWindowLayer: "sliding_attention",
+    DynamicIndexedLayer: "indexed_attention",
     LinearAttentionLayer: "recurrent",
     LinearAttentionAndFullAttentionLayer: "hybrid",
+    LinearAttentionAndSlidingWindowAttentionLayer: "hybrid",  # with its window
+    DummyLayer: "stateless",
 }
 
 
@@ -66,8 +79,14 @@ def build_cache(layers: tuple[LayerState, ...], config: object) -> DynamicCache:
             _fill_recurrent(hf_layer, layer.recurrent)
         elif isinstance(layer, RecurrentLayerState):
             _fill_recurrent(hf_layer, layer)
-        else:
-            _fill_attention(hf_layer, layer)  # type: ignore[arg-type]
+        elif isinstance(layer, IndexedLayerState):
+            _fill_attention(hf_layer, layer.attention)
+            if layer.indexer_keys is not None:
+                hf_layer.lazy_initialization_indexer(layer.indexer_keys)
+                hf_layer.indexer_keys = layer.indexer_keys
+            hf_layer.indexer_position_ids = layer.indexer_positions
+        elif isinstance(layer, AttentionLayerState):
+            _fill_attention(hf_layer, layer)
     return cache
 
 
@@ -103,6 +122,10 @@ def read_cache(cache: DynamicCache, layers: tuple[LayerState, ...], new_position
     ``Q`` and ``tokens_seen`` come from the engine's record of what was fed, never from
     the tensors: a layer that did not append exactly ``Q`` slots is an error.
     """
+    if len(cache.layers) != len(layers):
+        raise KVStateError("the model changed its cache's layer count during a forward",
+                           expected=f"{len(layers)} layers, as its config declares", found=len(cache.layers),
+                           fix="a looped or dynamic-depth model: kvstate cannot hold its state exactly")
     out: list[LayerState] = []
     for i, (hf_layer, layer) in enumerate(zip(cache.layers, layers, strict=True)):
         if isinstance(layer, HybridLayerState):
@@ -110,9 +133,27 @@ def read_cache(cache: DynamicCache, layers: tuple[LayerState, ...], new_position
                                         _read_recurrent(hf_layer, tokens_seen)))
         elif isinstance(layer, RecurrentLayerState):
             out.append(_read_recurrent(hf_layer, tokens_seen))
+        elif isinstance(layer, IndexedLayerState):
+            out.append(_read_indexed(i, hf_layer, layer, new_positions))
+        elif isinstance(layer, StatelessLayerState):
+            out.append(StatelessLayerState(tokens_seen))
         else:
             out.append(_read_attention(i, hf_layer, layer, new_positions))  # type: ignore[arg-type]
     return tuple(out)
+
+
+def _read_indexed(index: int, hf_layer: Any, layer: IndexedLayerState,
+                  new_positions: torch.Tensor) -> IndexedLayerState:
+    attention = _read_attention(index, hf_layer, layer.attention, new_positions)
+    keys = hf_layer.indexer_keys if hf_layer.is_indexer_initialized else None  # None: a shared indexer
+    positions = hf_layer.indexer_position_ids
+    if (keys is not None and keys.shape[1] != attention.slots) or (
+            positions is not None and positions.shape[-1] != attention.slots):
+        raise KVStateError(f"layer {index}'s indexer state does not follow its slots",
+                           expected=f"{attention.slots} indexer keys and positions",
+                           found=[None if t is None else tuple(t.shape) for t in (keys, positions)],
+                           fix="report this model with `kvstate verify --model ...`")
+    return IndexedLayerState(attention, keys, positions)
 
 
 def _read_attention(index: int, hf_layer: Any, layer: AttentionLayerState,

@@ -30,6 +30,8 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 RECURRENT = "recurrent"
 HYBRID = "hybrid"
+INDEXED = "indexed_attention"
+STATELESS = "stateless"
 
 
 class LayerState(ABC):
@@ -312,11 +314,108 @@ class HybridLayerState(LayerState):
 
     @classmethod
     def from_parts(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> HybridLayerState:
-        attention = AttentionLayerState.from_parts({**meta, "window": None}, tensors)
+        attention = AttentionLayerState.from_parts(meta, tensors)  # its window: full or sliding attention
         return cls(attention, RecurrentLayerState.from_parts(meta, tensors))
 
     def to(self, device: torch.device | str) -> HybridLayerState:
         return HybridLayerState(self.attention.to(device), self.recurrent.to(device))
+
+
+class IndexedLayerState(LayerState):
+    """Attention K/V plus what dynamic sparse attention (DeepSeek V3.2, GLM MoE DSA) keeps per slot: the
+    single-head indexer keys ``[B, S, D_i]`` and, for some models, the indexer positions ``[P, B, S]``.
+    Both are None on layers that reuse another layer's indexer; both are cropped with the slots."""
+
+    def __init__(self, attention: AttentionLayerState, indexer_keys: torch.Tensor | None,
+                 indexer_positions: torch.Tensor | None = None) -> None:
+        self.attention = attention
+        self.indexer_keys = indexer_keys
+        self.indexer_positions = indexer_positions
+
+    @property
+    def kind(self) -> str:
+        return INDEXED
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.attention.tokens_seen
+
+    @property
+    def slots(self) -> int:
+        return self.attention.slots
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        return self.attention.positions
+
+    def rollback_limit(self, n_tokens: int) -> str | None:
+        return self.attention.rollback_limit(n_tokens)
+
+    def truncated(self, n_tokens: int) -> IndexedLayerState:
+        attention = self.attention.truncated(n_tokens)
+        S = attention.slots
+        keys = None if self.indexer_keys is None or S == 0 else self.indexer_keys[:, :S]
+        positions = None if self.indexer_positions is None or S == 0 else self.indexer_positions[..., :S]
+        return IndexedLayerState(attention, keys, positions)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = self.attention.tensors()
+        if self.indexer_keys is not None:
+            out["indexer_keys"] = self.indexer_keys
+        if self.indexer_positions is not None:
+            out["indexer_positions"] = self.indexer_positions
+        return out
+
+    def meta(self) -> dict[str, object]:
+        return {**self.attention.meta(), "kind": self.kind}
+
+    @classmethod
+    def from_parts(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> IndexedLayerState:
+        return cls(AttentionLayerState.from_parts({**meta, "window": None}, tensors), tensors.get("indexer_keys"),
+                   tensors.get("indexer_positions"))
+
+    def to(self, device: torch.device | str) -> IndexedLayerState:
+        return IndexedLayerState(self.attention.to(device),
+                                 None if self.indexer_keys is None else self.indexer_keys.to(device),
+                                 None if self.indexer_positions is None else self.indexer_positions.to(device))
+
+
+class StatelessLayerState(LayerState):
+    """A layer that stores nothing (an MLP-only block, or one that reads another layer's K/V)."""
+
+    def __init__(self, tokens_seen: int) -> None:
+        self._tokens_seen = tokens_seen
+
+    @property
+    def kind(self) -> str:
+        return STATELESS
+
+    @property
+    def tokens_seen(self) -> int:
+        return self._tokens_seen
+
+    @property
+    def slots(self) -> int:
+        return 0
+
+    def rollback_limit(self, n_tokens: int) -> str | None:
+        return None if n_tokens <= self.tokens_seen else f"cannot roll forward to {n_tokens} tokens"
+
+    def truncated(self, n_tokens: int) -> StatelessLayerState:
+        return StatelessLayerState(n_tokens)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def meta(self) -> dict[str, object]:
+        return {"kind": self.kind, "tokens_seen": self.tokens_seen, "slots": 0, "window": None, "reserve": 0}
+
+    @classmethod
+    def from_parts(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> StatelessLayerState:
+        return cls(int(meta["tokens_seen"]))  # type: ignore[call-overload]
+
+    def to(self, device: torch.device | str) -> StatelessLayerState:
+        return self
 
 
 # Layer kinds a state file may name, resolved to the class that rebuilds them.
@@ -325,4 +424,6 @@ LAYER_KINDS: dict[str, type[LayerState]] = {
     SLIDING_ATTENTION: AttentionLayerState,
     RECURRENT: RecurrentLayerState,
     HYBRID: HybridLayerState,
+    INDEXED: IndexedLayerState,
+    STATELESS: StatelessLayerState,
 }

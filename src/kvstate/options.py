@@ -10,7 +10,7 @@ or the model is touched:
   holds one sequence per row (fork per sample instead);
 * assisted / DoLa / contrastive decoding, classifier-free guidance and token
   healing: they run the model on inputs kvstate does not track, or rewrite the prompt;
-* another cache (``cache_implementation``, ``use_cache=False``): the state is the cache;
+* another cache (``cache_implementation``): the state is the cache;
 * attention maps and hidden states: the reused slots' were never recomputed.
 
 Options are set through keywords, a ``generation_config=``, or the model's own
@@ -83,7 +83,9 @@ def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
                          found=unknown, fix="check the spelling; model inputs such as pixel_values must belong "
                          "to the model family")
     _check_config(config)
-    return GenerateOptions(MappingProxyType(dict(kwargs)), bool(config.return_dict_in_generate),
+    # use_cache=False only makes plain generate recompute every step; the tokens are the same, and the
+    # state is the cache, so kvstate keeps it on (whether it came from the call or model.generation_config)
+    return GenerateOptions(MappingProxyType({**kwargs, "use_cache": True}), bool(config.return_dict_in_generate),
                            config.prefill_chunk_size)
 
 
@@ -96,7 +98,6 @@ def _check_config(config: Any) -> None:
         "classifier-free guidance (guidance_scale)": config.guidance_scale not in (None, 1, 1.0),
         "token healing (it rewrites the processed prompt)": bool(config.token_healing),
         "another cache (cache_implementation)": config.cache_implementation is not None,
-        "use_cache=False (the state is the cache)": config.use_cache is False,
         "attention maps or hidden states (reused slots were never recomputed)":
             bool(config.output_attentions or config.output_hidden_states),
     }

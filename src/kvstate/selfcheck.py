@@ -5,12 +5,13 @@ other causal decoder gets the structural adapter, but only after a short equival
 probe on the user's own model, the first time kvstate meets its architecture (model
 type plus layer layout):
 
-1. a prefill of 12 random tokens in one forward, the reference; the same with the last
-   token changed must leave every earlier slot's K/V bitwise equal (causality);
-2. the same as 5 + 7: a multi-token continuation from the cache;
-3. if that differs, 5 + 7 one token per forward;
-4. a rollback: the 12-token state cropped to 8, then 4 tokens fed again;
-5. ``generate`` from the 5-token state against plain ``model.generate``.
+1. a prefill of n random tokens in one forward, the reference (n is 16, or more: twice the
+   widest window or sparse top-k plus 8, up to 64); it must be reproducible, and with the
+   last token changed, every earlier slot's K/V must stay the same (causality);
+2. the same split at n/3 and at 2n/3: multi-token continuations from the cache;
+3. if those differ, the same continuations one token per forward;
+4. a rollback: the state cropped by 4 tokens, then those 4 fed again;
+5. ``generate`` from the first split against plain ``model.generate``.
 
 The architecture is accepted as ``exact`` (2 matches), ``stepwise`` (only 3 matches: a
 continuation is fed one token per forward, as transformers drops state on multi-token
@@ -40,10 +41,13 @@ from .adapters import Adapter
 from .adapters.base import registered
 from .adapters.structural import StructuralAdapter, structural_caps
 from .engine import Engine, FeedSettings
-from .errors import KVStateError, UnsupportedError, UnsupportedModelError
+from .errors import UnsupportedError, UnsupportedModelError
 from .state import State
 
-PROBE_VERSION = 1  # bump when the probe changes, so cached verdicts are redone
+PROBE_VERSION = 2  # bump when the probe changes, so cached verdicts are redone
+# config fields bounding how far back a token attends (windows, sparse top-k): the probe goes past them
+_WINDOW_FIELDS = ("sliding_window", "attention_window_size", "keep_window_size", "index_topk", "window_size",
+                  "local_window_size", "attention_chunk_size")
 _SETTINGS = FeedSettings(chunk_size=64, checkpoint_every=None, max_checkpoints=4)
 
 
@@ -95,34 +99,48 @@ def probe(model: torch.nn.Module, adapter: StructuralAdapter) -> Verdict:
     start = time.perf_counter()
     try:
         mode, rollback, reason = _probe(model, adapter)
-    except (KVStateError, RuntimeError, ValueError, TypeError, IndexError, AttributeError, KeyError) as exc:
+    except Exception as exc:  # any failure of the model on kvstate's path is a refusal, never an acceptance
         mode, rollback, reason = "refused", False, f"the probe failed: {type(exc).__name__}: {str(exc)[:200]}"
     return Verdict(mode, rollback, reason, round(time.perf_counter() - start, 3))
 
 
 def _probe(model: torch.nn.Module, adapter: StructuralAdapter) -> tuple[str, bool, str | None]:
-    ids = _random_ids(model, 12)
+    ids = _random_ids(model, probe_length(model))
+    n = ids.shape[1]
     chunked = Engine(model, adapter.with_mode(stepwise=False, rollback=True))
     whole = _feed(chunked, _empty(chunked), ids)
-    if not _same_kv(whole, _feed(chunked, _empty(chunked), ids), len(ids[0])):
+    if not _same_kv(whole, _feed(chunked, _empty(chunked), ids), n):
         return "refused", False, "two identical forwards from an empty cache disagree: state lives outside the cache"
     if not _causal(chunked, whole, ids):
         return "refused", False, "the attention is not causal: a later token changes the keys and values stored " \
                                  "for earlier ones"
-    head = _feed(chunked, _empty(chunked), ids[:, :5])
-    if _close(_feed(chunked, head, ids[:, 5:]).last_logits, whole.last_logits):
-        engine, mode = chunked, "exact"
-    else:
-        engine = Engine(model, adapter.with_mode(stepwise=True, rollback=True))
-        if not _close(_feed(engine, head, ids[:, 5:]).last_logits, whole.last_logits):
+    heads = [_feed(chunked, _empty(chunked), ids[:, :k]) for k in (n // 3, 2 * n // 3)]  # two split points
+    engine, mode = chunked, "exact"
+    if not _continues(chunked, heads, ids, whole):
+        engine, mode = Engine(model, adapter.with_mode(stepwise=True, rollback=True)), "stepwise"
+        if not _continues(engine, heads, ids, whole):
             return "refused", False, ("continuing from the cache does not reproduce a whole forward, in chunks or "
                                       "one token at a time: the attention is not causal, or state lives outside "
                                       "the cache")
-        mode = "stepwise"
     rollback = _rolls_back(engine, whole, ids)
-    if not _generates_alike(model, engine, head, ids[:, :8]):
+    if not _generates_alike(model, engine, heads[0], ids[:, :n // 3 + 3]):
         return "refused", False, "generate() from the cache disagrees with a plain model.generate()"
     return mode, rollback, None
+
+
+def probe_length(model: torch.nn.Module) -> int:
+    """Tokens the probe feeds: past every window or top-k the model attends through (up to 64), so that
+    behaviour which only shows beyond them is probed too."""
+    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
+    widths = [getattr(config, k, None) for k in _WINDOW_FIELDS]
+    widest = max([w for w in widths if isinstance(w, int) and not isinstance(w, bool)], default=0)
+    return min(max(16, 2 * widest + 8), 64)
+
+
+def _continues(engine: Engine, heads: list[State], ids: torch.Tensor, whole: State) -> bool:
+    """Every head state, fed the rest of ``ids``, ends with the whole forward's logits."""
+    return all(_close(_feed(engine, head, ids[:, head.tokens_seen:]).last_logits, whole.last_logits)
+               for head in heads)
 
 
 def _causal(engine: Engine, whole: State, ids: torch.Tensor) -> bool:
@@ -130,24 +148,34 @@ def _causal(engine: Engine, whole: State, ids: torch.Tensor) -> bool:
     attention effects are, a bidirectional model changes them)."""
     changed = ids.clone()
     changed[0, -1] = ids[0, 0] if ids[0, 0] != ids[0, -1] else ids[0, 1]
-    return _same_kv(whole, _feed(engine, _empty(engine), changed), len(ids[0]) - 1)
+    # within the tolerance, not bitwise: mixture-of-experts layers batch tokens per expert, so an earlier
+    # token's result moves in the last bits when a later token is routed elsewhere
+    return _same_kv(whole, _feed(engine, _empty(engine), changed), len(ids[0]) - 1, exact=False)
 
 
-def _same_kv(a: State, b: State, slots: int) -> bool:
-    """The first ``slots`` K/V slots of every attention layer are bitwise equal in both states."""
+def _same_kv(a: State, b: State, slots: int, exact: bool = True) -> bool:
+    """The K/V slots holding positions below ``slots`` agree in both states (bitwise if ``exact``); a
+    sliding layer holds only its window, so slots are chosen by their logical position, not their index."""
     for x, y in zip(a.layers, b.layers, strict=True):
         tx, ty = x.tensors(), y.tensors()
-        if "keys" in tx and not (torch.equal(tx["keys"][:, :, :slots], ty["keys"][:, :, :slots])
-                                 and torch.equal(tx["values"][:, :, :slots], ty["values"][:, :, :slots])):
-            return False
+        for name in ("keys", "values"):
+            if name not in tx:
+                continue
+            if "positions" not in tx or not torch.equal(tx["positions"], ty["positions"]):
+                return False
+            keep = tx["positions"][0] < slots
+            p, q = tx[name][:, :, keep], ty[name][:, :, keep]
+            if not (torch.equal(p, q) if exact else _close(p, q)):
+                return False
     return True
 
 
 def _rolls_back(engine: Engine, whole: State, ids: torch.Tensor) -> bool:
-    """Cropping to 8 tokens and feeding the last 4 again gives the whole forward's logits."""
-    if whole.rollback_limit(8):
+    """Cropping the last 4 tokens and feeding them again gives the whole forward's logits."""
+    back = ids.shape[1] - 4
+    if whole.rollback_limit(back):
         return True  # layers that cannot crop roll back through checkpoints, which restore exact states
-    return _close(_feed(engine, whole.truncated(8), ids[:, 8:]).last_logits, whole.last_logits)
+    return _close(_feed(engine, whole.truncated(back), ids[:, back:]).last_logits, whole.last_logits)
 
 
 def _generates_alike(model: torch.nn.Module, engine: Engine, head: State, ids: torch.Tensor) -> bool:
@@ -183,8 +211,16 @@ def _empty(engine: Engine) -> State:
     return engine.empty(1, sliding_reserve=16, fingerprint=None)
 
 
+def vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the input embedding; the config's vocab size where the embedding is not one table
+    (MusicGen keeps one per codebook)."""
+    embeddings = model.get_input_embeddings()  # type: ignore[operator]
+    rows = getattr(embeddings, "num_embeddings", None)
+    return int(rows if isinstance(rows, int) else model.config.get_text_config().vocab_size)  # type: ignore[union-attr,operator]
+
+
 def _random_ids(model: torch.nn.Module, n: int) -> torch.Tensor:
-    vocab = int(model.get_input_embeddings().num_embeddings)  # type: ignore[operator]
+    vocab = vocab_size(model)
     low = min(16, vocab // 2)  # clear of the special ids most vocabularies start with
     gen = torch.Generator().manual_seed(1234)
     device = next(model.parameters()).device

@@ -41,7 +41,7 @@ from .inputs import as_ids, check_batch, check_model, check_positions, full_mask
 from .options import resolve
 from .protocols import PrefixCache, PrefixQuery
 from .resume import ResumePlan
-from .selfcheck import adapter_for
+from .selfcheck import adapter_for, vocab_size
 from .state import State
 
 IdsLike = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
@@ -274,8 +274,7 @@ class Session:
         return FeedSettings(self.chunk_size, self.checkpoint_every, self.max_checkpoints)
 
     def _ids(self, input_ids: IdsLike) -> torch.Tensor:
-        vocab = self.model.get_input_embeddings().num_embeddings  # type: ignore[operator]
-        return as_ids(input_ids, self.device, int(vocab))
+        return as_ids(input_ids, self.device, vocab_size(self.model))
 
     def _plan(self, state: State, ids: torch.Tensor, mask: torch.Tensor, spans: Any,
               query: PrefixQuery | None) -> tuple[ResumePlan, State]:

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..layers import AttentionLayerState, HybridLayerState, LayerState, RecurrentLayerState
+from ..layers import (
+    AttentionLayerState,
+    HybridLayerState,
+    IndexedLayerState,
+    LayerState,
+    RecurrentLayerState,
+    StatelessLayerState,
+)
 
 
 @dataclass(frozen=True)
@@ -62,12 +69,17 @@ class Adapter:
         """One empty per-layer state per decoder layer, kinds taken from the config."""
         layers: list[LayerState] = []
         for kind, window in _compat.layer_specs(self.text_config(model)):
+            attention = AttentionLayerState.empty(window, sliding_reserve if window else 0)
             if kind == "recurrent":
                 layers.append(RecurrentLayerState({}, {}, 0))
             elif kind == "hybrid":
-                layers.append(HybridLayerState(AttentionLayerState.empty(), RecurrentLayerState({}, {}, 0)))
+                layers.append(HybridLayerState(attention, RecurrentLayerState({}, {}, 0)))
+            elif kind == "indexed_attention":
+                layers.append(IndexedLayerState(attention, None))
+            elif kind == "stateless":
+                layers.append(StatelessLayerState(0))
             else:
-                layers.append(AttentionLayerState.empty(window, sliding_reserve if window else 0))
+                layers.append(attention)
         return tuple(layers)
 
     def kv_shapes(self, model: torch.nn.Module) -> list[tuple[int, int, int] | None]:
@@ -75,8 +87,8 @@ class Adapter:
         config = self.text_config(model)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return [None if kind == "recurrent" else (int(heads), int(head_dim), int(head_dim))
-                for kind, _ in _compat.layer_specs(config)]
+        return [(int(heads), int(head_dim), int(head_dim)) if kind in ("full_attention", "sliding_attention", "hybrid")
+                else None for kind, _ in _compat.layer_specs(config)]
 
     # ----- positions and inputs ------------------------------------------------------
     def chunk_positions(self, model: torch.nn.Module, next_position: torch.Tensor, ids: torch.Tensor,

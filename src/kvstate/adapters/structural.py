@@ -39,8 +39,8 @@ def structural_caps(model: torch.nn.Module) -> Capabilities:
     """What the model's signature and cache layout allow, before any self-check.
 
     Raises ``UnsupportedModelError`` for models kvstate cannot hold exactly whatever the
-    check would find: no transformers cache in ``forward``, an encoder-decoder, or a
-    cache-layer class kvstate does not know.
+    check would find: no transformers cache in ``forward``, an encoder-decoder, a
+    cache-layer class kvstate does not know, or dynamic sparse (top-k) attention.
     """
     config = model.config  # type: ignore[union-attr]
     model_type = str(getattr(config, "model_type", type(model).__name__))
@@ -54,6 +54,13 @@ def structural_caps(model: torch.nn.Module) -> Capabilities:
                                     found="config.is_encoder_decoder = True",
                                     fix="kvstate holds decoder state only; use the model's ForCausalLM decoder")
     kinds = [kind for kind, _ in _compat.layer_specs(config.get_text_config(decoder=True))]
+    if "indexed_attention" in kinds:
+        raise UnsupportedModelError(
+            f"{model_type} uses dynamic sparse attention", expected="attention over every stored slot",
+            found="indexed_attention layers: an indexer picks the top-k keys per query",
+            fix="a last-bit difference between a chunked and a whole prefill can change which keys the top-k "
+            "reads, so a resumed state cannot promise the fresh run's tokens; register an Adapter for this "
+            "model_type only if that is acceptable (kvstate holds its indexer keys exactly)")
     return Capabilities(name=f"structural:{model_type}", position_ids="position_ids" in params,
                         padding=not any(k in ("recurrent", "hybrid") for k in kinds),
                         logits_to_keep="logits_to_keep" in params,

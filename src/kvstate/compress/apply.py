@@ -32,6 +32,9 @@ def compress_state(observer: AttentionObserver, model: Any, state: State, policy
     if not bool(state.mask.all()):
         raise UnsupportedError("compressing padded batches is not supported", found="padding in state.mask",
                                fix="compress one row per Session")
+    if any(layer.kind == "indexed_attention" for layer in state.layers):
+        raise UnsupportedError("compressing dynamic sparse attention (indexed) layers is not supported",
+                               found="indexed_attention layers", fix="use the state uncompressed")
     n = len(state.layers)
     if all(policy.ratio_for(i, n) == 0 for i in range(n)):
         return state  # ratio 0: the identity, bitwise, without re-running anything
