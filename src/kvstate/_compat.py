@@ -8,6 +8,7 @@ and ``_prefill``. Nothing else in kvstate imports ``transformers`` internals.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,9 +49,68 @@ def layer_specs(config: object) -> list[tuple[str, int | None]]:
                 f"layer {i} uses transformers cache layer {type(layer).__name__}",
                 expected=" / ".join(c.__name__ for c in _KIND_OF), found=type(layer).__name__,
                 fix="use a model family kvstate supports (`kvstate verify --list`)")
-        window = int(layer.sliding_window) if isinstance(layer, DynamicSlidingWindowLayer) else None
+        specs.append((kind, _window(layer)))
+    return specs
+
+
+def observe_layout(model: Any, ids: torch.Tensor) -> list[tuple[str, int | None]]:
+    """``(kind, window)`` per cache layer as one forward of ``ids`` ``[1, Q]`` actually used them.
+
+    Differs from ``layer_specs`` for two kinds of models: looped ones append a cache layer per
+    extra pass of their shared layers (dory, inkling2_loop), and some leave a layer empty on the
+    text-only path (mllama's cross-attention layers), which holds no state there ("stateless").
+    """
+    config = model.config.get_text_config(decoder=True)
+    declared = layer_specs(config)
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{CACHE_KWARG: cache})
+    specs: list[tuple[str, int | None]] = []
+    for i, hf_layer in enumerate(cache.layers):
+        kind, window = declared[i] if i < len(declared) else _appended(hf_layer)
+        if kind in ("full_attention", "sliding_attention") and not _holds_keys(hf_layer):
+            kind, window = "stateless", None
         specs.append((kind, window))
     return specs
+
+
+def _appended(hf_layer: Any) -> tuple[str, int | None]:
+    """``(kind, window)`` of a cache layer the model appended beyond the config's."""
+    kind = _KIND_OF.get(type(hf_layer))
+    if kind is None:
+        raise UnsupportedError(f"the model appended a cache layer of class {type(hf_layer).__name__}",
+                               expected=" / ".join(c.__name__ for c in _KIND_OF), found=type(hf_layer).__name__,
+                               fix="use a model family kvstate supports (`kvstate verify --list`)")
+    return kind, _window(hf_layer)
+
+
+def _window(hf_layer: Any) -> int | None:
+    return int(hf_layer.sliding_window) if isinstance(hf_layer, DynamicSlidingWindowLayer) else None
+
+
+def _holds_keys(hf_layer: Any) -> bool:
+    keys = getattr(hf_layer, "keys", None)
+    return bool(getattr(hf_layer, "is_initialized", False)) and keys is not None and keys.numel() > 0
+
+
+def _extra_layers(declared: list[Any], layers: tuple[LayerState, ...]) -> list[Any]:
+    """Cache layers for the state layers past the config's count (a looped model's extra passes):
+    an empty copy of the first declared layer of the same kind and window, as the model makes them."""
+    def spec(layer: LayerState) -> tuple[str, int | None]:
+        attention = layer.attention if isinstance(layer, (HybridLayerState, IndexedLayerState)) else layer
+        return layer.kind, attention.window if isinstance(attention, AttentionLayerState) else None
+
+    out = []
+    for layer in layers[len(declared):]:
+        if isinstance(layer, StatelessLayerState):
+            out.append(DynamicLayer())
+            continue
+        template = next((t for t in declared if (_KIND_OF.get(type(t)), _window(t)) == spec(layer)), None)
+        if template is None:
+            raise KVStateError("the state has a layer the model's config cannot make", expected="a declared kind",
+                               found=spec(layer), fix="load this state into the model it was made with")
+        out.append(copy.deepcopy(template))
+    return out
 
 
 _KIND_OF: dict[type, str] = {
@@ -73,6 +133,7 @@ def build_cache(layers: tuple[LayerState, ...], config: object) -> DynamicCache:
     ``read_cache`` trims them back to the window plus reserve.
     """
     cache = DynamicCache(config=config)  # type: ignore[arg-type]
+    cache.layers += _extra_layers(cache.layers, layers)  # a looped model's extra passes
     for hf_layer, layer in zip(cache.layers, layers, strict=True):
         if isinstance(layer, HybridLayerState):
             _fill_attention(hf_layer, layer.attention)
@@ -124,8 +185,8 @@ def read_cache(cache: DynamicCache, layers: tuple[LayerState, ...], new_position
     """
     if len(cache.layers) != len(layers):
         raise KVStateError("the model changed its cache's layer count during a forward",
-                           expected=f"{len(layers)} layers, as its config declares", found=len(cache.layers),
-                           fix="a looped or dynamic-depth model: kvstate cannot hold its state exactly")
+                           expected=f"{len(layers)} layers, as the state holds", found=len(cache.layers),
+                           fix="a dynamic-depth model: kvstate cannot hold its state exactly")
     out: list[LayerState] = []
     for i, (hf_layer, layer) in enumerate(zip(cache.layers, layers, strict=True)):
         if isinstance(layer, HybridLayerState):
@@ -136,6 +197,11 @@ def read_cache(cache: DynamicCache, layers: tuple[LayerState, ...], new_position
         elif isinstance(layer, IndexedLayerState):
             out.append(_read_indexed(i, hf_layer, layer, new_positions))
         elif isinstance(layer, StatelessLayerState):
+            if _holds_keys(hf_layer):  # a layer empty on the probe's path filled up: its state would be lost
+                raise KVStateError(f"layer {i} stored keys, but held none when kvstate examined this model",
+                                   expected="an empty layer", found=tuple(hf_layer.keys.shape),
+                                   fix="this model fills layers depending on its inputs; report it with "
+                                   "`kvstate verify --model ...`")
             out.append(StatelessLayerState(tokens_seen))
         else:
             out.append(_read_attention(i, hf_layer, layer, new_positions))  # type: ignore[arg-type]

@@ -44,7 +44,7 @@ from .engine import Engine, FeedSettings
 from .errors import UnsupportedError, UnsupportedModelError
 from .state import State
 
-PROBE_VERSION = 2  # bump when the probe changes, so cached verdicts are redone
+PROBE_VERSION = 3  # bump when the probe changes, so cached verdicts are redone
 # config fields bounding how far back a token attends (windows, sparse top-k): the probe goes past them
 _WINDOW_FIELDS = ("sliding_window", "attention_window_size", "keep_window_size", "index_topk", "window_size",
                   "local_window_size", "attention_chunk_size")
@@ -66,23 +66,40 @@ def adapter_for(model: torch.nn.Module) -> Adapter:
     adapter = registered(model)
     if adapter is not None:
         return adapter
-    try:
-        base = StructuralAdapter(structural_caps(model), kv_shapes=[])
-    except UnsupportedError as exc:
-        raise UnsupportedModelError(str(exc).split("; ")[0], found=exc.found, fix=exc.fix) from exc
+    base = structural_adapter(model)
     verdict = cached_verdict(model, base)
     if verdict.mode == "refused":
-        model_type = getattr(model.config, "model_type", type(model).__name__)  # type: ignore[union-attr]
-        raise UnsupportedModelError(f"{model_type} failed kvstate's self-check", expected="an exact continuation",
-                                    found=verdict.reason, fix="kvstate cannot hold this model's state exactly; "
-                                    "`kvstate verify` shows the details")
+        raise _refusal(model, verdict.reason)
     adapter = base.with_mode(stepwise=verdict.mode == "stepwise", rollback=verdict.rollback)
-    return StructuralAdapter(adapter.caps, kv_shapes(model, adapter))
+    return adapter.with_kv_shapes(kv_shapes(model, adapter))
+
+
+def structural_adapter(model: torch.nn.Module) -> StructuralAdapter:
+    """The structural adapter before the self-check: capabilities from the signature and config, the
+    cache layout from one short forward (``_compat.observe_layout``)."""
+    try:
+        caps = structural_caps(model)
+    except UnsupportedError as exc:
+        raise UnsupportedModelError(str(exc).split("; ")[0], found=exc.found, fix=exc.fix) from exc
+    try:
+        specs = _compat.observe_layout(model, _random_ids(model, 4))
+    except UnsupportedError as exc:
+        raise UnsupportedModelError(str(exc).split("; ")[0], found=exc.found, fix=exc.fix) from exc
+    except Exception as exc:  # the model cannot run on a plain transformers cache
+        raise _refusal(model, f"the probe failed: {type(exc).__name__}: {str(exc)[:200]}") from exc
+    return StructuralAdapter(caps, specs)
+
+
+def _refusal(model: torch.nn.Module, reason: str | None) -> UnsupportedModelError:
+    model_type = getattr(model.config, "model_type", type(model).__name__)  # type: ignore[union-attr]
+    return UnsupportedModelError(f"{model_type} failed kvstate's self-check", expected="an exact continuation",
+                                 found=reason, fix="kvstate cannot hold this model's state exactly; "
+                                 "`kvstate verify` shows the details")
 
 
 def cached_verdict(model: torch.nn.Module, adapter: StructuralAdapter) -> Verdict:
     """The verdict for this architecture, from the cache or from a fresh probe."""
-    path = _cache_path(model)
+    path = _cache_path(model, adapter)
     if path is not None and path.is_file():
         try:
             return Verdict(**json.loads(path.read_text()))
@@ -235,7 +252,7 @@ def _close(actual: torch.Tensor | None, reference: torch.Tensor | None) -> bool:
     return bool(torch.isfinite(a).all()) and float((a - b).abs().max()) <= ulps * float(b.abs().max())
 
 
-def _cache_path(model: torch.nn.Module) -> Path | None:
+def _cache_path(model: torch.nn.Module, adapter: StructuralAdapter) -> Path | None:
     setting = os.environ.get("KVSTATE_SELFCHECK_CACHE")
     if setting == "off":
         return None
@@ -247,8 +264,7 @@ def _cache_path(model: torch.nn.Module) -> Path | None:
         folder = Path(platformdirs.user_cache_dir("kvstate")) / "selfcheck"
     import transformers
 
-    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
-    layout = [kind for kind, _ in _compat.layer_specs(config)]
+    layout = [kind for kind, _ in adapter.layer_specs(model)]
     key = json.dumps([PROBE_VERSION, transformers.__version__, getattr(model.config, "model_type", ""),  # type: ignore[union-attr]
                       type(model).__name__, layout, str(next(model.parameters()).dtype)])
     return folder / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"

@@ -65,10 +65,14 @@ class Adapter:
     def text_config(self, model: torch.nn.Module) -> Any:
         return model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
 
+    def layer_specs(self, model: torch.nn.Module) -> list[tuple[str, int | None]]:
+        """``(kind, window)`` per cache layer, as the config declares them."""
+        return _compat.layer_specs(self.text_config(model))
+
     def empty_layers(self, model: torch.nn.Module, sliding_reserve: int) -> tuple[LayerState, ...]:
-        """One empty per-layer state per decoder layer, kinds taken from the config."""
+        """One empty per-layer state per cache layer (``layer_specs``)."""
         layers: list[LayerState] = []
-        for kind, window in _compat.layer_specs(self.text_config(model)):
+        for kind, window in self.layer_specs(model):
             attention = AttentionLayerState.empty(window, sliding_reserve if window else 0)
             if kind == "recurrent":
                 layers.append(RecurrentLayerState({}, {}, 0))
@@ -88,7 +92,7 @@ class Adapter:
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return [(int(heads), int(head_dim), int(head_dim)) if kind in ("full_attention", "sliding_attention", "hybrid")
-                else None for kind, _ in _compat.layer_specs(config)]
+                else None for kind, _ in self.layer_specs(model)]
 
     # ----- positions and inputs ------------------------------------------------------
     def chunk_positions(self, model: torch.nn.Module, next_position: torch.Tensor, ids: torch.Tensor,

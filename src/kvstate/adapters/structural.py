@@ -22,17 +22,31 @@ from .base import Adapter, Capabilities
 
 
 class StructuralAdapter(Adapter):
-    """An adapter derived from a model's structure; ``kv_shapes`` come from a forward it ran."""
+    """An adapter derived from a model's structure: ``specs`` (kind and window per cache layer)
+    and ``kv_shapes`` come from forwards it ran (``_compat.observe_layout``, ``selfcheck.kv_shapes``)."""
 
-    def __init__(self, caps: Capabilities, kv_shapes: list[tuple[int, int, int] | None]) -> None:
+    def __init__(self, caps: Capabilities, specs: list[tuple[str, int | None]],
+                 kv_shapes: list[tuple[int, int, int] | None] | None = None) -> None:
         self.caps = caps
-        self._kv_shapes = list(kv_shapes)
+        self._specs = list(specs)
+        self._kv_shapes = None if kv_shapes is None else list(kv_shapes)
+
+    def layer_specs(self, model: torch.nn.Module) -> list[tuple[str, int | None]]:
+        return list(self._specs)
 
     def kv_shapes(self, model: torch.nn.Module) -> list[tuple[int, int, int] | None]:
+        if self._kv_shapes is None:
+            raise UnsupportedModelError("the structural adapter's K/V shapes are not measured yet",
+                                        expected="an adapter from kvstate.selfcheck.adapter_for", found="none",
+                                        fix="use kvstate.selfcheck.adapter_for(model)")
         return list(self._kv_shapes)
 
     def with_mode(self, *, stepwise: bool, rollback: bool) -> StructuralAdapter:
-        return StructuralAdapter(replace(self.caps, stepwise=stepwise, rollback=rollback), self._kv_shapes)
+        return StructuralAdapter(replace(self.caps, stepwise=stepwise, rollback=rollback), self._specs,
+                                 self._kv_shapes)
+
+    def with_kv_shapes(self, kv_shapes: list[tuple[int, int, int] | None]) -> StructuralAdapter:
+        return StructuralAdapter(self.caps, self._specs, kv_shapes)
 
 
 def structural_caps(model: torch.nn.Module) -> Capabilities:
