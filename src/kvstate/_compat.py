@@ -305,6 +305,51 @@ def rope_inv_freq(model: Any) -> torch.Tensor:
     return rotary.inv_freq
 
 
+def minimax_cache(layers: tuple[LayerState, ...], config: object) -> Any:
+    """MiniMax's own ``MiniMaxCache``: softmax layers in ``layers``, lightning-attention states
+    ``[B, H, D, D]`` in ``linear_cache`` (None: start from zeros). Empty ``LinearAttentionLayer``
+    placeholders stand where the linear layers are, so the cache's length comes from a softmax
+    layer; MiniMax's lazily made ``DynamicLayer`` there would report 0 past tokens and size the
+    mask of a multi-token continuation wrongly."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    cache = MiniMaxCache()
+    cache.layers = build_cache(tuple(RecurrentLayerState({}, {}, 0) if isinstance(layer, RecurrentLayerState)
+                                     else layer for layer in layers), config).layers
+    # the model replaces these tensors after each forward, never writes into them
+    cache.linear_cache = [layer.recurrent.get(0) if isinstance(layer, RecurrentLayerState) else []
+                          for layer in layers]
+    return cache
+
+
+def read_minimax(cache: Any, layers: tuple[LayerState, ...], new_positions: torch.Tensor,
+                 tokens_seen: int) -> tuple[LayerState, ...]:
+    """The state after a forward on a ``minimax_cache``."""
+    linear = [isinstance(layer, RecurrentLayerState) for layer in layers]
+    attention = read_cache(cache, tuple(StatelessLayerState(layer.tokens_seen) if is_linear else layer
+                                        for layer, is_linear in zip(layers, linear, strict=True)),
+                           new_positions, tokens_seen)
+    return tuple(RecurrentLayerState({}, {0: cache.linear_cache[i]}, tokens_seen) if is_linear else new
+                 for i, (new, is_linear) in enumerate(zip(attention, linear, strict=True)))
+
+
+def xlstm_cache(layers: tuple[LayerState, ...], config: Any, batch_size: int, like: torch.Tensor) -> Any:
+    """xLSTM's own ``xLSTMCache``: per block the mLSTM ``(C [B, H, Dqk, Dv], N [B, H, Dqk], M [B, H, 1])``,
+    cloned because the model copies into them. Its dtype is the model's (the class defaults to bf16)."""
+    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
+
+    cache = xLSTMCache(config, batch_size, dtype=like.dtype, device=like.device)
+    for i, layer in enumerate(layers):
+        if isinstance(layer, RecurrentLayerState) and layer.recurrent:
+            cache.rnn_state[i] = tuple(layer.recurrent[j].clone() for j in range(len(layer.recurrent)))
+    cache.seqlen_offset = torch.tensor([layers[0].tokens_seen], device=like.device)
+    return cache
+
+
+def read_xlstm(cache: Any, tokens_seen: int) -> tuple[LayerState, ...]:
+    """The state after a forward on an ``xlstm_cache``."""
+    return tuple(RecurrentLayerState({}, dict(enumerate(cache.rnn_state[i])), tokens_seen)
+                 for i in range(len(cache.rnn_state)))
 
 
 def empty_cache(config: object) -> DynamicCache:

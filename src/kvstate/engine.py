@@ -177,7 +177,7 @@ class Engine:
                                found=f"state of {start.tokens_seen} tokens without last_logits")
         positions = start.positions if feed is None else torch.cat([start.positions, feed.positions], dim=1)
         call: dict[str, Any] = {"input_ids": history, "attention_mask": mask.long(),
-                                _compat.CACHE_KWARG: _compat.empty_cache(self.adapter.text_config(self.model))}
+                                _compat.CACHE_KWARG: self.adapter.empty_cache(self.model, history.shape[0])}
         if self.adapter.caps.position_ids:
             call["position_ids"] = self.adapter.model_positions(positions)
         with self.lock, torch.no_grad(), ExitStack() as hooks:

@@ -143,6 +143,10 @@ class Adapter:
                    positions: torch.Tensor, tokens_seen: int) -> tuple[LayerState, ...]:
         return _compat.read_cache(cache, layers, positions, tokens_seen)
 
+    def empty_cache(self, model: torch.nn.Module, batch_size: int) -> Any:
+        """The cache ``generate`` is called with; the replaced prefill hands it the real one."""
+        return _compat.empty_cache(self.text_config(model))
+
     def capture_extras(self, model: torch.nn.Module, next_position: torch.Tensor,
                        tokens_seen: int) -> dict[str, torch.Tensor]:
         """Model-side values to store in the state after a forward."""

@@ -50,8 +50,14 @@ CONFIGS.update({
     "recurrent_gemma": dict(_SPECIAL, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                             num_attention_heads=4, num_key_value_heads=1, lru_width=32, attention_window_size=8,
                             conv1d_width=4, block_types=["recurrent", "recurrent", "attention"]),
+    # a linear layer first: MiniMax's own cache then miscounts the past unless kvstate builds it (_compat)
+    "minimax": dict(_SPECIAL, **_ATTN, hidden_size=32, intermediate_size=64, num_hidden_layers=3, head_dim=8,
+                    num_local_experts=2, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                    block_size=8),
+    "xlstm": dict(_SPECIAL, hidden_size=128, embedding_dim=128, num_hidden_layers=2, num_blocks=2, num_heads=4,
+                  chunk_size=8),
 })
-RECURRENT = ("mamba", "mamba2", "lfm2", "qwen3_next", "jamba", "falcon_h1", "recurrent_gemma")
+RECURRENT = ("mamba", "mamba2", "lfm2", "qwen3_next", "jamba", "falcon_h1", "recurrent_gemma", "minimax", "xlstm")
 
 # Qwen-VL: a depth-1 vision tower on 2x2 patches, merged 2x2, so an image of HxW patches is H*W/4 tokens.
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 190, 191, 192, 193
@@ -77,7 +83,7 @@ CONFIGS.update({
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _STANDARD = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text")
 SLIDING = ("gemma2", "gemma3_text")
-_EAGER_ONLY = ("gemma2", "mamba", "mamba2")  # transformers has no sdpa path for these
+_EAGER_ONLY = ("gemma2", "mamba", "mamba2", "xlstm")  # transformers has no sdpa path for these
 
 
 def tiny_config(model_type: str) -> Any:

@@ -1,0 +1,75 @@
+"""The CI subset of the coverage sweep (issue 12; the full sweep is ``scripts/coverage.py``).
+
+One type per cache-layer class, head layout (MHA, GQA, MQA, MLA, per-layer shapes), sliding
+window, hybrid, recurrent and looped pattern, each built tiny by the shrinker and proved by
+``verify(quick=True)`` against plain transformers; and one per reason kvstate refuses a model,
+checked for the typed refusal and its reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstate.errors import UnsupportedModelError
+from kvstate.selfcheck import adapter_for
+from kvstate.testing.shrink import tiny_causal_lm
+from kvstate.verify import verify
+
+# type: (what it stands for, whether it continues one token per forward)
+ACCEPTED = {
+    "gpt2": ("MHA, DynamicLayer", False),
+    "smollm3": ("GQA", False),
+    "falcon": ("MQA", False),
+    "gpt_bigcode": ("MQA, fused KV", False),
+    "deepseek_v3": ("MLA: K and V of different widths", False),
+    "minicpm3": ("MLA", False),
+    "gemma4_text": ("per-layer head shapes, DynamicSlidingWindowLayer", False),
+    "gemma3n_text": ("DummyLayer (KV sharing), per-layer", False),
+    "starcoder2": ("sliding window", False),
+    "cohere2": ("sliding + full layers", False),
+    "gpt_oss": ("sliding, attention sinks, MoE", False),
+    "mixtral": ("MoE", False),
+    "olmoe": ("MoE", False),
+    "phi3": ("fused QKV", False),
+    "gemma3": ("multimodal wrapper, text path", False),
+    "zamba2": ("LinearAttentionAndFullAttentionLayer (hybrid)", False),
+    "inkling_text": ("LinearAttentionAndSlidingWindowAttentionLayer", False),
+    "bamba": ("LinearAttentionLayer + DynamicLayer (mamba2 hybrid)", False),
+    "nemotron_h": ("DummyLayer + LinearAttentionLayer", False),
+    "qwen3_5_text": ("gated delta net + attention", False),
+    "falcon_mamba": ("recurrent, structural: one token per forward", True),
+    "dory": ("looped: extra cache layers per pass", False),
+    "mllama": ("cross-attention layers empty on the text path", False),
+    "bert-generation": ("encoder family as a causal decoder", False),
+    "whisper": ("decoder of an encoder-decoder", False),
+    "musicgen": ("one embedding per codebook", False),
+    "minimax": ("MiniMaxCache (registered)", False),
+    "xlstm": ("xLSTMCache (registered)", False),
+}
+
+# type: a phrase the refusal must contain
+REFUSED = {
+    "deepseek_v32": "dynamic sparse attention",  # DynamicIndexedLayer
+    "rwkv": "does not take a transformers cache",
+    "deepseek_v4": "DeepseekV4HCACache",
+    "cpmant": "failed kvstate's self-check",  # bidirectional prompt tokens
+    "doge": "does not reproduce a whole forward",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(ACCEPTED))
+def test_accepted_type_passes_verify(model_type):
+    model = tiny_causal_lm(model_type)
+    assert adapter_for(model).caps.stepwise == ACCEPTED[model_type][1]
+    ids = torch.randint(20, 120, (1, 20), generator=torch.Generator().manual_seed(0))
+    report = verify(model, ids, new_tokens=4, fresh=lambda: tiny_causal_lm(model_type), quick=True)
+    assert report.ok, report.table()
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_refused_type_names_its_reason(model_type):
+    model = tiny_causal_lm(model_type)
+    with pytest.raises(UnsupportedModelError, match=REFUSED[model_type]):
+        adapter_for(model)
+
