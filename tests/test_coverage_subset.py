@@ -43,18 +43,19 @@ ACCEPTED = {
     "mllama": ("cross-attention layers empty on the text path", False),
     "bert-generation": ("encoder family as a causal decoder", False),
     "whisper": ("decoder of an encoder-decoder", False),
-    "musicgen": ("one embedding per codebook", False),
     "minimax": ("MiniMaxCache (registered)", False),
     "xlstm": ("xLSTMCache (registered)", False),
+    "rwkv": ("a `state` list instead of a transformers cache (registered)", False),
 }
 
 # type: a phrase the refusal must contain
 REFUSED = {
     "deepseek_v32": "dynamic sparse attention",  # DynamicIndexedLayer
-    "rwkv": "does not take a transformers cache",
+    "openai-gpt": "does not take a transformers cache",
     "deepseek_v4": "DeepseekV4HCACache",
     "cpmant": "failed kvstate's self-check",  # bidirectional prompt tokens
     "doge": "does not reproduce a whole forward",
+    "musicgen": "has its own generate()",  # its delay pattern rewrites the prompt
 }
 
 

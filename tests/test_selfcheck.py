@@ -124,3 +124,64 @@ def test_the_verdict_is_cached_per_architecture(tmp_path, monkeypatch):
     with count_forwards(model) as uncached:
         adapter_for(model)
     assert uncached[0] > 5
+
+
+def one_token_continuations_model():
+    """A llama that, like prophetnet, refuses a multi-token chunk on a filled cache."""
+    config = AutoConfig.for_model("llama", **SMALL, num_key_value_heads=2, head_dim=16)
+    config.model_type = "one_token_llama"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+
+    def refuse_chunks(module, args, kwargs):
+        cache, ids = kwargs.get("cache"), kwargs.get("input_ids")
+        if cache is not None and cache.get_seq_length() > 0 and ids is not None and ids.shape[1] > 1:
+            raise AssertionError("use_cache is only supported for input_ids of length 1")
+        return args, kwargs
+
+    model.register_forward_pre_hook(refuse_chunks, with_kwargs=True)
+    return model
+
+
+def test_a_model_that_crashes_on_chunks_continues_one_token_per_forward(monkeypatch):
+    monkeypatch.setenv("KVSTATE_SELFCHECK_CACHE", "off")
+    model = one_token_continuations_model()
+    assert adapter_for(model).caps.stepwise
+    ids = prompt(20)
+    s = Session(model)
+    s.extend(ids[:, :8])
+    s.extend(ids[:, 8:])  # one token per forward: no crash
+    assert torch.equal(s.generate(ids, max_new_tokens=4, do_sample=False), plain(model, ids, 4))
+
+
+def test_a_model_without_position_ids_refuses_padded_batches():
+    from kvstate.errors import KVStateError
+    from kvstate.testing.shrink import tiny_causal_lm
+
+    model = tiny_causal_lm("whisper")  # its decoder counts positions from the cache length
+    caps = adapter_for(model).caps
+    assert not caps.position_ids and not caps.padding
+    ids = torch.cat([prompt(6), prompt(6, seed=2)])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :2] = False
+    with pytest.raises(KVStateError, match="padd"):
+        Session(model).extend(ids, mask)
+
+
+def test_rwkv_rescales_its_weights_before_the_fingerprint(tmp_path):
+    """RWKV divides block weights on its first inference forward; kvstate does it when it meets the
+    model, so a state made before and after that forward has one fingerprint."""
+    from tiny import tiny_model
+
+    model = tiny_model("rwkv")
+    before = model.rwkv.blocks[2].attention.output.weight.clone()
+    s = Session(model)
+    assert torch.equal(model.rwkv.blocks[2].attention.output.weight, before / 2)  # rescale_every=2
+    ids = prompt(16)
+    s.extend(ids[:, :10])
+    s.extend(ids[:, 10:])  # the same weights: no fingerprint error
+    s.save(tmp_path / "r.kvs")
+    fresh = tiny_model("rwkv")  # not rescaled yet
+    longer = torch.cat([ids, prompt(3, seed=7)], 1)
+    got = Session.load(tmp_path / "r.kvs", fresh).generate(longer, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, plain(fresh, longer, 4))

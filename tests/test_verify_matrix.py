@@ -17,7 +17,10 @@ from kvstate.verify import verify
 from tiny import prompt, tiny_model
 
 SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "verify.schema.json").read_text())
-PURE_RECURRENT = ("mamba", "mamba2")  # no attention: generate never slices, so no mask contract to break
+PURE_RECURRENT = ("mamba", "mamba2", "rwkv")  # no attention: generate never slices, so no mask contract to break
+# transformers 5.24's generate() cannot take these cache classes at all, so every plain resume
+# crashes; kvstate feeds them through forward and must still pass every row of its own
+PLAIN_GENERATE_REFUSES_CACHE = {"xlstm": "'xLSTMCache' object has no attribute 'is_compileable'"}
 
 
 def rows_by_name(report):
@@ -29,7 +32,11 @@ def test_every_family_passes_and_plain_rows_show_the_seed(arch):
     report = verify(tiny_model(arch), prompt(24), new_tokens=4, fresh=lambda: tiny_model(arch))
     assert report.ok, report.table()
     rows = rows_by_name(report)
-    assert rows["plain: mask only"].matches  # the cache itself is fine on the same instance
+    if arch in PLAIN_GENERATE_REFUSES_CACHE:
+        assert rows["plain: mask only"].verdict == "crashes"
+        assert PLAIN_GENERATE_REFUSES_CACHE[arch] in rows["plain: mask only"].error
+    else:
+        assert rows["plain: mask only"].matches  # the cache itself is fine on the same instance
     if arch not in PURE_RECURRENT:
         assert rows["plain: neither"].verdict in ("crashes", "drifts")
         assert rows["plain: positions only"].verdict in ("crashes", "drifts")

@@ -352,6 +352,43 @@ def read_xlstm(cache: Any, tokens_seen: int) -> tuple[LayerState, ...]:
                  for i in range(len(cache.rnn_state)))
 
 
+def rwkv_state(layers: tuple[LayerState, ...], batch_size: int, hidden: int, like: torch.Tensor) -> list[torch.Tensor]:
+    """RWKV's ``state``: five ``[B, hidden, L]`` tensors (feed-forward shift, attention shift in the
+    model dtype; numerator, denominator, running max in fp32), filled in place by its forward.
+    Empty layers start as RWKV's own forward starts them (zeros, max -1e30)."""
+    shape = (batch_size, hidden, len(layers))
+    state = [torch.zeros(shape, dtype=like.dtype if i <= 1 else torch.float32, device=like.device) for i in range(5)]
+    state[4] -= 1e30
+    for i, layer in enumerate(layers):
+        if isinstance(layer, RecurrentLayerState) and layer.recurrent:
+            for j, part in enumerate((layer.conv[0], layer.conv[1], *(layer.recurrent[k] for k in range(3)))):
+                state[j][:, :, i] = part
+    return state
+
+
+def read_rwkv(state: list[torch.Tensor], tokens_seen: int) -> tuple[LayerState, ...]:
+    """Per layer ``conv = {0: ffn shift, 1: attention shift}``, ``recurrent = {0: num, 1: den, 2: max}``,
+    each ``[B, hidden]``, after a forward on ``rwkv_state``."""
+    return tuple(RecurrentLayerState({j: state[j][:, :, i].clone() for j in range(2)},
+                                     {k: state[2 + k][:, :, i].clone() for k in range(3)}, tokens_seen)
+                 for i in range(state[0].shape[2]))
+
+
+def rwkv_output(logits: torch.Tensor, state: list[torch.Tensor]) -> Any:
+    """RWKV's output class: its generate carries ``state`` from one step to the next."""
+    from transformers.models.rwkv.modeling_rwkv import RwkvCausalLMOutput
+
+    return RwkvCausalLMOutput(logits=logits, state=state)
+
+
+def rwkv_rescale(model: Any) -> None:
+    """RWKV divides some weights by powers of two on its first inference forward
+    (``config.rescale_every``); doing it now keeps the weights' fingerprint stable."""
+    inner = getattr(model, "rwkv", model)
+    if not inner.training:
+        inner._rescale_layers()
+
+
 def empty_cache(config: object) -> DynamicCache:
     """An empty transformers cache for ``config`` (a placeholder that ``generate`` never reads)."""
     return DynamicCache(config=config)  # type: ignore[arg-type]

@@ -65,6 +65,7 @@ def adapter_for(model: torch.nn.Module) -> Adapter:
     """The registered adapter of the model's family, else the structural one, if the self-check passes."""
     adapter = registered(model)
     if adapter is not None:
+        adapter.prepare(model)
         return adapter
     base = structural_adapter(model)
     verdict = cached_verdict(model, base)
@@ -133,7 +134,7 @@ def _probe(model: torch.nn.Module, adapter: StructuralAdapter) -> tuple[str, boo
                                  "for earlier ones"
     heads = [_feed(chunked, _empty(chunked), ids[:, :k]) for k in (n // 3, 2 * n // 3)]  # two split points
     engine, mode = chunked, "exact"
-    if not _continues(chunked, heads, ids, whole):
+    if not _continues(chunked, heads, ids, whole, crash_is_mismatch=True):
         engine, mode = Engine(model, adapter.with_mode(stepwise=True, rollback=True)), "stepwise"
         if not _continues(engine, heads, ids, whole):
             return "refused", False, ("continuing from the cache does not reproduce a whole forward, in chunks or "
@@ -154,8 +155,16 @@ def probe_length(model: torch.nn.Module) -> int:
     return min(max(16, 2 * widest + 8), 64)
 
 
-def _continues(engine: Engine, heads: list[State], ids: torch.Tensor, whole: State) -> bool:
-    """Every head state, fed the rest of ``ids``, ends with the whole forward's logits."""
+def _continues(engine: Engine, heads: list[State], ids: torch.Tensor, whole: State,
+               crash_is_mismatch: bool = False) -> bool:
+    """Every head state, fed the rest of ``ids``, ends with the whole forward's logits. Some models
+    refuse a multi-token chunk on a filled cache (prophetnet asserts one token): with
+    ``crash_is_mismatch`` that counts as a mismatch, so the probe tries one token per forward."""
+    if crash_is_mismatch:
+        try:
+            return _continues(engine, heads, ids, whole)
+        except Exception:
+            return False
     return all(_close(_feed(engine, head, ids[:, head.tokens_seen:]).last_logits, whole.last_logits)
                for head in heads)
 

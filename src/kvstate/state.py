@@ -154,7 +154,7 @@ class State:
             raise RollbackError(
                 f"cannot roll back from {self.tokens_seen} to {n_tokens} tokens",
                 expected="every layer to retain the slots (or a checkpoint) the shorter prefix needs",
-                found="; ".join(reasons[:3]) + (" ..." if len(reasons) > 3 else ""),
+                found=_summary(reasons),
                 fix="truncate to a checkpointed length, create the Session with a larger "
                 "sliding_reserve, or reset() and re-feed")
         checkpoint = self.checkpoint_at(n_tokens)
@@ -212,3 +212,11 @@ class State:
             "extras": sorted(self.extras),
             "fingerprint": None if self.fingerprint is None else self.fingerprint.to_dict(),
         }
+
+
+def _summary(reasons: list[str]) -> str:
+    """The first three layer reasons, how many more, and the checkpoint list (the clue for the fix)."""
+    layers = [r for r in reasons if r.startswith("layer ")]
+    rest = [r for r in reasons if not r.startswith("layer ")]
+    more = [f"and {len(layers) - 3} more layers"] if len(layers) > 3 else []
+    return "; ".join(layers[:3] + more + rest)

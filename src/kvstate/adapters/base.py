@@ -45,6 +45,7 @@ class Capabilities:
         rollback: cropping attention layers returns the model to an earlier state exactly
             (False when the self-check found state outside the cache: then only
             continuing or re-feeding is allowed).
+        cache_kwarg: the ``forward`` / ``generate`` keyword the cache travels in (RWKV: ``state``).
     """
 
     name: str = "generic-decoder"
@@ -55,6 +56,7 @@ class Capabilities:
     input_keys: tuple[str, ...] = ()
     logits_to_keep: bool = True
     rollback: bool = True
+    cache_kwarg: str = _compat.CACHE_KWARG
 
 
 class Adapter:
@@ -146,6 +148,14 @@ class Adapter:
     def empty_cache(self, model: torch.nn.Module, batch_size: int) -> Any:
         """The cache ``generate`` is called with; the replaced prefill hands it the real one."""
         return _compat.empty_cache(self.text_config(model))
+
+    def lm_output(self, logits: torch.Tensor, cache: Any) -> Any:
+        """The model output ``generate``'s replaced prefill returns: ``logits`` ``[B, 1, V]`` and the cache."""
+        return _compat.lm_output(logits, cache)
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Bring the model to the form its first inference forward would (idempotent), so the weights
+        fingerprinted before any forward are the weights every forward uses."""
 
     def capture_extras(self, model: torch.nn.Module, next_position: torch.Tensor,
                        tokens_seen: int) -> dict[str, torch.Tensor]:

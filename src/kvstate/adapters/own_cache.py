@@ -1,9 +1,10 @@
-"""Families that require their own transformers cache class: MiniMax and xLSTM.
+"""Families that require their own cache: MiniMax, xLSTM and RWKV.
 
-Their forward refuses a ``DynamicCache`` (MiniMax) or reads fields only its class has
-(xLSTM's ``rnn_state``), so the structural adapter cannot hold them; these adapters
-move the same per-layer states through the model's own class (``_compat``). Neither
-state can be cropped, so rollback goes through checkpoints, as for every recurrent layer.
+Their forward refuses a ``DynamicCache`` (MiniMax), reads fields only its class has
+(xLSTM's ``rnn_state``) or takes no transformers cache at all (RWKV's ``state`` list),
+so the structural adapter cannot hold them; these adapters move the same per-layer
+states through the model's own form (``_compat``). No such state can be cropped, so
+rollback goes through checkpoints, as for every recurrent layer.
 """
 
 from __future__ import annotations
@@ -60,3 +61,36 @@ class XLSTMAdapter(RecurrentAdapter):
 
     def empty_cache(self, model: torch.nn.Module, batch_size: int) -> Any:
         return None  # as plain generate starts: its compile check reads attributes xLSTMCache lacks
+
+
+class RWKVAdapter(RecurrentAdapter):
+    """RWKV (v4): per block two token-shift vectors and the WKV numerator, denominator and
+    running max, all ``[B, hidden]``, passed as ``state=`` and updated in place. Its forward
+    takes no positions and ignores the attention mask (no padding)."""
+
+    def __init__(self) -> None:
+        super().__init__(position_ids=False, name="rwkv")
+        self.caps = Capabilities(name="rwkv", position_ids=False, padding=False, cache_kwarg="state")
+
+    def layer_specs(self, model: torch.nn.Module) -> list[tuple[str, int | None]]:
+        return [("recurrent", None)] * int(self.text_config(model).num_hidden_layers)
+
+    def kv_shapes(self, model: torch.nn.Module) -> list[tuple[int, int, int] | None]:
+        return [None] * int(self.text_config(model).num_hidden_layers)
+
+    def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
+        hidden = int(self.text_config(model).hidden_size)
+        return _compat.rwkv_state(layers, batch_size, hidden, model.get_input_embeddings().weight)  # type: ignore[operator]
+
+    def read_cache(self, model: torch.nn.Module, cache: Any, layers: tuple[LayerState, ...],
+                   positions: torch.Tensor, tokens_seen: int) -> tuple[LayerState, ...]:
+        return _compat.read_rwkv(cache, tokens_seen)
+
+    def empty_cache(self, model: torch.nn.Module, batch_size: int) -> Any:
+        return None  # as plain generate starts; the replaced prefill hands it the real state
+
+    def lm_output(self, logits: torch.Tensor, cache: Any) -> Any:
+        return _compat.rwkv_output(logits, cache)
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        _compat.rwkv_rescale(model)

@@ -54,7 +54,8 @@ def structural_caps(model: torch.nn.Module) -> Capabilities:
 
     Raises ``UnsupportedModelError`` for models kvstate cannot hold exactly whatever the
     check would find: no transformers cache in ``forward``, an encoder-decoder, a
-    cache-layer class kvstate does not know, or dynamic sparse (top-k) attention.
+    cache-layer class kvstate does not know, dynamic sparse (top-k) attention, or a
+    ``generate`` of the model's own.
     """
     config = model.config  # type: ignore[union-attr]
     model_type = str(getattr(config, "model_type", type(model).__name__))
@@ -75,7 +76,26 @@ def structural_caps(model: torch.nn.Module) -> Capabilities:
             fix="a last-bit difference between a chunked and a whole prefill can change which keys the top-k "
             "reads, so a resumed state cannot promise the fresh run's tokens; register an Adapter for this "
             "model_type only if that is acceptable (kvstate holds its indexer keys exactly)")
-    return Capabilities(name=f"structural:{model_type}", position_ids="position_ids" in params,
-                        padding=not any(k in ("recurrent", "hybrid") for k in kinds),
+    _refuse_own_generate(model, model_type)
+    positions = "position_ids" in params
+    # a left-padded row keeps its logical positions only through explicit position_ids; a model that
+    # counts positions from the cache length (whisper's decoder) would shift every padded row
+    return Capabilities(name=f"structural:{model_type}", position_ids=positions,
+                        padding=positions and not any(k in ("recurrent", "hybrid") for k in kinds),
                         logits_to_keep="logits_to_keep" in params,
                         stepwise=any(k in ("recurrent", "hybrid") for k in kinds))
+
+
+def _refuse_own_generate(model: torch.nn.Module, model_type: str) -> None:
+    """A model class with its own ``generate`` may rewrite the prompt before the forward sees it
+    (MusicGen shifts each codebook by a delay pattern and puts BOS at position 0), so a state of
+    the prompt's forward cannot stand in for what that ``generate`` computes."""
+    from transformers.generation.utils import GenerationMixin
+
+    own = getattr(type(model), "generate", GenerationMixin.generate)
+    if own is not GenerationMixin.generate:
+        raise UnsupportedModelError(
+            f"{model_type} has its own generate()", expected="transformers' GenerationMixin.generate",
+            found=f"{own.__qualname__}, which can rewrite the prompt before the model sees it",
+            fix="kvstate resumes the standard generate only; register an Adapter for this model_type if its "
+            "generate feeds the prompt unchanged")

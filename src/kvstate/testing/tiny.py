@@ -56,8 +56,12 @@ CONFIGS.update({
                     block_size=8),
     "xlstm": dict(_SPECIAL, hidden_size=128, embedding_dim=128, num_hidden_layers=2, num_blocks=2, num_heads=4,
                   chunk_size=8),
+    # rescale_every=2: blocks 2 and 3 get weights divided on the first inference forward (RWKVAdapter.prepare)
+    "rwkv": dict(_SPECIAL, hidden_size=32, attention_hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                 rescale_every=2, context_length=256),
 })
-RECURRENT = ("mamba", "mamba2", "lfm2", "qwen3_next", "jamba", "falcon_h1", "recurrent_gemma", "minimax", "xlstm")
+RECURRENT = ("mamba", "mamba2", "lfm2", "qwen3_next", "jamba", "falcon_h1", "recurrent_gemma", "minimax", "xlstm",
+             "rwkv")
 
 # Qwen-VL: a depth-1 vision tower on 2x2 patches, merged 2x2, so an image of HxW patches is H*W/4 tokens.
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 190, 191, 192, 193
@@ -83,7 +87,7 @@ CONFIGS.update({
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _STANDARD = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text")
 SLIDING = ("gemma2", "gemma3_text")
-_EAGER_ONLY = ("gemma2", "mamba", "mamba2", "xlstm")  # transformers has no sdpa path for these
+_EAGER_ONLY = ("gemma2", "mamba", "mamba2", "xlstm", "rwkv")  # transformers has no sdpa path for these
 
 
 def tiny_config(model_type: str) -> Any:
