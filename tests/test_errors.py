@@ -124,6 +124,7 @@ def test_unsupported_model_names_its_type():
                                                intermediate_size=32, vocab_size=64)).eval()
     with pytest.raises(UnsupportedModelError, match="bert failed kvstate's self-check") as info:
         Session(bidirectional)
+    assert "attention is not causal" in str(info.value)
     check_message(info.value)
 
 

@@ -164,6 +164,26 @@ def test_recurrent_gemma_chunked_prefill_and_lost_conv_context():
     assert_logits_close(s.extend(ids[:, 16:]), single, "kvstate continuation")
 
 
+def test_mamba_continues_a_chunk_in_one_forward_from_the_cached_scan_state():
+    """transformers 5.24 starts Mamba's selective scan from zeros on a multi-token chunk; kvstate
+    hands it the cached state (issue 12), so a 27-token turn is one forward and equals the whole run."""
+    from tiny import count_forwards
+
+    model = tiny_model("mamba")
+    ids = prompt(40)
+    single = Session(model).extend(ids)
+    with torch.no_grad():  # the plain path: a cache-carrying continuation
+        cache = model(ids[:, :13], use_cache=True).cache
+        plain = model(ids[:, 13:], cache=cache, use_cache=True).logits[:, -1]
+    assert (plain - single).abs().max() > 1e-4  # transformers' own path drifts here
+    s = Session(model)
+    s.extend(ids[:, :13])
+    with count_forwards(model) as forwards:
+        logits = s.extend(ids[:, 13:])
+    assert forwards[0] == 1
+    assert torch.equal(logits, single)  # the same sequential recurrence, the same projections: bitwise
+
+
 @pytest.mark.parametrize("arch", QWEN_VL)
 def test_second_image_after_resume(arch):
     model = tiny_model(arch)

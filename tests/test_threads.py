@@ -68,3 +68,48 @@ def test_two_threads_two_sessions_one_model(arch):
         expected_replies, expected_state = alone[seed]
         assert [r.tolist() for r in replies] == [r.tolist() for r in expected_replies], f"conversation {seed}"
         assert_same_state(state, expected_state)
+
+
+def test_mamba_scans_in_parallel_threads_on_two_models_and_plain_transformers():
+    """kvstate swaps Mamba's scan function only while its runs need it (reference counted); a plain
+    transformers forward in a third thread meanwhile still gets transformers' own scan."""
+    models = [tiny_model("mamba"), tiny_model("mamba")]
+    ids = [prompt(30, seed=s) for s in (1, 2)]
+    expected = []
+    for model, x in zip(models, ids, strict=True):
+        s = Session(model)
+        s.extend(x[:, :10])
+        expected.append(s.extend(x[:, 10:]))
+    plain_model = tiny_model("mamba")
+    with torch.no_grad():
+        plain_expected = plain_model(ids[0], use_cache=True).logits[:, -1]
+    results: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def kvstate_run(i: int) -> None:
+        try:
+            for _ in range(5):
+                s = Session(models[i])
+                s.extend(ids[i][:, :10])
+                results[f"k{i}"] = s.extend(ids[i][:, 10:])
+                assert torch.equal(results[f"k{i}"], expected[i])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    def plain_run() -> None:
+        try:
+            for _ in range(10):
+                with torch.no_grad():
+                    assert torch.equal(plain_model(ids[0], use_cache=True).logits[:, -1], plain_expected)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=kvstate_run, args=(i,)) for i in (0, 1)] + [threading.Thread(target=plain_run)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    import transformers.models.mamba.modeling_mamba as mm
+
+    assert mm.mamba_selective_scan.__name__ != "scan"  # restored after the last run

@@ -227,7 +227,7 @@ class Engine:
             self.adapter.restore_extras(self.model, dict(base.extras))
             recorder = Recorder(self.adapter, base.next_position)
             with _compat.attention_backend(self.model, "eager"), recorder.attached(self.model), \
-                    self._masks(base.layers, recorder):
+                    self._masks(base.layers, recorder), self.adapter.forward_context(self.model):
                 out = self.model(**kwargs)
             self.adapter.restore_extras(self.model, dict(state.extras))
         indices = [i for i, layer in enumerate(state.layers) if layer.kind in (FULL_ATTENTION, SLIDING_ATTENTION)]
@@ -278,7 +278,8 @@ class Engine:
             kwargs["position_ids"] = self.adapter.model_positions(positions)
         recorder = Recorder(self.adapter, state.next_position)
         begin = time.perf_counter()
-        with recorder.attached(self.model), self._masks(state.layers, recorder):
+        with recorder.attached(self.model), self._masks(state.layers, recorder), \
+                self.adapter.forward_context(self.model):
             self.model(**kwargs)
         if ids.shape[1] > 8:
             self.seconds_per_token = (time.perf_counter() - begin) / ids.shape[1]

@@ -13,6 +13,7 @@ by ``model_type``; any other causal decoder gets the structural adapter
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,6 +153,10 @@ class Adapter:
     def lm_output(self, logits: torch.Tensor, cache: Any) -> Any:
         """The model output ``generate``'s replaced prefill returns: ``logits`` ``[B, 1, V]`` and the cache."""
         return _compat.lm_output(logits, cache)
+
+    def forward_context(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
+        """Entered around every forward kvstate runs (under the model's lock)."""
+        return nullcontext()
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Bring the model to the form its first inference forward would (idempotent), so the weights

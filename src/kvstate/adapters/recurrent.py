@@ -5,31 +5,39 @@ checkpoints of them (see ``kvstate.state``). Two transformers 5.24 limitations a
 handled here rather than hidden:
 
 * Mamba and Jamba start the selective scan from zeros on any multi-token chunk, and
-  RecurrentGemma zero-pads its conv window on multi-token chunks, so a multi-token
+  RecurrentGemma zero-pads its conv window on multi-token chunks, so a plain multi-token
   continuation after position 0 silently drops state (measured: max |Δlogit| 1.8e-3,
-  1.8e-5 and 7.4e-2 on tiny configs). These families continue one token per forward
-  (``stepwise_continuation``), which is exact.
+  1.8e-5 and 7.4e-2 on tiny configs). For Mamba and Jamba kvstate hands the scan the
+  cached state (``_compat.scan``); RecurrentGemma continues one token per forward
+  (``stepwise``), which is exact.
 * RecurrentGemma keeps its conv and RG-LRU states on its modules, not in the cache.
   Its adapter moves them between the state and the modules around every forward.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
 from .. import _compat
+from .._compat.scan import scans_from_cache
 from ..layers import LayerState, RecurrentLayerState
 from .base import Adapter, Capabilities
 
 
 class RecurrentAdapter(Adapter):
-    """Families whose recurrent state lives in the transformers cache."""
+    """Families whose recurrent state lives in the transformers cache. ``scan_from_cache``: the
+    family's selective scan is given the cached state on multi-token chunks (``_compat.scan``)."""
 
-    def __init__(self, *, stepwise: bool = False, position_ids: bool = True,
+    def __init__(self, *, stepwise: bool = False, position_ids: bool = True, scan_from_cache: bool = False,
                  name: str = "recurrent-hybrid") -> None:
         self.caps = Capabilities(name=name, stepwise=stepwise, position_ids=position_ids, padding=False)
+        self._scan_from_cache = scan_from_cache
+
+    def forward_context(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
+        return scans_from_cache(model) if self._scan_from_cache else nullcontext()
 
 
 class RecurrentGemmaAdapter(RecurrentAdapter):

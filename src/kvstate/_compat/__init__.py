@@ -26,8 +26,8 @@ from transformers.cache_utils import (
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .errors import KVStateError, UnsupportedError
-from .layers import (
+from ..errors import KVStateError, UnsupportedError
+from ..layers import (
     AttentionLayerState,
     HybridLayerState,
     IndexedLayerState,
