@@ -5,7 +5,9 @@
 many of them to keep and how many to feed before the first new token. It touches
 no model and changes nothing, so it is tested on toy states. The rules:
 
-* keep the longest common prefix, never splitting a multimodal item (``spans``);
+* keep the longest common prefix, never splitting a multimodal item (``spans``), and
+  ending before the first media item whose content differs from what the state
+  processed (``media``: same placeholders, other pixels must never reuse stale K/V);
 * if the whole history is processed and the state holds its last logits, feed
   nothing (``stored-logits``: the first forward of ``generate`` is memoized);
 * otherwise feed at least one token: cut the state back where every layer allows
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .state import State
+from .state import MediaItem, State
 
 MODES = ("continue", "rollback", "checkpoint", "recompute", "stored-logits")
 
@@ -52,6 +54,19 @@ def common_prefix(state: State, ids: torch.Tensor, mask: torch.Tensor) -> int:
     return int(bad[0]) if bad.numel() else n
 
 
+def media_prefix(state: State, media: Sequence[MediaItem] | None) -> int:
+    """Slots before the first item of the history's ``media`` that the state holds other
+    content for (or holds without a record, as in files written before media hashes).
+    ``None`` (the caller passed no pixels for processed media) trusts the placeholders."""
+    if media is None:
+        return state.tokens_seen
+    held = set(state.media)
+    for item in sorted(media, key=lambda m: m.start):
+        if item.start < state.tokens_seen and item not in held:
+            return item.start
+    return state.tokens_seen
+
+
 def safe_point(n: int, spans: Sequence[tuple[int, int]]) -> int:
     """The largest ``m <= n`` that does not fall inside a ``[start, end)`` span."""
     for start, end in sorted(spans, reverse=True):
@@ -61,14 +76,16 @@ def safe_point(n: int, spans: Sequence[tuple[int, int]]) -> int:
 
 
 def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
-         spans: Sequence[tuple[int, int]] = (), source: str = "state", rollback: bool = True) -> ResumePlan:
+         spans: Sequence[tuple[int, int]] = (), source: str = "state", rollback: bool = True,
+         media: Sequence[MediaItem] | None = None) -> ResumePlan:
     """How to continue the history ``ids`` ``[B, L]`` from ``state`` (see the module docstring).
 
     ``rollback=False`` (a model whose state is not all in the cache): only continuing or
-    re-feeding from scratch is allowed.
+    re-feeding from scratch is allowed. ``media``: the history's media items with their
+    content hashes, when the caller passed every item's pixels.
     """
     T, L = state.tokens_seen, ids.shape[1]
-    shared = safe_point(common_prefix(state, ids, mask), spans)
+    shared = safe_point(min(common_prefix(state, ids, mask), media_prefix(state, media)), spans)
     if shared == T == L and state.last_logits is not None:
         return ResumePlan(T, 0, "stored-logits", source)
     target = safe_point(min(shared, L - 1), spans)

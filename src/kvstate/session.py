@@ -42,7 +42,7 @@ from .options import resolve
 from .protocols import PrefixCache, PrefixQuery
 from .resume import ResumePlan
 from .selfcheck import adapter_for, vocab_size
-from .state import State
+from .state import MediaItem, State
 
 IdsLike = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
 
@@ -207,7 +207,7 @@ class Session:
         new_mask = mask[:, state.tokens_seen:]
         check_positions(state, position_ids, self._adapter.model_positions(feed.positions), new_mask)
         new = self._engine.feed(state, feed, self._settings()).with_checkpoint(self.max_checkpoints)
-        self._commit(new)
+        self._commit(_with_media(new, state, self._media(ids, inputs, offset=state.tokens_seen)))
         return new.last_logits.clone()  # type: ignore[union-attr]
 
     def generate(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None,
@@ -230,8 +230,9 @@ class Session:
         mask = history_mask(ids, attention_mask)
         self._check_padding(mask)
         spans = self._adapter.media_spans(self.model, ids)
-        query = self._query(ids, mask, inputs)
-        plan, base = self._plan(state, ids, mask, spans, query)
+        media = self._media(ids, inputs)
+        query = self._query(ids, mask, media)
+        plan, base = self._plan(state, ids, mask, spans, query, media)
         self._adapter.check_inputs(self.model, ids, inputs, plan.reused)
         start = resume.start_state(base, plan, self._empty(ids.shape[0]))
         feed = None
@@ -240,10 +241,10 @@ class Session:
             feed = self._engine.feed_for(start, ids[:, T:], mask,
                                          self._adapter.select_inputs(self.model, ids, T, inputs))
         generated = self._engine.generate(start, feed, ids, mask, options, self._settings())
-        new = generated.state.with_checkpoint(self.max_checkpoints)
+        new = _with_media(generated.state.with_checkpoint(self.max_checkpoints), start, media)
         if query is not None:  # before the commit: a Ctrl-C while writing leaves the session as it was
             # the prompt (what a repeated request can reuse) and the conversation (what the next turn can)
-            self._offer((generated.prefilled, new), query)
+            self._offer((_with_media(generated.prefilled, start, media), new), query)
         self._commit(new, plan)
         return _answer(generated, options.return_dict)
 
@@ -277,25 +278,34 @@ class Session:
         return as_ids(input_ids, self.device, vocab_size(self.model))
 
     def _plan(self, state: State, ids: torch.Tensor, mask: torch.Tensor, spans: Any,
-              query: PrefixQuery | None) -> tuple[ResumePlan, State]:
+              query: PrefixQuery | None, media: tuple[MediaItem, ...] | None) -> tuple[ResumePlan, State]:
         """The best plan over the session's state and, if it helps, the longest stored prefix."""
         rollback = self._adapter.caps.rollback
-        own = resume.plan(state, ids, mask, spans, rollback=rollback)
+        own = resume.plan(state, ids, mask, spans, rollback=rollback, media=media)
         stored = None if query is None else self._lookup(query, longer_than=own.reused, at_most=ids.shape[1] - 1)
         if stored is None:
             return own, state
-        theirs = resume.plan(stored, ids, mask, spans, source="store", rollback=rollback)
+        theirs = resume.plan(stored, ids, mask, spans, source="store", rollback=rollback, media=media)
         chosen = resume.best([own, theirs])
         return chosen, stored if chosen is theirs else state
 
-    def _query(self, ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any]) -> PrefixQuery | None:
+    def _media(self, ids: torch.Tensor, inputs: dict[str, Any], offset: int = 0) -> tuple[MediaItem, ...] | None:
+        """The media items of ``ids`` ``[1, Q]`` (slots shifted by ``offset``) with their content hashes;
+        None for batches, or when the pixels given do not cover every item."""
+        if ids.shape[0] != 1:
+            return None
+        hashes = self._adapter.media_hashes(self.model, ids, inputs)
+        if hashes is None:
+            return None
+        ends = dict(self._adapter.media_spans(self.model, ids))
+        return tuple(MediaItem(offset + start, offset + ends[start], digest) for start, digest in hashes)
+
+    def _query(self, ids: torch.Tensor, mask: torch.Tensor,
+               media: tuple[MediaItem, ...] | None) -> PrefixQuery | None:
         """What the store keys this history by; None without a store, or for batches and padding."""
-        if self.store is None or ids.shape[0] != 1 or not bool(mask.all()):
+        if self.store is None or ids.shape[0] != 1 or not bool(mask.all()) or media is None:
             return None
-        media = self._adapter.media_hashes(self.model, ids, inputs)
-        if media is None:
-            return None
-        return PrefixQuery(self._fingerprint, ids.cpu(), tuple(media))
+        return PrefixQuery(self._fingerprint, ids.cpu(), tuple((m.start, m.digest) for m in media))
 
     def _lookup(self, query: PrefixQuery, *, longer_than: int, at_most: int) -> State | None:
         try:
@@ -346,6 +356,12 @@ class Session:
             return self._empty(batch_size)
         check_batch(state, batch_size)
         return state
+
+
+def _with_media(state: State, start: State, media: tuple[MediaItem, ...] | None) -> State:
+    """``state`` (which continued ``start``) recording the items of ``media`` it processed."""
+    new = tuple(m for m in media or () if m.start >= start.tokens_seen and m.end <= state.tokens_seen)
+    return replace(state, media=(*start.media, *new)) if new else state
 
 
 def _answer(generated: Generated, return_dict: bool) -> Any:

@@ -13,7 +13,10 @@ Shapes (``B`` batch rows, ``T`` token slots processed, ``V`` vocabulary):
 * ``extras`` - named model-side tensors (e.g. Qwen-VL ``rope_deltas``);
 * ``fingerprint`` - the model the state belongs to;
 * ``metadata`` - str -> str notes: the user's, plus ``kvstate.*`` records of lossy
-  storage or dtype casts applied on load.
+  storage or dtype casts applied on load;
+* ``media`` - one ``MediaItem`` (slot span and content hash) per image or video whose
+  slots the state holds, so a history with the same placeholders but other pixels is
+  never continued on stale K/V (issue 13).
 
 ``T`` is *tokens seen*; each layer separately reports *slots stored*. States are
 never modified: operations return new states that share unchanged tensors. The
@@ -36,6 +39,16 @@ import torch
 from .errors import RollbackError
 from .fingerprint import Fingerprint
 from .layers import LayerState
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """An image or video the state processed: its placeholder slots ``[start, end)`` and the
+    content hash of its pixels and grid (``fingerprint.media_digest``)."""
+
+    start: int
+    end: int
+    digest: str
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,6 +90,7 @@ class State:
     fingerprint: Fingerprint | None = None
     metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     checkpoints: tuple[Checkpoint, ...] = ()
+    media: tuple[MediaItem, ...] = ()
 
     @classmethod
     def empty(cls, layers: tuple[LayerState, ...], fingerprint: Fingerprint | None = None,
@@ -167,7 +181,8 @@ class State:
                        next_position=next_position_after(self.positions[:, :n_tokens],
                                                          self.mask[:, :n_tokens], start),
                        last_logits=None,
-                       checkpoints=tuple(c for c in self.checkpoints if c.tokens_seen <= n_tokens))
+                       checkpoints=tuple(c for c in self.checkpoints if c.tokens_seen <= n_tokens),
+                       media=tuple(m for m in self.media if m.end <= n_tokens))
 
     def with_checkpoint(self, keep: int) -> State:
         """This state plus a snapshot of its non-croppable layers; keeps the newest ``keep``."""
@@ -210,6 +225,7 @@ class State:
             "checkpoints": [c.tokens_seen for c in self.checkpoints],
             "checkpoint_nbytes": sum(c.nbytes for c in self.checkpoints),
             "extras": sorted(self.extras),
+            "media": [[m.start, m.end, m.digest] for m in self.media],
             "fingerprint": None if self.fingerprint is None else self.fingerprint.to_dict(),
         }
 

@@ -86,6 +86,12 @@ class QwenVLAdapter(Adapter):
         merge = int(model.config.vision_config.spatial_merge_size)  # type: ignore[union-attr]
         need = (grid.prod(-1) // merge**2).tolist()
         have = [b - a for a, b in runs[0]] if runs else []
+        if len(need) < len(have):  # e.g. only the newest image's pixels with a full history
+            raise InputError(f"pixels for {len(need)} of the {len(have)} images in these ids",
+                             expected=f"pixel_values and image_grid_thw for every image run {runs[0]}",
+                             found=f"image_grid_thw for {len(need)}", fix="pass every image of the history, in "
+                             "order: kvstate checks each against the images it processed and never re-encodes one "
+                             "it holds (or pass no pixels if every image is already processed)")
         if need != have:
             raise InputError("image placeholders do not match image_grid_thw", expected=f"runs of {need} tokens",
                              found=f"runs of {have} tokens", fix="pass every image of the history, in order, with "

@@ -8,8 +8,9 @@ Header fields (format ``kvstate.state``, version 2; documented in docs/state-fil
 positions, or ``"tensor"`` for multimodal positions stored as a tensor),
 ``checkpoints`` (``tokens_seen`` and per-layer ``meta`` of each snapshot),
 ``has_last_logits``, ``extras`` (names), ``storage`` (``exact``, ``bfloat16``,
-``float16`` or ``int8``), ``kv_dtype``, ``metadata`` (str -> str), ``checksum`` (the algorithm)
-and ``checksums``. Every count is bounded by the one above it (slots <= a layer's
+``float16`` or ``int8``), ``kv_dtype``, ``metadata`` (str -> str), ``media`` (``[start, end,
+digest]`` per processed image or video), ``checksum`` (the algorithm) and ``checksums``.
+Every count is bounded by the one above it (slots <= a layer's
 tokens_seen <= the state's), and the state's by its token list, so a header cannot
 make the loader allocate more than the file holds.
 The position of every processed slot is the tensor ``positions``.
@@ -29,7 +30,7 @@ import torch
 from ..errors import StateFileError
 from ..fingerprint import Fingerprint
 from ..layers import LAYER_KINDS
-from ..state import Checkpoint, State
+from ..state import Checkpoint, MediaItem, State
 from .container import digest, dtype_of
 
 FORMAT = "kvstate.state"
@@ -67,6 +68,7 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "next_position": state.next_position.tolist(), "layers": layers, "checkpoints": checkpoints,
         "has_last_logits": state.last_logits is not None, "extras": sorted(state.extras),
         "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "metadata": meta,
+        "media": [[m.start, m.end, m.digest] for m in state.media],
     }
     header["checksum"] = "xxh3-64"
     header["checksums"] = {name: digest(t) for name, t in tensors.items()}
@@ -139,7 +141,24 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
                  next_position=torch.tensor(_list(header, "next_position"), dtype=torch.long).reshape(B),
                  last_logits=last, extras=MappingProxyType(extras),
                  fingerprint=None if fp is None else Fingerprint.from_dict(fp),
-                 metadata=MappingProxyType({str(k): str(v) for k, v in meta.items()}))
+                 metadata=MappingProxyType({str(k): str(v) for k, v in meta.items()}), media=_media(header, T))
+
+
+def _media(header: dict[str, Any], T: int) -> tuple[MediaItem, ...]:
+    """The processed media items; files written before issue 13 have none (a resume over their
+    images then re-feeds from the first image whose pixels are given: never stale K/V)."""
+    items = header.get("media") or []
+    if not isinstance(items, list):
+        raise StateFileError("media must be a list", found=type(items).__name__, fix="re-save the state")
+    out = []
+    for item in items:
+        ok = (isinstance(item, list) and len(item) == 3 and all(type(x) is int for x in item[:2])
+              and isinstance(item[2], str) and 0 <= item[0] < item[1] <= T and len(item[2]) <= 128)
+        if not ok:
+            raise StateFileError("a media item is malformed", expected=f"[start, end, digest], 0 <= start < end <= {T}",
+                                 found=str(item)[:100], fix="re-save the state")
+        out.append(MediaItem(item[0], item[1], item[2]))
+    return tuple(out)
 
 
 def _check_version(header: dict[str, Any]) -> None:
