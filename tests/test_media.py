@@ -106,7 +106,7 @@ def test_pixels_for_only_some_images_name_the_runs():
     s = Session(model)
     s.generate(ids[:, :13], pixel_values=pixels[: pixels.shape[0] // 2], image_grid_thw=grid[:1], **N)
     before = s.state
-    with pytest.raises(InputError, match="pixels for 1 of the 2 images") as info:
+    with pytest.raises(InputError, match="pixels for 1 image\(s\) do not cover the 2 image runs") as info:
         s.generate(ids, pixel_values=pixels[pixels.shape[0] // 2:], image_grid_thw=grid[1:], **N)
     assert f"(6, {6 + n})" in str(info.value)
     assert s.state is before
@@ -122,3 +122,16 @@ def test_media_prefix_on_toy_states():
     assert media_prefix(state, [MediaItem(2, 6, "a"), MediaItem(10, 14, "c")]) == 10
     assert media_prefix(state, [MediaItem(2, 6, "x"), MediaItem(10, 14, "b")]) == 2
     assert media_prefix(state, [MediaItem(2, 6, "a"), MediaItem(22, 26, "new")]) == 20  # beyond the state
+
+
+@pytest.mark.parametrize("token", ["image_token_id", "video_token_id"])
+def test_a_placeholder_id_outside_a_vision_span_is_text(token):
+    """A model can generate a placeholder id; plain ``generate`` marks generated tokens as text, so
+    kvstate does too (media runs follow a vision-start token, as processors lay them out)."""
+    model = tiny_model("qwen3_vl")
+    ids = torch.cat([prompt(5), torch.tensor([[getattr(model.config, token)]]), prompt(4, seed=3)], 1)
+    s = Session(model)
+    s.extend(ids[:, :3])
+    got = s.generate(ids, **N)
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=torch.zeros_like(ids), **N)
+    assert torch.equal(got, plain[:, ids.shape[1]:])

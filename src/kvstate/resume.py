@@ -85,6 +85,7 @@ def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
     content hashes, when the caller passed every item's pixels.
     """
     T, L = state.tokens_seen, ids.shape[1]
+    spans = (*spans, *((m.start, m.end) for m in state.media))  # what the state processed as one item
     shared = safe_point(min(common_prefix(state, ids, mask), media_prefix(state, media)), spans)
     if shared == T == L and state.last_logits is not None:
         return ResumePlan(T, 0, "stored-logits", source)

@@ -229,7 +229,7 @@ class Session:
         state = self._state_for_batch(ids.shape[0])
         mask = history_mask(ids, attention_mask)
         self._check_padding(mask)
-        spans = self._adapter.media_spans(self.model, ids)
+        spans = self._adapter.media_spans(self.model, ids, inputs)
         media = self._media(ids, inputs)
         query = self._query(ids, mask, media)
         plan, base = self._plan(state, ids, mask, spans, query, media)
@@ -297,7 +297,7 @@ class Session:
         hashes = self._adapter.media_hashes(self.model, ids, inputs)
         if hashes is None:
             return None
-        ends = dict(self._adapter.media_spans(self.model, ids))
+        ends = dict(self._adapter.media_spans(self.model, ids, inputs))
         return tuple(MediaItem(offset + start, offset + ends[start], digest) for start, digest in hashes)
 
     def _query(self, ids: torch.Tensor, mask: torch.Tensor,

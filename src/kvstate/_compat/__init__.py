@@ -247,11 +247,15 @@ def set_rope_deltas(model: Any, value: torch.Tensor | None) -> None:
     model.model.rope_deltas = value
 
 
-def rope_index(model: Any, ids: torch.Tensor, image_tokens: torch.Tensor, grid: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
-    """Qwen-VL M-RoPE positions ``[3, B, Q]`` of a chunk that starts at position 0."""
-    positions, _ = model.model.get_rope_index(ids, image_tokens.int(), image_grid_thw=grid,
-                                              attention_mask=mask.long())
+def rope_index(model: Any, ids: torch.Tensor, token_types: torch.Tensor, mask: torch.Tensor,
+               image_grid: torch.Tensor | None, video_grid: torch.Tensor | None,
+               second_per_grid_ts: torch.Tensor | None = None) -> torch.Tensor:
+    """Qwen-VL M-RoPE positions ``[3, B, Q]`` of a chunk that starts at position 0; ``token_types``
+    ``[B, Q]`` is transformers' ``mm_token_type_ids`` (0 text, 1 image, 2 video)."""
+    extra = {} if second_per_grid_ts is None else {"second_per_grid_ts": second_per_grid_ts}
+    positions, _ = model.model.get_rope_index(ids, token_types.int(), image_grid_thw=image_grid,
+                                              video_grid_thw=None if video_grid is None else video_grid.clone(),
+                                              attention_mask=mask.long(), **extra)
     return positions
 
 

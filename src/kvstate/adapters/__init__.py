@@ -10,7 +10,8 @@ __all__ = ["Adapter", "Capabilities", "MiniMaxAdapter", "QwenVLAdapter", "RWKVAd
 
 # Each registration is exercised by the test matrix (tests/test_core.py, tests/test_families.py).
 register(("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"), Adapter())
-register(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), QwenVLAdapter())
+register(("qwen2_vl", "qwen2_5_vl"), QwenVLAdapter())
+register(("qwen3_vl",), QwenVLAdapter(frame_runs=True))  # one placeholder run per video frame
 register(("lfm2", "qwen3_next", "falcon_h1"), RecurrentAdapter())
 register(("mamba2",), RecurrentAdapter(position_ids=False))
 register(("mamba",), RecurrentAdapter(position_ids=False, scan_from_cache=True))

@@ -121,7 +121,8 @@ class Adapter:
         """Raise a typed error unless ``inputs`` fit ``ids`` ``[B, L]``, of which slots from ``fed_from`` on
         go through the model (the media they hold must be given)."""
 
-    def media_spans(self, model: torch.nn.Module, ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    def media_spans(self, model: torch.nn.Module, ids: torch.Tensor,
+                    inputs: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:
         """``[start, end)`` slot ranges of multimodal items in ``ids`` ``[B, L]``; a resume never splits one."""
         return ()
 

@@ -12,6 +12,7 @@ the model, so plain transformers calls on the same instance agree with the state
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,26 +22,44 @@ from ..errors import InputError, UnsupportedError
 from ..fingerprint import media_digest
 from .base import Adapter, Capabilities
 
-_VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw")
+_IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
+_VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+_IMAGE, _VIDEO = 1, 2  # transformers' mm_token_type_ids values
+
+
+@dataclass(frozen=True)
+class _Media:
+    """One image or video of a row: its placeholder runs ``[start, end)`` (a Qwen3-VL video has one
+    run per frame, with timestamp text between them) and its index among the row's items of its kind."""
+
+    kind: int
+    runs: tuple[tuple[int, int], ...]
+    index: int
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.runs[0][0], self.runs[-1][1]
 
 
 class QwenVLAdapter(Adapter):
+    """``frame_runs``: each video frame is its own placeholder run (Qwen3-VL), else one run per video."""
+
     caps = Capabilities(name="qwen-vl", position_dims=3,
-                        input_keys=("pixel_values", "image_grid_thw", "mm_token_type_ids", *_VIDEO_INPUTS))
+                        input_keys=(*_IMAGE_INPUTS, "mm_token_type_ids", *_VIDEO_INPUTS))
+
+    def __init__(self, *, frame_runs: bool = False) -> None:
+        self._frame_runs = frame_runs
 
     def chunk_positions(self, model: torch.nn.Module, next_position: torch.Tensor, ids: torch.Tensor,
                         new_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
-        """``[B, Q, 3]`` positions; image chunks follow ``get_rope_index``, text is 1-D repeated."""
-        if any(inputs.get(k) is not None for k in _VIDEO_INPUTS):
-            raise UnsupportedError("video inputs are not supported yet", found=sorted(inputs),
-                                   fix="pass images (pixel_values, image_grid_thw) only")
-        image = ids == model.config.image_token_id  # type: ignore[union-attr]
-        grid = inputs.get("image_grid_thw")
-        if grid is None or not bool(image.any()):
+        """``[B, Q, 3]`` positions; media chunks follow ``get_rope_index``, text is 1-D repeated."""
+        types = _token_types(model, ids)
+        if not bool(types.any()) or (inputs.get("image_grid_thw") is None and inputs.get("video_grid_thw") is None):
             flat = super().chunk_positions(model, next_position, ids, new_mask, inputs)
             return flat[..., None].expand(*flat.shape, 3).contiguous()
-        positions = _compat.rope_index(model, ids, image, grid, new_mask)  # [3, B, Q], from 0
-        positions = positions + next_position[None, :, None]
+        positions = _compat.rope_index(model, ids, types, new_mask, inputs.get("image_grid_thw"),
+                                       inputs.get("video_grid_thw"), inputs.get("second_per_grid_ts"))
+        positions = positions + next_position[None, :, None]  # [3, B, Q], from the row's next position
         return positions.permute(1, 2, 0).masked_fill(~new_mask[..., None], 0).contiguous()
 
     def model_positions(self, positions: torch.Tensor) -> torch.Tensor:
@@ -53,70 +72,84 @@ class QwenVLAdapter(Adapter):
 
     def select_inputs(self, model: torch.nn.Module, ids: torch.Tensor, processed: int,
                       inputs: dict[str, Any]) -> dict[str, Any]:
-        """Drop pixels of images already processed (they must never be fed twice)."""
-        grid = inputs.get("image_grid_thw")
-        if grid is None:
-            return {k: v for k, v in inputs.items() if k != "mm_token_type_ids"}
-        runs = _image_runs(ids[0], int(model.config.image_token_id))  # type: ignore[union-attr]
-        done = sum(1 for start, _ in runs if start < processed)
-        rows = int(grid[:done].prod(-1).sum())
-        rest = {k: v for k, v in inputs.items() if k not in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
-        if done < grid.shape[0]:
-            rest.update(pixel_values=inputs["pixel_values"][rows:], image_grid_thw=grid[done:])
+        """Drop the pixels of images and videos already processed (media are never fed twice)."""
+        rest = {k: v for k, v in inputs.items() if k not in (*_IMAGE_INPUTS, *_VIDEO_INPUTS, "mm_token_type_ids")}
+        for kind, (pixels_key, grid_key) in ((_IMAGE, _IMAGE_INPUTS), (_VIDEO, _VIDEO_INPUTS[:2])):
+            grid = inputs.get(grid_key)
+            if grid is None:
+                continue
+            done = sum(1 for item in self._items(model, ids[0], inputs) if item.kind == kind
+                       and item.span[0] < processed)
+            if done < grid.shape[0]:
+                rest[pixels_key] = inputs[pixels_key][int(grid[:done].prod(-1).sum()):]
+                rest[grid_key] = grid[done:]
+                if kind == _VIDEO and inputs.get("second_per_grid_ts") is not None:
+                    rest["second_per_grid_ts"] = inputs["second_per_grid_ts"][done:]
         return rest
 
     def check_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any], fed_from: int) -> None:
-        """Pixels and grids go together, describe exactly the image runs in ``ids``, and one row only."""
-        pixels, grid = inputs.get("pixel_values"), inputs.get("image_grid_thw")
-        token = int(model.config.image_token_id)  # type: ignore[union-attr]
-        runs = [_image_runs(row, token) for row in ids]
-        if (pixels is None) != (grid is None):
-            raise InputError("pixel_values and image_grid_thw go together", found=sorted(k for k in inputs),
-                             fix="pass both, as the processor returns them")
-        if any(runs) and ids.shape[0] > 1:
-            raise UnsupportedError("images in a batch of several rows are not supported yet",
-                                   found=f"{ids.shape[0]} rows", fix="run one conversation per Session")
-        if grid is None:
-            unfed = [(a, b) for a, b in runs[0] if b > fed_from] if runs else []
-            if unfed:
-                raise InputError("image placeholders without their pixels", expected="pixel_values and image_grid_thw",
-                                 found=f"image placeholder runs at {unfed} that are not processed yet",
-                                 fix="pass the images' pixel_values and image_grid_thw")
-            return
-        merge = int(model.config.vision_config.spatial_merge_size)  # type: ignore[union-attr]
-        need = (grid.prod(-1) // merge**2).tolist()
-        have = [b - a for a, b in runs[0]] if runs else []
-        if len(need) < len(have):  # e.g. only the newest image's pixels with a full history
-            raise InputError(f"pixels for {len(need)} of the {len(have)} images in these ids",
-                             expected=f"pixel_values and image_grid_thw for every image run {runs[0]}",
-                             found=f"image_grid_thw for {len(need)}", fix="pass every image of the history, in "
-                             "order: kvstate checks each against the images it processed and never re-encodes one "
-                             "it holds (or pass no pixels if every image is already processed)")
-        if need != have:
-            raise InputError("image placeholders do not match image_grid_thw", expected=f"runs of {need} tokens",
-                             found=f"runs of {have} tokens", fix="pass every image of the history, in order, with "
-                             "the ids the processor made for them")
-        if pixels.shape[0] != int(grid.prod(-1).sum()):
-            raise InputError("pixel_values do not match image_grid_thw", expected=int(grid.prod(-1).sum()),
-                             found=pixels.shape[0], fix="pass pixel_values and image_grid_thw from one processor call")
+        """Pixels and grids go together and describe exactly the media runs in ``ids`` (one row only)."""
+        for kind, (pixels_key, grid_key) in ((_IMAGE, _IMAGE_INPUTS), (_VIDEO, _VIDEO_INPUTS[:2])):
+            pixels, grid = inputs.get(pixels_key), inputs.get(grid_key)
+            name = "image" if kind == _IMAGE else "video"
+            if (pixels is None) != (grid is None):
+                raise InputError(f"{pixels_key} and {grid_key} go together", found=sorted(inputs),
+                                 fix="pass both, as the processor returns them")
+            runs = [_runs(model, row, kind) for row in ids]
+            if any(runs) and ids.shape[0] > 1:
+                raise UnsupportedError(f"{name}s in a batch of several rows are not supported yet",
+                                       found=f"{ids.shape[0]} rows", fix="run one conversation per Session")
+            if grid is None:
+                unfed = [(a, b) for a, b in runs[0] if b > fed_from] if runs else []
+                if unfed:
+                    raise InputError(f"{name} placeholders without their pixels", expected=f"{pixels_key} and "
+                                     f"{grid_key}", found=f"{name} placeholder runs at {unfed} that are not "
+                                     "processed yet", fix=f"pass the {name}s' {pixels_key} and {grid_key}")
+                continue
+            _check_runs(model, name, runs[0] if runs else [], grid, self._frame_runs and kind == _VIDEO)
+            if pixels.shape[0] != int(grid.prod(-1).sum()):
+                raise InputError(f"{pixels_key} do not match {grid_key}", expected=int(grid.prod(-1).sum()),
+                                 found=pixels.shape[0], fix="pass pixels and grids from one processor call")
 
-    def media_spans(self, model: torch.nn.Module, ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
-        """Each image's placeholder run: never split between state and suffix."""
-        token = int(model.config.image_token_id)  # type: ignore[union-attr]
-        return tuple(span for row in ids for span in _image_runs(row, token))
+    def media_spans(self, model: torch.nn.Module, ids: torch.Tensor,
+                    inputs: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:
+        """Each image's and video's slots: never split between state and suffix."""
+        return tuple(item.span for row in ids for item in self._items(model, row, inputs or {}))
 
     def media_hashes(self, model: torch.nn.Module, ids: torch.Tensor,
                      inputs: dict[str, Any]) -> list[tuple[int, str]] | None:
-        """One hash per image run; None when the pixels given do not cover every image in ``ids``."""
-        runs = _image_runs(ids[0], int(model.config.image_token_id))  # type: ignore[union-attr]
-        grid = inputs.get("image_grid_thw")
-        if not runs:
-            return []
-        if grid is None or grid.shape[0] != len(runs):
-            return None
-        sizes = grid.prod(-1).tolist()
-        pixels = inputs["pixel_values"].split(sizes)
-        return [(start, media_digest(p, g)) for (start, _), p, g in zip(runs, pixels, grid, strict=True)]
+        """One hash per image and video; None when the pixels given do not cover every item in ``ids``."""
+        items = self._items(model, ids[0], inputs)
+        pieces: dict[int, list[str]] = {}
+        for kind, (pixels_key, grid_key) in ((_IMAGE, _IMAGE_INPUTS), (_VIDEO, _VIDEO_INPUTS[:2])):
+            count = sum(1 for item in items if item.kind == kind)
+            grid = inputs.get(grid_key)
+            if count and (grid is None or grid.shape[0] != count):
+                return None
+            if count:
+                seconds = inputs.get("second_per_grid_ts") if kind == _VIDEO else None
+                pixels = inputs[pixels_key].split(grid.prod(-1).tolist())
+                pieces[kind] = [f"{'image' if kind == _IMAGE else 'video'}:" + media_digest(
+                    p, g, *([] if seconds is None else [torch.as_tensor(seconds[i]).reshape(1)]))
+                    for i, (p, g) in enumerate(zip(pixels, grid, strict=True))]
+        return [(item.span[0], pieces[item.kind][item.index]) for item in items]
+
+    def _items(self, model: torch.nn.Module, row: torch.Tensor, inputs: dict[str, Any]) -> list[_Media]:
+        """The row's images and videos in order. Qwen3-VL frames are grouped into videos by the
+        grid's frame counts; without the grid each frame run stands alone."""
+        items = [_Media(_IMAGE, (run,), i) for i, run in enumerate(_runs(model, row, _IMAGE))]
+        frames = _runs(model, row, _VIDEO)
+        grid = inputs.get("video_grid_thw")
+        if self._frame_runs and grid is not None and int(grid[:, 0].sum()) == len(frames):
+            counts, first = grid[:, 0].tolist(), 0
+            groups = []
+            for n in counts:
+                groups.append(tuple(frames[first:first + n]))
+                first += n
+        else:
+            groups = [(run,) for run in frames]
+        items += [_Media(_VIDEO, runs, j) for j, runs in enumerate(groups)]
+        return sorted(items, key=lambda item: item.span[0])
 
     def synthetic_image(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, Any]]:
         """A random image of (2m x 2m) patches, m the spatial merge: 4 placeholder tokens."""
@@ -130,7 +163,7 @@ class QwenVLAdapter(Adapter):
 
     def plain_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
         """Plain Qwen-VL needs ``mm_token_type_ids`` to compute M-RoPE positions itself."""
-        return {**inputs, "mm_token_type_ids": (ids == model.config.image_token_id).int()}  # type: ignore[union-attr]
+        return {**inputs, "mm_token_type_ids": _token_types(model, ids)}
 
     def capture_extras(self, model: torch.nn.Module, next_position: torch.Tensor,
                        tokens_seen: int) -> dict[str, torch.Tensor]:
@@ -143,10 +176,50 @@ class QwenVLAdapter(Adapter):
         _compat.set_rope_deltas(model, None)
 
 
-def _image_runs(row: torch.Tensor, token: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each run of image placeholder tokens in one row."""
-    is_image = (row == token).int()
-    edges = torch.diff(torch.cat([is_image.new_zeros(1), is_image, is_image.new_zeros(1)]))
+def _token(model: torch.nn.Module, kind: int) -> int:
+    config = model.config  # type: ignore[union-attr]
+    return int(config.image_token_id if kind == _IMAGE else config.video_token_id)
+
+
+def _token_types(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``mm_token_type_ids`` ``[B, Q]``: 0 text, 1 image, 2 video placeholders (of real media runs)."""
+    types = torch.zeros_like(ids, dtype=torch.int)
+    for b, row in enumerate(ids):
+        for kind in (_IMAGE, _VIDEO):
+            for start, end in _runs(model, row, kind):
+                types[b, start:end] = kind
+    return types
+
+
+def _check_runs(model: torch.nn.Module, name: str, runs: list[tuple[int, int]], grid: torch.Tensor,
+                frame_runs: bool) -> None:
+    """The placeholder runs are exactly what ``grid`` ``[N, 3]`` (t, h, w per item) makes."""
+    merge = int(model.config.vision_config.spatial_merge_size)  # type: ignore[union-attr]
+    if frame_runs:  # one run of h*w/m^2 per frame
+        need = [int(h * w) // merge**2 for t, h, w in grid.tolist() for _ in range(int(t))]
+    else:
+        need = (grid.prod(-1) // merge**2).tolist()
+    have = [b - a for a, b in runs]
+    if len(need) < len(have):  # e.g. only the newest item's pixels with a full history
+        raise InputError(f"pixels for {grid.shape[0]} {name}(s) do not cover the {len(have)} {name} runs in these "
+                         "ids", expected=f"pixels and grids for every {name} run {runs}",
+                         found=f"{name} grids for {len(need)} runs", fix=f"pass every {name} of the history, in "
+                         f"order: kvstate checks each against the {name}s it processed and never re-encodes one it "
+                         f"holds (or pass no {name} pixels if every {name} is already processed)")
+    if need != have:
+        raise InputError(f"{name} placeholders do not match the {name} grid", expected=f"runs of {need} tokens",
+                         found=f"runs of {have} tokens", fix=f"pass every {name} of the history, in order, with "
+                         "the ids the processor made for them")
+
+
+def _runs(model: torch.nn.Module, row: torch.Tensor, kind: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each media placeholder run of ``kind`` in one row. A run counts only right
+    after a vision-start token, as processors lay media out: a placeholder id the model generated
+    is text, as it is to plain ``generate``, which marks generated tokens as text. A run at the start of
+    ``row`` counts (a chunk that continues a state may begin inside the media's layout)."""
+    token, opener = _token(model, kind), int(model.config.vision_start_token_id)  # type: ignore[union-attr]
+    is_token = (row == token).int()
+    edges = torch.diff(torch.cat([is_token.new_zeros(1), is_token, is_token.new_zeros(1)]))
     starts = (edges == 1).nonzero().flatten().tolist()
     ends = (edges == -1).nonzero().flatten().tolist()
-    return list(zip(starts, ends, strict=True))
+    return [(a, b) for a, b in zip(starts, ends, strict=True) if a == 0 or int(row[a - 1]) == opener]

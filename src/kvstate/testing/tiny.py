@@ -139,6 +139,31 @@ def tiny_image(grid_hw: tuple[int, int] = (4, 6), seed: int = 0) -> tuple[torch.
     return pixels, torch.tensor([[1, h, w]]), (h // _MERGE) * (w // _MERGE)
 
 
+def tiny_video(frames: int = 2, grid_hw: tuple[int, int] = (4, 4), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A synthetic video for the tiny Qwen-VL models: ``(pixel_values_videos, video_grid_thw)``.
+
+    ``frames`` temporal patches (each 2 frames) of ``H x W`` patches: ``pixel_values_videos`` is
+    ``[frames*H*W, C*T*P*P]``, ``video_grid_thw`` is ``[[frames, H, W]]``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    h, w = grid_hw
+    pixels = torch.randn(frames * h * w, _CHANNELS * _TEMPORAL * _PATCH * _PATCH, generator=gen)
+    return pixels, torch.tensor([[frames, h, w]])
+
+
+def video_span(model_type: str, grid: torch.Tensor, seed: int = 20) -> torch.Tensor:
+    """``[1, n]`` ids of one video as the processor lays it out: Qwen3-VL puts each temporal patch in
+    its own run after a timestamp (2 text tokens here); Qwen2/2.5-VL use one run for the whole video."""
+    t, h, w = (int(x) for x in grid[0])
+    per_frame = h * w // _MERGE**2
+    if model_type != "qwen3_vl":
+        return torch.tensor([[VISION_START, *([VIDEO_TOKEN] * (t * per_frame)), VISION_END]])
+    row: list[int] = []
+    for k in range(t):
+        row += [*tiny_prompt(2, seed=seed + k)[0].tolist(), VISION_START, *([VIDEO_TOKEN] * per_frame), VISION_END]
+    return torch.tensor([row])
+
+
 def image_span(n_tokens: int) -> torch.Tensor:
     """``[1, n + 2]`` ids: vision start, ``n`` image placeholders, vision end."""
     return torch.tensor([[VISION_START, *([IMAGE_TOKEN] * n_tokens), VISION_END]])
