@@ -130,6 +130,10 @@ class Adapter:
         """``(placeholder ids [1, n], image inputs)`` for verify's multimodal rows; None if text-only."""
         return None
 
+    def synthetic_video(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        """``(placeholder ids [1, n], video inputs)`` for verify's video rows; None without video."""
+        return None
+
     def plain_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
         """What plain transformers needs besides ``inputs`` to process ``ids`` from scratch."""
         return inputs

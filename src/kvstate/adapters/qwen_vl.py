@@ -12,6 +12,7 @@ the model, so plain transformers calls on the same instance agree with the state
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,6 +161,24 @@ class QwenVLAdapter(Adapter):
         pixels = torch.randn(4 * m * m, dim, generator=gen).to(next(model.parameters()).dtype)
         span = torch.tensor([[config.vision_start_token_id, *[config.image_token_id] * 4, config.vision_end_token_id]])
         return span, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 2 * m, 2 * m]])}
+
+    def synthetic_video(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, Any]]:
+        """A random video of 2 temporal patches of (2m x 2m) patches: 8 placeholder tokens, in one run
+        (Qwen2/2.5-VL) or one run per temporal patch after 2 timestamp tokens (Qwen3-VL)."""
+        config, vision = model.config, model.config.vision_config  # type: ignore[union-attr]
+        m = vision.spatial_merge_size
+        gen = torch.Generator().manual_seed(1)
+        dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        pixels = torch.randn(2 * 4 * m * m, dim, generator=gen).to(next(model.parameters()).dtype)
+        start, video, end = config.vision_start_token_id, config.video_token_id, config.vision_end_token_id
+        if self._frame_runs:
+            row = [x for k in range(2) for x in (11 + k, 12 + k, start, *[video] * 4, end)]
+        else:
+            row = [start, *[video] * 8, end]
+        inputs: dict[str, Any] = {"pixel_values_videos": pixels, "video_grid_thw": torch.tensor([[2, 2 * m, 2 * m]])}
+        if "second_per_grid_ts" in inspect.signature(model.forward).parameters:  # type: ignore[operator]
+            inputs["second_per_grid_ts"] = torch.tensor([1.0])
+        return torch.tensor([row]), inputs
 
     def plain_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
         """Plain Qwen-VL needs ``mm_token_type_ids`` to compute M-RoPE positions itself."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..session import Session
-from .rows import Matrix, Result, faulty_prefix, greedy, plain, reference
+from .rows import Matrix, Result, cache_variant_rows, faulty_prefix, greedy, plain, plain_rows, reference
 
 
 def kvstate_path_rows(m: Matrix) -> None:
@@ -182,3 +184,31 @@ def multimodal_rows(m: Matrix) -> None:
     m.adapter.reset_model(fresh)
     m.row("plain: image prefix, fresh instance, mask only", "plain", "the image cache on a new instance, full mask",
           lambda: plain(fresh, state, ids, m.n, mask=True, positions=False), {"instance": "fresh"}, ref=ref)
+
+
+def video_rows(m: Matrix) -> None:
+    """The control matrix again on a video prefix (issue 13: the long seed's own modality): the cache
+    variants and the plain resume rows, named ``<group>: video, <row>``."""
+    video = m.adapter.synthetic_video(m.model)
+    if video is None:
+        return
+    if m.fault is not None:
+        m.skipped.append("video rows: a planted fault applies to the text matrix")
+        return
+    span, inputs = video
+    ids = torch.cat([m.ids[:, :6], span, m.ids[:, 6:]], 1)
+    sub = Matrix(m.model, ids, m.n, fresh=m.fresh, spec=m.spec, attn=m.attn, quick=m.quick, inputs=inputs)
+    sub._fresh_model = m.fresh_model()
+    cache_variant_rows(sub)
+    plain_rows(sub)
+    for row in sub.rows:
+        facts = dict(row.facts or {})
+        if "twin" in facts:
+            facts["twin"] = _video_name(facts["twin"])
+        m.rows.append(replace(row, name=_video_name(row.name), facts=facts))
+    m.skipped.extend(f"video: {reason}" for reason in sub.skipped)
+
+
+def _video_name(name: str) -> str:
+    group, _, rest = name.partition(": ")
+    return f"{group}: video, {rest}"

@@ -48,14 +48,16 @@ class Matrix:
     attn: str | None = None
     fault: str | None = None
     quick: bool = False
+    inputs: dict[str, Any] = field(default_factory=dict)  # media of ``ids`` (a video prefix)
     rows: list[Row] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.adapter = adapter_for(self.model)
-        self.ref_logits, self.ref_tokens = reference(self.model, self.ids, self.n)
+        media = self.adapter.plain_inputs(self.model, self.ids, self.inputs) if self.inputs else {}
+        self.ref_logits, self.ref_tokens = reference(self.model, self.ids, self.n, **media)
         s = Session(self.model)
-        s.extend(self.ids[:, :-1])
+        s.extend(self.ids[:, :-1], **self.inputs)
         self.prefix = s.state
         self._fresh_model: Any = None
 

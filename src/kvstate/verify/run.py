@@ -26,6 +26,7 @@ from .contract import (
     multimodal_rows,
     padded_row,
     sliding_row,
+    video_rows,
 )
 from .diagnose import diagnose
 from .faults import FAULTS
@@ -40,7 +41,7 @@ DEFAULT_PROMPT = (
 )
 
 _STEPS = (cache_variant_rows, plain_rows, kvstate_path_rows, boundary_rows, contract_rows, compression_row,
-          sliding_row, padded_row, multimodal_rows)
+          sliding_row, padded_row, multimodal_rows, video_rows)
 
 
 def verify(model: Any, input_ids: torch.Tensor, *, new_tokens: int = 16, name: str | None = None,
