@@ -86,7 +86,13 @@ def phase1(t, folder):
     except Exception as exc:
         failed.append(f"crashed: {type(exc).__name__}: {str(exc)[:200]}")
         expected = None
-    return {"status": status if not failed else "WRONG", "adapter": adapter.caps.name, "failed": failed,
+    config = model.config
+    multimodal = any(getattr(config, k, None) is not None for k in ("vision_config", "audio_config", "encoder_config"))
+    media = ("images, videos" if "pixel_values_videos" in adapter.caps.input_keys else
+             "images" if "pixel_values" in adapter.caps.input_keys else
+             "text only: media inputs refused (UnsupportedError)" if multimodal else "")
+    return {"status": status if not failed else "WRONG", "adapter": adapter.caps.name, "media": media,
+            "failed": failed,
             "expected": None if expected is None else expected.tolist(),
             "continue": None if expected is None else torch.cat([longer, ids[:, :3]], 1).tolist()}
 
@@ -194,11 +200,16 @@ def markdown(results: dict[str, dict], env: dict[str, object], naive: dict[str, 
         "* **WRONG**: accepted but a check failed. The goal is none.", "",
         "Totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f" (of {len(results)}).", "",
         *summary(results, naive), "",
-        "| model_type | status | adapter | reason |", "|---|---|---|---|",
+        "**media**: what a multimodal type's state holds. Only the Qwen-VL family carries images and videos; "
+        "other multimodal types run text-only, and kvstate refuses their media inputs with `UnsupportedError` "
+        "before anything runs (their media state: gemma3's bidirectional image spans, paligemma's prefix-LM "
+        "mask, mllama's cross-attention K/V, needs a family adapter).", "",
+        "| model_type | status | adapter | media | reason |", "|---|---|---|---|---|",
     ]
     for t, r in sorted(results.items()):
         reason = r.get("reason") or ", ".join(r.get("failed", []))
-        lines.append(f"| {t} | {r['status']} | {r.get('adapter', '')} | {reason.replace('|', '/')[:160]} |")
+        lines.append(f"| {t} | {r['status']} | {r.get('adapter', '')} | {r.get('media', '')} | "
+                     f"{reason.replace('|', '/')[:160]} |")
     return "\n".join(lines) + "\n"
 
 

@@ -48,7 +48,11 @@ CASES = {
     "max_checkpoints=-1": ("llama", lambda s: Session(s.model, max_checkpoints=-1), InputError),
     "chunk_size=0": ("llama", lambda s: Session(s.model, chunk_size=0), InputError),
     "sliding_reserve=1.5": ("llama", lambda s: Session(s.model, sliding_reserve=1.5), InputError),
-    "unknown model input": ("llama", lambda s: s.extend(prompt(2), pixel_values=torch.rand(4, 24)), InputError),
+    "unknown model input": ("llama", lambda s: s.extend(prompt(2), frames_per_second=torch.rand(4)), InputError),
+    "media on a text-only family": ("llama", lambda s: s.extend(prompt(2), pixel_values=torch.rand(4, 24)),
+                                    UnsupportedError),
+    "media to generate on a text-only family": ("llama", lambda s: s.generate(prompt(2), pixel_values=torch.rand(
+        4, 24), max_new_tokens=2), UnsupportedError),
     "save onto a folder": ("llama", lambda s: s.save("/tmp"), StateFileError),
     "save into a missing folder": ("llama", lambda s: s.save("/tmp/kvstate-no-such-folder/s.kvs"), StateFileError),
     "pixels without image_grid_thw": ("vl", lambda s: s.extend(image_history()[0], pixel_values=image_history()[1]),

@@ -20,6 +20,7 @@ from .errors import (
     InputError,
     MaskError,
     PositionError,
+    UnsupportedError,
 )
 from .fingerprint import Fingerprint, mismatch
 from .state import State
@@ -59,8 +60,28 @@ def history_mask(ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torc
     return attention_mask.to(device=ids.device, dtype=torch.bool, copy=True)
 
 
+# Inputs that carry media (or per-slot media semantics) for transformers' multimodal models.
+MEDIA_KEYS = frozenset({
+    "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes", "pixel_attention_mask",
+    "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "token_type_ids", "input_features",
+    "input_features_mask", "image_position_ids", "second_per_grid_ts",
+})
+
+
+def refuse_media(keys: Any, allowed: tuple[str, ...], family: str) -> None:
+    """Media inputs a family's adapter does not hold are refused before anything runs (issue 13)."""
+    media = sorted(k for k in keys if k in MEDIA_KEYS and k not in allowed)
+    if media:
+        raise UnsupportedError(
+            f"{family} models: kvstate holds their text state only", expected="token ids (and attention_mask)",
+            found=f"media inputs {media}", fix="media state (gemma3's bidirectional image spans, paligemma's "
+            "prefix-LM mask, mllama's cross-attention K/V, llava's image features) needs a family adapter; "
+            "Qwen2-VL, Qwen2.5-VL and Qwen3-VL have one. Run text-only, or see docs/coverage.md")
+
+
 def model_inputs(inputs: dict[str, Any], allowed: tuple[str, ...], family: str) -> dict[str, Any]:
     """The extra model inputs a family takes (e.g. pixels); anything else is a typed error."""
+    refuse_media(inputs, allowed, family)
     unknown = sorted(set(inputs) - set(allowed))
     if unknown:
         raise InputError(f"unknown model inputs for {family} models", expected=list(allowed) or "none",

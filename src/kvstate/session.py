@@ -37,7 +37,16 @@ from .errors import (
     UnsupportedError,
 )
 from .fingerprint import Fingerprint, fingerprint
-from .inputs import as_ids, check_batch, check_model, check_positions, full_mask, history_mask, model_inputs
+from .inputs import (
+    as_ids,
+    check_batch,
+    check_model,
+    check_positions,
+    full_mask,
+    history_mask,
+    model_inputs,
+    refuse_media,
+)
 from .options import resolve
 from .protocols import PrefixCache, PrefixQuery
 from .resume import ResumePlan
@@ -223,6 +232,7 @@ class Session:
         its ``sequences`` holding only the new tokens (the state holds the cache).
         """
         inputs = {k: generate_kwargs.pop(k) for k in self._adapter.caps.input_keys if k in generate_kwargs}
+        refuse_media(generate_kwargs, self._adapter.caps.input_keys, self._adapter.caps.name)
         options = resolve(self.model, generate_kwargs)
         self._check_weights()
         ids = self._ids(input_ids)
