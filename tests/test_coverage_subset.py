@@ -46,6 +46,8 @@ ACCEPTED = {
     "minimax": ("MiniMaxCache (registered)", False),
     "xlstm": ("xLSTMCache (registered)", False),
     "rwkv": ("a `state` list instead of a transformers cache (registered)", False),
+    "mamba": ("selective scan continued from the cached state (registered)", False),
+    "olmo2": ("MHA with QK-norm", False),
 }
 
 # type: a phrase the refusal must contain
