@@ -38,7 +38,7 @@ model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sa
 
 def check(model_type: str) -> tuple[str, str]:
     try:
-        run = subprocess.run([sys.executable, "-c", CHECK, model_type], capture_output=True, text=True, timeout=180)
+        run = subprocess.run([sys.executable, "-c", CHECK, model_type], capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
         return model_type, "error: timeout"
     if run.returncode == 0:
