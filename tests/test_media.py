@@ -106,7 +106,7 @@ def test_pixels_for_only_some_images_name_the_runs():
     s = Session(model)
     s.generate(ids[:, :13], pixel_values=pixels[: pixels.shape[0] // 2], image_grid_thw=grid[:1], **N)
     before = s.state
-    with pytest.raises(InputError, match="pixels for 1 image\(s\) do not cover the 2 image runs") as info:
+    with pytest.raises(InputError, match=r"pixels for 1 image\(s\) do not cover the 2 image runs") as info:
         s.generate(ids, pixel_values=pixels[pixels.shape[0] // 2:], image_grid_thw=grid[1:], **N)
     assert f"(6, {6 + n})" in str(info.value)
     assert s.state is before
