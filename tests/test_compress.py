@@ -259,3 +259,49 @@ def test_attention_policies_refuse_missing_attention():
     for policy in (TOVA(0.5), SnapKV(0.5, window=2, kernel=3)):
         with pytest.raises(InputError, match="attention weights"):
             policy.scores(x)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_media_spans_keep_or_drop_whole_images_and_the_file_records_it(keep, tmp_path):
+    """Issue 13: a policy can keep or drop an image whole; the continuation stays exact ("attention
+    restricted to the retained slots") and ``state.media`` records whether the image survived."""
+    from kvstate.compress import MediaSpans
+
+    model = tiny_model("qwen3_vl")
+    pixels, grid, n = tiny_image((4, 6))
+    ids = torch.cat([prompt(6), image_span(n), prompt(12, seed=2)], 1)
+    T = ids.shape[1]
+    s = Session(model)
+    s.extend(ids, pixel_values=pixels, image_grid_thw=grid)
+    (item,) = s.state.media
+    s.compress(MediaSpans(policy=KNorm(0.5), keep=keep))
+    compressed = s.state
+    image = set(range(item.start, item.end))
+    for i in range(len(compressed.layers)):
+        retained = set(retained_tokens(compressed, i))
+        assert image <= retained if keep else not image & retained
+        assert len(retained) == (max(T - T // 2, n) if keep else min(T - T // 2, T - n))
+    assert compressed.media[0].kept is keep
+    s.save(tmp_path / "c.kvs")
+    assert Session.load(tmp_path / "c.kvs", tiny_model("qwen3_vl")).state.media == compressed.media
+    seq = torch.cat([ids, prompt(4, seed=9)], 1)
+    logits = s.extend(seq[:, T:])
+    inputs = {"pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": (seq == IMAGE_TOKEN).int()}
+    assert_logits_close(logits, masked_reference(model, seq, compressed, T, **inputs), f"keep={keep}")
+
+
+def test_media_spans_refuse_layers_compressed_before():
+    from kvstate.compress import MediaSpans
+    from kvstate.errors import InputError
+
+    model = tiny_model("qwen3_vl")
+    pixels, grid, n = tiny_image((4, 6))
+    s = Session(model)
+    s.extend(torch.cat([prompt(6), image_span(n), prompt(12, seed=2)], 1), pixel_values=pixels, image_grid_thw=grid)
+    s.compress(KNorm(0.25))
+    before = s.state
+    with pytest.raises(InputError, match="needs to know which slots hold media"):
+        s.compress(MediaSpans(policy=KNorm(0.25)))
+    assert s.state is before
+    with pytest.raises(InputError, match="by keyword"):
+        MediaSpans(KNorm(0.25))  # the inner policy given where the ratio goes

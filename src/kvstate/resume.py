@@ -60,9 +60,9 @@ def media_prefix(state: State, media: Sequence[MediaItem] | None) -> int:
     ``None`` (the caller passed no pixels for processed media) trusts the placeholders."""
     if media is None:
         return state.tokens_seen
-    held = set(state.media)
+    held = {m.key for m in state.media}
     for item in sorted(media, key=lambda m: m.start):
-        if item.start < state.tokens_seen and item not in held:
+        if item.start < state.tokens_seen and item.key not in held:
             return item.start
     return state.tokens_seen
 

@@ -49,6 +49,12 @@ class MediaItem:
     start: int
     end: int
     digest: str
+    kept: bool = True  # False once a compression evicted any of its slots (kvstate.compress.MediaSpans)
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        """What identifies the item in a history: its slots and content."""
+        return self.start, self.end, self.digest
 
 
 @dataclass(frozen=True, eq=False)
@@ -225,7 +231,7 @@ class State:
             "checkpoints": [c.tokens_seen for c in self.checkpoints],
             "checkpoint_nbytes": sum(c.nbytes for c in self.checkpoints),
             "extras": sorted(self.extras),
-            "media": [[m.start, m.end, m.digest] for m in self.media],
+            "media": [[m.start, m.end, m.digest, m.kept] for m in self.media],
             "fingerprint": None if self.fingerprint is None else self.fingerprint.to_dict(),
         }
 

@@ -21,7 +21,7 @@ from .. import _compat
 from ..errors import InputError, UnsupportedError
 from ..layers import AttentionLayerState, LayerState
 from ..protocols import AttentionObserver
-from ..state import State
+from ..state import MediaItem, State
 from .policies import Policy, ReRotate, ScoreInput
 
 
@@ -39,34 +39,54 @@ def compress_state(observer: AttentionObserver, model: Any, state: State, policy
     if all(policy.ratio_for(i, n) == 0 for i in range(n)):
         return state  # ratio 0: the identity, bitwise, without re-running anything
     attention = observer.observe(state, policy.observation_window) if policy.observation_window else {}
-    layers = tuple(_compress_layer(i, n, layer, policy, attention.get(i), state.tokens_seen)
-                   for i, layer in enumerate(state.layers))
-    compressed = replace(state, layers=layers)
+    media = torch.zeros(state.tokens_seen, dtype=torch.bool, device=state.device)
+    for item in state.media:
+        media[item.start:item.end] = True
+    results = [_compress_layer(i, n, layer, policy, attention.get(i), state.tokens_seen, media)
+               for i, layer in enumerate(state.layers)]
+    compressed = replace(state, layers=tuple(layer for layer, _ in results),
+                         media=_surviving(state, [kept for layer, kept in results  # sliding layers forget anyway
+                                                  if isinstance(layer, AttentionLayerState) and layer.window is None]))
     return rerotate(model, compressed) if isinstance(policy, ReRotate) else compressed
 
 
 def _compress_layer(i: int, n: int, layer: LayerState, policy: Policy, attention: torch.Tensor | None,
-                    tokens_seen: int) -> LayerState:
+                    tokens_seen: int, media: torch.Tensor) -> tuple[LayerState, torch.Tensor | None]:
+    """The layer reduced by ``policy``, and the token indices its slots hold if known (batch of 1)."""
     if not isinstance(layer, AttentionLayerState) or layer.keys is None:
-        return layer  # recurrent state has no slots to evict
+        return layer, None  # recurrent state has no slots to evict
     keys, values, positions = layer.keys, layer.values, layer.positions
     assert values is not None and positions is not None
+    # slots are the history's tail until a compression evicts some: then their tokens are unknown here
+    tokens = None if layer.compressed_at is not None or keys.shape[0] != 1 else \
+        torch.arange(tokens_seen - keys.shape[2], tokens_seen, device=keys.device)
     if layer.window is not None and keys.shape[2] > layer.window - 1:  # only the window matters from here on
         keep = layer.window - 1
         keys, values, positions = keys[:, :, -keep:], values[:, :, -keep:], positions[:, -keep:]
+        tokens = None if tokens is None else tokens[-keep:]
     if attention is not None:
         attention = attention[..., -keys.shape[2]:]  # attention columns end with the layer's last slot
-    x = ScoreInput(i, n, keys, positions, attention)
+    x = ScoreInput(i, n, keys, positions, attention, None if tokens is None else media[tokens])
     k = policy.keep_count(x)
     if k >= keys.shape[2]:
-        return layer  # identity: the very same tensors, bitwise
+        return layer, tokens  # identity: the very same tensors, bitwise
     index = policy.scores(x).topk(k, dim=-1).indices.sort(dim=-1).values  # [B, k], in slot order
     B, H, _, D = keys.shape
     gather = index[:, None, :, None].expand(B, H, k, D)
     kept_positions = positions.gather(1, index if positions.dim() == 2 else index[..., None].expand(-1, -1,
                                                                                                     positions.shape[2]))
-    return layer.with_slots(keys.gather(2, gather), values.gather(2, gather), kept_positions,
-                            compressed_at=tokens_seen)
+    return (layer.with_slots(keys.gather(2, gather), values.gather(2, gather), kept_positions,
+                             compressed_at=tokens_seen), None if tokens is None else tokens[index[0]])
+
+
+def _surviving(state: State, kept: list[torch.Tensor | None]) -> tuple[MediaItem, ...]:
+    """``state.media`` marked ``kept`` where every full-attention layer (with known tokens) still holds
+    all of the item's slots."""
+    known = [set(k.tolist()) for k in kept if k is not None]
+    if not known:
+        return state.media
+    return tuple(replace(item, kept=item.kept and all(set(range(item.start, item.end)) <= k for k in known))
+                 for item in state.media)
 
 
 def rerotate(model: Any, state: State) -> State:

@@ -26,6 +26,7 @@ class ScoreInput:
     keys: torch.Tensor  # [B, H, S, D]
     positions: torch.Tensor  # [B, S] or [B, S, R]
     attention: torch.Tensor | None = None  # [B, H, W, S]: the last W queries' attention weights
+    media: torch.Tensor | None = None  # [S] bool: the slot holds an image or video token (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,10 @@ class Policy:
     ratio: float = 0.5
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.ratio < 1.0:
-            raise InputError("compression ratio out of range", expected="0 <= ratio < 1", found=self.ratio,
-                             fix="ratio is the fraction of slots to evict")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0.0 <= self.ratio < 1.0:
+            raise InputError("compression ratio out of range", expected="a number, 0 <= ratio < 1",
+                             found=repr(self.ratio)[:80], fix="ratio is the fraction of slots to evict; wrappers "
+                             "take their inner policy by keyword (policy=...)")
 
     @property
     def observation_window(self) -> int:
@@ -184,3 +186,42 @@ class ReRotate(Policy):
 
     def scores(self, x: ScoreInput) -> torch.Tensor:
         return self.policy.scores(x)
+
+
+@dataclass(frozen=True)
+class MediaSpans(Policy):
+    """Images and videos kept or dropped whole (issue 13), the rest scored by ``policy``.
+
+    ``keep=True``: no media slot is evicted; ``policy`` evicts its ratio from the other slots (a
+    layer keeps at least its media). ``keep=False``: every media slot is evicted, plus what
+    ``policy`` picks among the text slots to reach its ratio. Needs layers whose slots still map
+    to tokens (not compressed before): ``state.media`` then records which items survived.
+    """
+
+    policy: Policy = field(default_factory=KNorm)
+    keep: bool = True
+
+    @property
+    def observation_window(self) -> int:
+        return self.policy.observation_window
+
+    def ratio_for(self, layer: int, n_layers: int) -> float:
+        return self.policy.ratio_for(layer, n_layers)
+
+    def keep_count(self, x: ScoreInput) -> int:
+        media = int(_media(x, self).sum())
+        k = self.policy.keep_count(x)
+        return max(k, media) if self.keep else min(k, x.keys.shape[2] - media)
+
+    def scores(self, x: ScoreInput) -> torch.Tensor:
+        scores = self.policy.scores(x).float().clone()
+        scores[:, _media(x, self)] = float("inf") if self.keep else float("-inf")
+        return scores
+
+
+def _media(x: ScoreInput, policy: Policy) -> torch.Tensor:
+    if x.media is None:
+        raise InputError(f"{type(policy).__name__} needs to know which slots hold media",
+                         expected="attention layers whose slots still map to tokens", found="a layer compressed "
+                         "before", fix="apply MediaSpans as the first compression of a state")
+    return x.media

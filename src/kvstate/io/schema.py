@@ -9,7 +9,7 @@ positions, or ``"tensor"`` for multimodal positions stored as a tensor),
 ``checkpoints`` (``tokens_seen`` and per-layer ``meta`` of each snapshot),
 ``has_last_logits``, ``extras`` (names), ``storage`` (``exact``, ``bfloat16``,
 ``float16`` or ``int8``), ``kv_dtype``, ``metadata`` (str -> str), ``media`` (``[start, end,
-digest]`` per processed image or video), ``checksum`` (the algorithm) and ``checksums``.
+digest, kept]`` per processed image or video), ``checksum`` (the algorithm) and ``checksums``.
 Every count is bounded by the one above it (slots <= a layer's
 tokens_seen <= the state's), and the state's by its token list, so a header cannot
 make the loader allocate more than the file holds.
@@ -68,7 +68,7 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "next_position": state.next_position.tolist(), "layers": layers, "checkpoints": checkpoints,
         "has_last_logits": state.last_logits is not None, "extras": sorted(state.extras),
         "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "metadata": meta,
-        "media": [[m.start, m.end, m.digest] for m in state.media],
+        "media": [[m.start, m.end, m.digest, m.kept] for m in state.media],
     }
     header["checksum"] = "xxh3-64"
     header["checksums"] = {name: digest(t) for name, t in tensors.items()}
@@ -152,12 +152,13 @@ def _media(header: dict[str, Any], T: int) -> tuple[MediaItem, ...]:
         raise StateFileError("media must be a list", found=type(items).__name__, fix="re-save the state")
     out = []
     for item in items:
-        ok = (isinstance(item, list) and len(item) == 3 and all(type(x) is int for x in item[:2])
-              and isinstance(item[2], str) and 0 <= item[0] < item[1] <= T and len(item[2]) <= 128)
+        ok = (isinstance(item, list) and len(item) in (3, 4) and all(type(x) is int for x in item[:2])
+              and isinstance(item[2], str) and 0 <= item[0] < item[1] <= T and len(item[2]) <= 128
+              and (len(item) == 3 or type(item[3]) is bool))
         if not ok:
-            raise StateFileError("a media item is malformed", expected=f"[start, end, digest], 0 <= start < end <= {T}",
-                                 found=str(item)[:100], fix="re-save the state")
-        out.append(MediaItem(item[0], item[1], item[2]))
+            raise StateFileError("a media item is malformed", expected=f"[start, end, digest, kept], 0 <= start < "
+                                 f"end <= {T}", found=str(item)[:100], fix="re-save the state")
+        out.append(MediaItem(item[0], item[1], item[2], *item[3:]))
     return tuple(out)
 
 
