@@ -11,7 +11,7 @@ import torch
 
 from kvstate import Session
 from kvstate.errors import InputError, KVStateError, StateFileError, UnsupportedError
-from kvstate.testing.tiny import image_span, tiny_image
+from kvstate.testing.tiny import image_span, tiny_image, tiny_video, video_span
 from tiny import assert_same_state, count_forwards, prompt, snapshot, tiny_model
 
 
@@ -30,6 +30,11 @@ def vl():
 def image_history(n_tokens=None):
     pixels, grid, n = tiny_image((4, 6))
     return torch.cat([prompt(4), image_span(n if n_tokens is None else n_tokens), prompt(3)], 1), pixels, grid
+
+
+def video_history():
+    pixels, grid = tiny_video()
+    return torch.cat([prompt(4), video_span("qwen3_vl", grid), prompt(3)], 1), pixels, grid
 
 
 CASES = {
@@ -62,6 +67,14 @@ CASES = {
                                                             image_grid_thw=image_history()[2]), InputError),
     "image placeholders without pixels": ("vl", lambda s: s.generate(image_history()[0], max_new_tokens=2),
                                           InputError),
+    "video pixels do not match the grid": ("vl", lambda s: s.extend(
+        video_history()[0], pixel_values_videos=video_history()[1][:-1], video_grid_thw=video_history()[2]),
+        InputError),
+    "video placeholders without pixels": ("vl", lambda s: s.generate(video_history()[0], max_new_tokens=2),
+                                          InputError),
+    "second_per_grid_ts without its video": ("vl", lambda s: s.generate(
+        video_history()[0], pixel_values_videos=video_history()[1], video_grid_thw=video_history()[2],
+        second_per_grid_ts=torch.tensor([1.0, 1.0]), max_new_tokens=2), InputError),
     "two rows with one image each": ("vl", lambda s: s.extend(
         torch.cat([image_history()[0]] * 2), pixel_values=torch.cat([image_history()[1]] * 2),
         image_grid_thw=torch.cat([image_history()[2]] * 2)), UnsupportedError),

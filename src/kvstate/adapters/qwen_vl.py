@@ -111,6 +111,11 @@ class QwenVLAdapter(Adapter):
             if pixels.shape[0] != int(grid.prod(-1).sum()):
                 raise InputError(f"{pixels_key} do not match {grid_key}", expected=int(grid.prod(-1).sum()),
                                  found=pixels.shape[0], fix="pass pixels and grids from one processor call")
+        seconds, videos = inputs.get("second_per_grid_ts"), inputs.get("video_grid_thw")
+        if seconds is not None and (videos is None or len(seconds) != videos.shape[0]):
+            raise InputError("second_per_grid_ts needs one value per video", found=f"{len(seconds)} values for "
+                             f"{0 if videos is None else videos.shape[0]} videos", fix="pass it as the processor "
+                             "returns it, with the videos")
 
     def media_spans(self, model: torch.nn.Module, ids: torch.Tensor,
                     inputs: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:
@@ -124,15 +129,16 @@ class QwenVLAdapter(Adapter):
         pieces: dict[int, list[str]] = {}
         for kind, (pixels_key, grid_key) in ((_IMAGE, _IMAGE_INPUTS), (_VIDEO, _VIDEO_INPUTS[:2])):
             count = sum(1 for item in items if item.kind == kind)
-            grid = inputs.get(grid_key)
-            if count and (grid is None or grid.shape[0] != count):
-                return None
+            grid, pixels = inputs.get(grid_key), inputs.get(pixels_key)
+            if count and (grid is None or pixels is None or grid.shape[0] != count
+                          or pixels.shape[0] != int(grid.prod(-1).sum())):
+                return None  # unhashable as given: check_inputs names the mistake
             if count:
                 seconds = inputs.get("second_per_grid_ts") if kind == _VIDEO else None
-                pixels = inputs[pixels_key].split(grid.prod(-1).tolist())
+                parts = pixels.split(grid.prod(-1).tolist())
                 pieces[kind] = [f"{'image' if kind == _IMAGE else 'video'}:" + media_digest(
                     p, g, *([] if seconds is None else [torch.as_tensor(seconds[i]).reshape(1)]))
-                    for i, (p, g) in enumerate(zip(pixels, grid, strict=True))]
+                    for i, (p, g) in enumerate(zip(parts, grid, strict=True))]
         return [(item.span[0], pieces[item.kind][item.index]) for item in items]
 
     def _items(self, model: torch.nn.Module, row: torch.Tensor, inputs: dict[str, Any]) -> list[_Media]:
