@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from types import ModuleType
@@ -30,15 +31,20 @@ _NAME = "mamba_selective_scan"
 _LOCK = threading.Lock()
 _INSTALLED: dict[ModuleType, tuple[int, Callable[..., Any]]] = {}  # module -> (users, original function)
 _PENDING = threading.local()  # the cached state the next scan on this thread starts from
+_MIXERS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules whose forward calls their transformers module's ``mamba_selective_scan``."""
-    found = []
-    for module in model.modules():
-        home = sys.modules.get(type(module).__module__)
-        if home is not None and hasattr(home, _NAME) and hasattr(module, "layer_idx") and hasattr(module, "A_log"):
-            found.append(module)
+    """The modules whose forward calls their transformers module's ``mamba_selective_scan`` (found once
+    per model: a walk over every module is not for each forward)."""
+    found = _MIXERS.get(model)
+    if found is None:
+        found = []
+        for module in model.modules():
+            home = sys.modules.get(type(module).__module__)
+            if home is not None and hasattr(home, _NAME) and hasattr(module, "layer_idx") and hasattr(module, "A_log"):
+                found.append(module)
+        _MIXERS[model] = found
     return found
 
 
