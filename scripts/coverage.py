@@ -200,10 +200,10 @@ def markdown(results: dict[str, dict], env: dict[str, object], naive: dict[str, 
         "* **WRONG**: accepted but a check failed. The goal is none.", "",
         "Totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f" (of {len(results)}).", "",
         *summary(results, naive), "",
-        "**media**: what a multimodal type's state holds. Only the Qwen-VL family carries images and videos; "
+        "**media**: what a multimodal type's state holds. Qwen-VL carries images and videos, Gemma 3 images; "
         "other multimodal types run text-only, and kvstate refuses their media inputs with `UnsupportedError` "
-        "before anything runs (their media state: gemma3's bidirectional image spans, paligemma's prefix-LM "
-        "mask, mllama's cross-attention K/V, needs a family adapter).", "",
+        "before anything runs (their media state, such as paligemma's prefix-LM mask or mllama's "
+        "cross-attention K/V, needs a family adapter).", "",
         "| model_type | status | adapter | media | reason |", "|---|---|---|---|---|",
     ]
     for t, r in sorted(results.items()):

@@ -272,7 +272,8 @@ class Engine:
         """One forward over ``ids`` ``[B, q]``; ``mask`` ``[B, T + q]``; ``positions`` ``[B, q(, R)]``."""
         cache = self.adapter.build_cache(self.model, state.layers, state.batch_size)
         self.adapter.restore_extras(self.model, dict(state.extras))
-        kwargs = dict(inputs, input_ids=ids, attention_mask=_mask_arg(mask), use_cache=True, **self._keep_one(),
+        extra = self.adapter.forward_inputs(self.model, state.tokens, ids, dict(inputs))
+        kwargs = dict(extra, input_ids=ids, attention_mask=_mask_arg(mask), use_cache=True, **self._keep_one(),
                       **{self.adapter.caps.cache_kwarg: cache})
         if self.adapter.caps.position_ids:
             kwargs["position_ids"] = self.adapter.model_positions(positions)

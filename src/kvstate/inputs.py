@@ -74,9 +74,9 @@ def refuse_media(keys: Any, allowed: tuple[str, ...], family: str) -> None:
     if media:
         raise UnsupportedError(
             f"{family} models: kvstate holds their text state only", expected="token ids (and attention_mask)",
-            found=f"media inputs {media}", fix="media state (gemma3's bidirectional image spans, paligemma's "
-            "prefix-LM mask, mllama's cross-attention K/V, llava's image features) needs a family adapter; "
-            "Qwen2-VL, Qwen2.5-VL and Qwen3-VL have one. Run text-only, or see docs/coverage.md")
+            found=f"media inputs {media}", fix="media state (paligemma's prefix-LM mask, mllama's "
+            "cross-attention K/V, llava's image features) needs a family adapter; Qwen2-VL, Qwen2.5-VL, "
+            "Qwen3-VL and Gemma 3 have one. Run text-only, or see docs/coverage.md")
 
 
 def model_inputs(inputs: dict[str, Any], allowed: tuple[str, ...], family: str) -> dict[str, Any]:

@@ -1,12 +1,14 @@
 """Per-family adapters behind one explicit registry (see ``base`` for the protocol)."""
 
 from .base import Adapter, Capabilities, register, registered, supported_model_types
+from .gemma3 import Gemma3Adapter
 from .own_cache import MiniMaxAdapter, RWKVAdapter, XLSTMAdapter
 from .qwen_vl import QwenVLAdapter
 from .recurrent import RecurrentAdapter, RecurrentGemmaAdapter
 
-__all__ = ["Adapter", "Capabilities", "MiniMaxAdapter", "QwenVLAdapter", "RWKVAdapter", "RecurrentAdapter",
-           "RecurrentGemmaAdapter", "XLSTMAdapter", "register", "registered", "supported_model_types"]
+__all__ = ["Adapter", "Capabilities", "Gemma3Adapter", "MiniMaxAdapter", "QwenVLAdapter", "RWKVAdapter",
+           "RecurrentAdapter", "RecurrentGemmaAdapter", "XLSTMAdapter", "register", "registered",
+           "supported_model_types"]
 
 # Each registration is exercised by the test matrix (tests/test_core.py, tests/test_families.py).
 register(("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"), Adapter())
@@ -20,3 +22,4 @@ register(("recurrent_gemma",), RecurrentGemmaAdapter())
 register(("minimax",), MiniMaxAdapter())
 register(("xlstm",), XLSTMAdapter())
 register(("rwkv",), RWKVAdapter())
+register(("gemma3",), Gemma3Adapter())  # images: bidirectional blocks, token types over the whole history

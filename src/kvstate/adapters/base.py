@@ -159,6 +159,12 @@ class Adapter:
         """The model output ``generate``'s replaced prefill returns: ``logits`` ``[B, 1, V]`` and the cache."""
         return _compat.lm_output(logits, cache)
 
+    def forward_inputs(self, model: torch.nn.Module, before: torch.Tensor, ids: torch.Tensor,
+                       inputs: dict[str, Any]) -> dict[str, Any]:
+        """The extra inputs of one forward of ``ids`` ``[B, Q]`` after the processed tokens ``before``
+        ``[B, T]`` (Gemma 3 needs the token types of the whole history)."""
+        return inputs
+
     def forward_context(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
         """Entered around every forward kvstate runs (under the model's lock)."""
         return nullcontext()

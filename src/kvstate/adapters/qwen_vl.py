@@ -22,6 +22,7 @@ from .. import _compat
 from ..errors import InputError, UnsupportedError
 from ..fingerprint import media_digest
 from .base import Adapter, Capabilities
+from .media import placeholder_runs
 
 _IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
 _VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -238,13 +239,5 @@ def _check_runs(model: torch.nn.Module, name: str, runs: list[tuple[int, int]], 
 
 
 def _runs(model: torch.nn.Module, row: torch.Tensor, kind: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each media placeholder run of ``kind`` in one row. A run counts only right
-    after a vision-start token, as processors lay media out: a placeholder id the model generated
-    is text, as it is to plain ``generate``, which marks generated tokens as text. A run at the start of
-    ``row`` counts (a chunk that continues a state may begin inside the media's layout)."""
-    token, opener = _token(model, kind), int(model.config.vision_start_token_id)  # type: ignore[union-attr]
-    is_token = (row == token).int()
-    edges = torch.diff(torch.cat([is_token.new_zeros(1), is_token, is_token.new_zeros(1)]))
-    starts = (edges == 1).nonzero().flatten().tolist()
-    ends = (edges == -1).nonzero().flatten().tolist()
-    return [(a, b) for a, b in zip(starts, ends, strict=True) if a == 0 or int(row[a - 1]) == opener]
+    """The media placeholder runs of ``kind`` in one row (after a vision-start token)."""
+    return placeholder_runs(row, _token(model, kind), int(model.config.vision_start_token_id))  # type: ignore[union-attr]

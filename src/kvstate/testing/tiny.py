@@ -85,6 +85,16 @@ CONFIGS.update({
         _VISION, embed_dim=32, hidden_size=64, mlp_ratio=2)),
 })
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Gemma 3 with images: a 16x16 image of 4x4 patches, pooled to 4 tokens, between begin/end-of-image.
+GEMMA3_IMAGE, GEMMA3_BOI, GEMMA3_EOI = 125, 126, 127
+CONFIGS["gemma3"] = dict(
+    image_token_id=GEMMA3_IMAGE, boi_token_id=GEMMA3_BOI, eoi_token_id=GEMMA3_EOI, mm_tokens_per_image=4,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    text_config=dict(_COMMON, sliding_window=WINDOW, query_pre_attn_scalar=8,
+                     layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]),
+    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       image_size=16, patch_size=4))
+IMAGE_TEXT = (*QWEN_VL, "gemma3")  # built with AutoModelForImageTextToText
 _STANDARD = ("llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text")
 SLIDING = ("gemma2", "gemma3_text")
 _EAGER_ONLY = ("gemma2", "mamba", "mamba2", "xlstm", "rwkv")  # transformers has no sdpa path for these
@@ -112,7 +122,7 @@ def tiny_model(model_type: str, seed: int = 0, attn: str | None = None) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    auto = AutoModelForImageTextToText if model_type in QWEN_VL else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if model_type in IMAGE_TEXT else AutoModelForCausalLM
     model = auto.from_config(tiny_config(model_type), dtype=torch.float32,
                              attn_implementation=_backend(model_type, attn))
     # No EOS: every greedy run makes exactly max_new_tokens, so rows stay comparable.
@@ -162,6 +172,13 @@ def video_span(model_type: str, grid: torch.Tensor, seed: int = 20) -> torch.Ten
     for k in range(t):
         row += [*tiny_prompt(2, seed=seed + k)[0].tolist(), VISION_START, *([VIDEO_TOKEN] * per_frame), VISION_END]
     return torch.tensor([row])
+
+
+def gemma3_image(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [1, 6], pixel_values [1, 3, 16, 16])``: one image for the tiny Gemma 3."""
+    gen = torch.Generator().manual_seed(seed)
+    span = torch.tensor([[GEMMA3_BOI, *[GEMMA3_IMAGE] * 4, GEMMA3_EOI]])
+    return span, torch.randn(1, 3, 16, 16, generator=gen)
 
 
 def image_span(n_tokens: int) -> torch.Tensor:
