@@ -130,6 +130,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "musicgen_melody": {"decoder": {"num_codebooks": 1}},
     # The depth decoder's input is the main model's width (an attribute named like the audio feature size).
     "moshi": {"depth_decoder_config": {"input_size": HIDDEN}},
+    # The image pools to mm_tokens_per_image: a square that divides the 2 x 2 patches the shrunk tower makes.
+    "gemma3": {"mm_tokens_per_image": 4},
     # BltConfig has no num_hidden_layers but the model sizes its DynamicCache from it; hash vocabulary small.
     "blt": {"num_hidden_layers": 2, "encoder_hash_byte_group_vocab": 1024},
 }
