@@ -213,6 +213,30 @@ def markdown(results: dict[str, dict], env: dict[str, object], naive: dict[str, 
     return "\n".join(lines) + "\n"
 
 
+def image_text_section() -> str:
+    """The image-text-to-text types (not causal-LM types, so not swept above) and what kvstate does
+    with their media: carried by a family adapter, or refused before anything runs."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from kvstate.adapters.base import registered_type
+
+    lines = ["", "## Image-text-to-text types", "",
+             "These are not causal-LM types, so the sweep above does not build them. Their media state is what "
+             "a family adapter carries; where none is registered, kvstate refuses media inputs before anything "
+             "runs: `UnsupportedError` for the usual media keys (`kvstate.inputs.MEDIA_KEYS`), `InputError` for "
+             "inputs it does not know. Their text path is not swept here.", "",
+             "| model_type | media | tested in |", "|---|---|---|"]
+    for t in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        adapter = registered_type(t)
+        keys = adapter.caps.input_keys if adapter is not None else ()
+        media = "images, videos" if "pixel_values_videos" in keys else "images" if "pixel_values" in keys else \
+            "refused"
+        tests = {"gemma3": "tests/test_gemma3.py"}.get(t, "tests/test_video.py, tests/test_media.py"
+                                                        if "pixel_values_videos" in keys else "")
+        lines.append(f"| {t} | {media} | {tests} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -230,7 +254,7 @@ def main() -> None:
     naive = json.loads(naive_path.read_text())["results"] if naive_path.is_file() else None
     print("\n".join(summary(results, naive)))
     if not args.types:
-        args.markdown.write_text(markdown(results, env, naive))
+        args.markdown.write_text(markdown(results, env, naive) + image_text_section())
     counts = {s: sum(r["status"] == s for r in results.values()) for s in {r["status"] for r in results.values()}}
     print(json.dumps(counts))
 

@@ -198,6 +198,11 @@ def supported_model_types() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def registered_type(model_type: str) -> Adapter | None:
+    """The adapter registered for ``model_type``, if any."""
+    return _REGISTRY.get(model_type)
+
+
 def registered(model: torch.nn.Module) -> Adapter | None:
     """The adapter registered for ``model.config.model_type``, if any (else the self-check decides)."""
     return _REGISTRY.get(str(getattr(getattr(model, "config", None), "model_type", None)))
