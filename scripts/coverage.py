@@ -226,13 +226,16 @@ def image_text_section() -> str:
              "runs: `UnsupportedError` for the usual media keys (`kvstate.inputs.MEDIA_KEYS`), `InputError` for "
              "inputs it does not know. Their text path is not swept here.", "",
              "| model_type | media | tested in |", "|---|---|---|"]
+    checked = {  # what the suite proves for types without a media adapter
+        "llava": "refused; text path exact", "mllama": "refused; text path exact",
+        "paligemma": "refused: the self-check refuses the model (its prefix-LM attention is not causal)"}
     for t in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
         adapter = registered_type(t)
         keys = adapter.caps.input_keys if adapter is not None else ()
         media = "images, videos" if "pixel_values_videos" in keys else "images" if "pixel_values" in keys else \
-            "refused"
-        tests = {"gemma3": "tests/test_gemma3.py"}.get(t, "tests/test_video.py, tests/test_media.py"
-                                                        if "pixel_values_videos" in keys else "")
+            checked.get(t, "refused")
+        tests = "tests/test_gemma3.py" if t == "gemma3" else "tests/test_video.py, tests/test_media.py" \
+            if "pixel_values_videos" in keys else "tests/test_multimodal_refusals.py" if t in checked else ""
         lines.append(f"| {t} | {media} | {tests} |")
     return "\n".join(lines) + "\n"
 
