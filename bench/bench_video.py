@@ -1,8 +1,8 @@
 """Video prefix (issue 13): time to the first token of a follow-up question, Qwen3-VL, CPU.
 
 A random Qwen3-VL, larger than the test suite's tiny one (text: hidden 256, 4 layers; vision:
-depth 2, hidden 128), watches a video of 8 temporal patches of 16 x 16 patches (8 frame runs of
-64 placeholder tokens, 512 in all, between timestamps), then gets a 16-token question. Side by
+depth 2, hidden 128), watches a video of 16 temporal patches of 24 x 24 patches (16 frame runs of
+144 placeholder tokens, 2,304 in all, between timestamps), then gets a 16-token question. Side by
 side, in one run, each timed to the first new token (median of ``--repeats``):
 
 * **re-encode**: plain ``model.generate`` over the whole history with the video (what a server
@@ -51,12 +51,13 @@ def build() -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--frames", type=int, default=8, help="temporal patches of the video")
+    parser.add_argument("--frames", type=int, default=16, help="temporal patches of the video")
+    parser.add_argument("--size", type=int, default=24, help="patches per side of a frame (even)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model = build()
-    h = w = 16
+    h = w = args.size
     gen = torch.Generator().manual_seed(0)
     pixels = torch.randn(args.frames * h * w, 3 * 2 * 2 * 2, generator=gen)
     grid = torch.tensor([[args.frames, h, w]])
