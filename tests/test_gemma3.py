@@ -59,11 +59,15 @@ def test_an_image_state_resumes_from_a_file_on_a_fresh_instance(tmp_path):
     s.save(tmp_path / "g.kvs")
     longer = torch.cat([ids, prompt(4, seed=7)], 1)
     loaded = Session.load(tmp_path / "g.kvs", tiny_model("gemma3"))
+    fork = s.fork()
     tokens, logits = greedy(loaded, longer)  # the image is processed: no pixels needed
     ref_tokens, ref_logits = plain(model, longer, pixels)
     assert loaded.last_plan.reused == ids.shape[1]
     assert torch.equal(tokens, ref_tokens)
     assert_logits_close(logits, ref_logits, "fresh instance")
+    other = torch.cat([ids, prompt(3, seed=11)], 1)
+    assert torch.equal(greedy(fork, other)[0], plain(model, other, pixels)[0])  # a fork, on another branch
+    assert torch.equal(greedy(s, longer)[0], ref_tokens)  # the original, untouched by its fork
 
 
 def test_a_swapped_image_and_a_divergence_inside_an_image_roll_back_before_it():
