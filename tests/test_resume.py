@@ -107,3 +107,32 @@ def test_stored_logits_only_when_the_whole_history_is_processed():
     assert (cut.reused, cut.fed, cut.mode) == (2, 1, "rollback")
     longer = plan(state, torch.tensor([[1, 2, 3, 4]]), torch.ones(1, 4, dtype=torch.bool))
     assert (longer.reused, longer.fed, longer.mode) == (3, 1, "continue")
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(data=st.data())
+def test_plan_never_reuses_media_whose_content_changed(data):
+    """Issue 13: media items the state processed are compared by content; the reused prefix ends
+    before the first one that differs (or that the state holds no record of), and never splits one."""
+    from dataclasses import replace
+
+    from kvstate.state import MediaItem
+
+    state = data.draw(toy_states())
+    ids, _ = data.draw(requests(state))
+    T, L = state.tokens_seen, ids.shape[1]
+    starts = sorted(set(data.draw(st.lists(st.integers(0, max(min(T, L) - 2, 0)), max_size=3))))
+    nexts = [*starts[1:], None] if starts else []
+    held = tuple(MediaItem(a, a + 2, data.draw(st.sampled_from("ab")))
+                 for a, b in zip(starts, nexts, strict=True) if a + 2 <= T and (b is None or a + 2 <= b))
+    state = replace(state, media=held)
+    asked = tuple(MediaItem(m.start, m.end, data.draw(st.sampled_from("ab"))) for m in held
+                  if m.end <= L and data.draw(st.booleans()))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    p = plan(state, ids, mask, media=asked)
+    changed = [m.start for m in asked if m.key not in {h.key for h in held}]
+    if changed:
+        assert p.reused <= min(changed)
+    for m in (*held, *asked):
+        assert not m.start < p.reused < m.end  # never inside an item
+    assert plan(state, ids, mask, media=None).reused >= p.reused  # without pixels, placeholders are trusted
