@@ -38,7 +38,7 @@ ACCEPTED = {
     "bamba": ("LinearAttentionLayer + DynamicLayer (mamba2 hybrid)", False),
     "nemotron_h": ("DummyLayer + LinearAttentionLayer", False),
     "qwen3_5_text": ("gated delta net + attention", False),
-    "falcon_mamba": ("recurrent, structural: one token per forward", True),
+    "falcon_mamba": ("recurrent, structural: chunks through the scan continued from the cache", False),
     "dory": ("looped: extra cache layers per pass", False),
     "mllama": ("cross-attention layers empty on the text path", False),
     "bert-generation": ("encoder family as a causal decoder", False),

@@ -51,7 +51,7 @@ def test_structural_models_hold_the_contract(model_type, tmp_path):
     model = build(model_type)
     caps = adapter_for(model).caps
     assert caps.name == f"structural:{model_type}"
-    assert caps.stepwise == (model_type == "falcon_mamba")  # transformers drops Mamba state on chunks
+    assert not caps.stepwise  # falcon_mamba: chunks, its scan continued from the cached state
     ids = prompt(30)
     s = Session(model)
     s.extend(ids[:, :20])
@@ -185,3 +185,21 @@ def test_rwkv_rescales_its_weights_before_the_fingerprint(tmp_path):
     longer = torch.cat([ids, prompt(3, seed=7)], 1)
     got = Session.load(tmp_path / "r.kvs", fresh).generate(longer, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, plain(fresh, longer, 4))
+
+
+def test_falcon_mamba_continues_in_chunks_only_through_the_scan(monkeypatch):
+    """transformers starts FalconMamba's scan from zeros on a chunk; the probe finds that plain chunks
+    drift, that chunks with the scan continued from the cache are exact, and picks those."""
+    from kvstate.selfcheck import probe, structural_adapter
+    from tiny import count_forwards
+
+    monkeypatch.setenv("KVSTATE_SELFCHECK_CACHE", "off")
+    model = build("falcon_mamba")
+    assert probe(model, structural_adapter(model)).mode == "exact-scan"
+    ids = prompt(30)
+    s = Session(model)
+    s.extend(ids[:, :11])
+    with count_forwards(model) as forwards:
+        logits = s.extend(ids[:, 11:])
+    assert forwards[0] == 1
+    assert_logits_close(logits, Session(model).extend(ids))

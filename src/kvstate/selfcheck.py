@@ -13,9 +13,10 @@ type plus layer layout):
 4. a rollback: the state cropped by 4 tokens, then those 4 fed again;
 5. ``generate`` from the first split against plain ``model.generate``.
 
-The architecture is accepted as ``exact`` (2 matches), ``stepwise`` (only 3 matches: a
-continuation is fed one token per forward, as transformers drops state on multi-token
-chunks for some families), and with rollback only if 4 matches; otherwise it is refused
+The architecture is accepted as ``exact`` (2 matches), ``exact-scan`` (2 matches once a
+Mamba-style selective scan starts from the cached state, ``_compat.scan``), ``stepwise`` (only
+3 matches: a continuation is fed one token per forward, as transformers drops state on
+multi-token chunks for some families), and with rollback only if 4 matches; otherwise it is refused
 with ``UnsupportedModelError`` naming what failed (attention that is not causal, state
 outside the cache, a cache the model does not fill). Matching means the project
 tolerance, max |Δ| <= 1e-5 x max |reference| in fp32 (8 ulps of the dtype otherwise).
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 
 from . import _compat
+from ._compat.scan import mixers
 from .adapters import Adapter
 from .adapters.base import registered
 from .adapters.structural import StructuralAdapter, structural_caps
@@ -44,7 +46,7 @@ from .engine import Engine, FeedSettings
 from .errors import UnsupportedError, UnsupportedModelError
 from .state import State
 
-PROBE_VERSION = 3  # bump when the probe changes, so cached verdicts are redone
+PROBE_VERSION = 4  # bump when the probe changes, so cached verdicts are redone
 # config fields bounding how far back a token attends (windows, sparse top-k): the probe goes past them
 _WINDOW_FIELDS = ("sliding_window", "attention_window_size", "keep_window_size", "index_topk", "window_size",
                   "local_window_size", "attention_chunk_size")
@@ -53,7 +55,7 @@ _SETTINGS = FeedSettings(chunk_size=64, checkpoint_every=None, max_checkpoints=4
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the probe found: ``mode`` is ``exact``, ``stepwise`` or ``refused`` (with ``reason``)."""
+    """What the probe found: ``mode`` is ``exact``, ``exact-scan``, ``stepwise`` or ``refused`` (with ``reason``)."""
 
     mode: str
     rollback: bool
@@ -71,7 +73,8 @@ def adapter_for(model: torch.nn.Module) -> Adapter:
     verdict = cached_verdict(model, base)
     if verdict.mode == "refused":
         raise _refusal(model, verdict.reason)
-    adapter = base.with_mode(stepwise=verdict.mode == "stepwise", rollback=verdict.rollback)
+    adapter = base.with_mode(stepwise=verdict.mode == "stepwise", rollback=verdict.rollback,
+                             scan=verdict.mode == "exact-scan")
     return adapter.with_kv_shapes(kv_shapes(model, adapter))
 
 
@@ -135,11 +138,15 @@ def _probe(model: torch.nn.Module, adapter: StructuralAdapter) -> tuple[str, boo
     heads = [_feed(chunked, _empty(chunked), ids[:, :k]) for k in (n // 3, 2 * n // 3)]  # two split points
     engine, mode = chunked, "exact"
     if not _continues(chunked, heads, ids, whole, crash_is_mismatch=True):
-        engine, mode = Engine(model, adapter.with_mode(stepwise=True, rollback=True)), "stepwise"
-        if not _continues(engine, heads, ids, whole):
-            return "refused", False, ("continuing from the cache does not reproduce a whole forward, in chunks or "
-                                      "one token at a time: the attention is not causal, or state lives outside "
-                                      "the cache")
+        scanning = Engine(model, adapter.with_mode(stepwise=False, rollback=True, scan=True))
+        if mixers(model) and _continues(scanning, heads, ids, whole, crash_is_mismatch=True):
+            engine, mode = scanning, "exact-scan"  # chunks exact once the scan starts from the cache
+        else:
+            engine, mode = Engine(model, adapter.with_mode(stepwise=True, rollback=True)), "stepwise"
+    if mode == "stepwise" and not _continues(engine, heads, ids, whole):
+        return "refused", False, ("continuing from the cache does not reproduce a whole forward, in chunks or "
+                                  "one token at a time: the attention is not causal, or state lives outside "
+                                  "the cache")
     rollback = _rolls_back(engine, whole, ids)
     if not _generates_alike(model, engine, heads[0], ids[:, :n // 3 + 3]):
         return "refused", False, "generate() from the cache disagrees with a plain model.generate()"

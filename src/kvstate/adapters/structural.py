@@ -12,11 +12,14 @@ and whether cropping is. Family adapters exist only for state outside the cache
 from __future__ import annotations
 
 import inspect
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from .. import _compat
+from .._compat.scan import scans_from_cache
 from ..errors import UnsupportedModelError
 from .base import Adapter, Capabilities
 
@@ -26,10 +29,11 @@ class StructuralAdapter(Adapter):
     and ``kv_shapes`` come from forwards it ran (``_compat.observe_layout``, ``selfcheck.kv_shapes``)."""
 
     def __init__(self, caps: Capabilities, specs: list[tuple[str, int | None]],
-                 kv_shapes: list[tuple[int, int, int] | None] | None = None) -> None:
+                 kv_shapes: list[tuple[int, int, int] | None] | None = None, scan: bool = False) -> None:
         self.caps = caps
         self._specs = list(specs)
         self._kv_shapes = None if kv_shapes is None else list(kv_shapes)
+        self._scan = scan  # Mamba-style scans continue from the cached state (the probe proved it exact)
 
     def layer_specs(self, model: torch.nn.Module) -> list[tuple[str, int | None]]:
         return list(self._specs)
@@ -41,12 +45,15 @@ class StructuralAdapter(Adapter):
                                         fix="use kvstate.selfcheck.adapter_for(model)")
         return list(self._kv_shapes)
 
-    def with_mode(self, *, stepwise: bool, rollback: bool) -> StructuralAdapter:
+    def with_mode(self, *, stepwise: bool, rollback: bool, scan: bool = False) -> StructuralAdapter:
         return StructuralAdapter(replace(self.caps, stepwise=stepwise, rollback=rollback), self._specs,
-                                 self._kv_shapes)
+                                 self._kv_shapes, scan)
 
     def with_kv_shapes(self, kv_shapes: list[tuple[int, int, int] | None]) -> StructuralAdapter:
-        return StructuralAdapter(self.caps, self._specs, kv_shapes)
+        return StructuralAdapter(self.caps, self._specs, kv_shapes, self._scan)
+
+    def forward_context(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
+        return scans_from_cache(model) if self._scan else nullcontext()
 
 
 def structural_caps(model: torch.nn.Module) -> Capabilities:
