@@ -41,8 +41,12 @@ def mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if found is None:
         found = []
         for module in model.modules():
+            # transformers' own structure, read here only: a mixer is the module of a modeling file
+            # that defines the scan, with the SSM's A_log parameter and its cache layer index
             home = sys.modules.get(type(module).__module__)
-            if home is not None and hasattr(home, _NAME) and hasattr(module, "layer_idx") and hasattr(module, "A_log"):
+            if home is not None and getattr(home, _NAME, None) is not None \
+                    and isinstance(getattr(module, "A_log", None), torch.nn.Parameter) \
+                    and isinstance(getattr(module, "layer_idx", None), int):
                 found.append(module)
         _MIXERS[model] = found
     return found
