@@ -275,7 +275,24 @@ class RecurrentLayerState(LayerState):
                                    {i: t.to(device) for i, t in self.recurrent.items()}, self.tokens_seen)
 
 
-class HybridLayerState(LayerState):
+class _WithAttention(LayerState):
+    """A layer whose slots are those of its attention part (``self.attention``)."""
+
+    attention: AttentionLayerState
+
+    @property
+    def slots(self) -> int:
+        return self.attention.slots
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        return self.attention.positions
+
+    def meta(self) -> dict[str, object]:
+        return {**self.attention.meta(), "kind": self.kind}
+
+
+class HybridLayerState(_WithAttention):
     """One layer that holds both attention K/V and recurrent state (e.g. Falcon-H1)."""
 
     checkpointed = True
@@ -292,14 +309,6 @@ class HybridLayerState(LayerState):
     def tokens_seen(self) -> int:
         return self.recurrent.tokens_seen
 
-    @property
-    def slots(self) -> int:
-        return self.attention.slots
-
-    @property
-    def positions(self) -> torch.Tensor | None:
-        return self.attention.positions
-
     def rollback_limit(self, n_tokens: int) -> str | None:
         return self.recurrent.rollback_limit(n_tokens) or self.attention.rollback_limit(n_tokens)
 
@@ -308,9 +317,6 @@ class HybridLayerState(LayerState):
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {**self.attention.tensors(), **self.recurrent.tensors()}
-
-    def meta(self) -> dict[str, object]:
-        return {**self.attention.meta(), "kind": self.kind}
 
     @classmethod
     def from_parts(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> HybridLayerState:
@@ -321,7 +327,7 @@ class HybridLayerState(LayerState):
         return HybridLayerState(self.attention.to(device), self.recurrent.to(device))
 
 
-class IndexedLayerState(LayerState):
+class IndexedLayerState(_WithAttention):
     """Attention K/V plus what dynamic sparse attention (DeepSeek V3.2, GLM MoE DSA) keeps per slot: the
     single-head indexer keys ``[B, S, D_i]`` and, for some models, the indexer positions ``[P, B, S]``.
     Both are None on layers that reuse another layer's indexer; both are cropped with the slots."""
@@ -340,14 +346,6 @@ class IndexedLayerState(LayerState):
     def tokens_seen(self) -> int:
         return self.attention.tokens_seen
 
-    @property
-    def slots(self) -> int:
-        return self.attention.slots
-
-    @property
-    def positions(self) -> torch.Tensor | None:
-        return self.attention.positions
-
     def rollback_limit(self, n_tokens: int) -> str | None:
         return self.attention.rollback_limit(n_tokens)
 
@@ -365,9 +363,6 @@ class IndexedLayerState(LayerState):
         if self.indexer_positions is not None:
             out["indexer_positions"] = self.indexer_positions
         return out
-
-    def meta(self) -> dict[str, object]:
-        return {**self.attention.meta(), "kind": self.kind}
 
     @classmethod
     def from_parts(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> IndexedLayerState:

@@ -216,7 +216,8 @@ class Session:
         new_mask = mask[:, state.tokens_seen:]
         check_positions(state, position_ids, self._adapter.model_positions(feed.positions), new_mask)
         new = self._engine.feed(state, feed, self._settings()).with_checkpoint(self.max_checkpoints)
-        self._commit(_with_media(new, state, self._media(ids, inputs, offset=state.tokens_seen)))
+        media = self._media(ids, inputs, self._adapter.media_spans(self.model, ids, inputs), offset=state.tokens_seen)
+        self._commit(_with_media(new, state, media))
         return new.last_logits.clone()  # type: ignore[union-attr]
 
     def generate(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None,
@@ -240,7 +241,7 @@ class Session:
         mask = history_mask(ids, attention_mask)
         self._check_padding(mask)
         spans = self._adapter.media_spans(self.model, ids, inputs)
-        media = self._media(ids, inputs)
+        media = self._media(ids, inputs, spans)
         query = self._query(ids, mask, media)
         plan, base = self._plan(state, ids, mask, spans, query, media)
         self._adapter.check_inputs(self.model, ids, inputs, plan.reused)
@@ -299,15 +300,16 @@ class Session:
         chosen = resume.best([own, theirs])
         return chosen, stored if chosen is theirs else state
 
-    def _media(self, ids: torch.Tensor, inputs: dict[str, Any], offset: int = 0) -> tuple[MediaItem, ...] | None:
-        """The media items of ``ids`` ``[1, Q]`` (slots shifted by ``offset``) with their content hashes;
-        None for batches, or when the pixels given do not cover every item."""
+    def _media(self, ids: torch.Tensor, inputs: dict[str, Any], spans: Sequence[tuple[int, int]],
+               offset: int = 0) -> tuple[MediaItem, ...] | None:
+        """The media items of ``ids`` ``[1, Q]`` (their ``spans``; slots shifted by ``offset``) with their
+        content hashes; None for batches, or when the pixels given do not cover every item."""
         if ids.shape[0] != 1:
             return None
         hashes = self._adapter.media_hashes(self.model, ids, inputs)
         if hashes is None:
             return None
-        ends = dict(self._adapter.media_spans(self.model, ids, inputs))
+        ends = dict(spans)
         return tuple(MediaItem(offset + start, offset + ends[start], digest) for start, digest in hashes)
 
     def _query(self, ids: torch.Tensor, mask: torch.Tensor,

@@ -39,12 +39,7 @@ class Gemma3Adapter(Adapter):
         """``token_type_ids`` ``[B, T + Q]`` over the whole history when the chunk holds images."""
         if inputs.get("pixel_values") is None:
             return {}
-        history = torch.cat([before, ids], dim=1)
-        types = torch.zeros_like(history)
-        for b, row in enumerate(history):
-            for start, end in _runs(model, row):
-                types[b, start:end] = 1
-        return {"pixel_values": inputs["pixel_values"], "token_type_ids": types}
+        return {"pixel_values": inputs["pixel_values"], "token_type_ids": _types(model, torch.cat([before, ids], 1))}
 
     def check_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any], fed_from: int) -> None:
         """One image of ``mm_tokens_per_image`` placeholders per pixel row, one row of ids only."""
@@ -85,11 +80,7 @@ class Gemma3Adapter(Adapter):
 
     def plain_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
         """Plain Gemma 3 takes the processor's ``token_type_ids``."""
-        types = torch.zeros_like(ids)
-        for b, row in enumerate(ids):
-            for start, end in _runs(model, row):
-                types[b, start:end] = 1
-        return {**inputs, "token_type_ids": types}
+        return {**inputs, "token_type_ids": _types(model, ids)}
 
     def synthetic_image(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, Any]]:
         """A random image at the vision tower's size: ``mm_tokens_per_image`` placeholders."""
@@ -100,6 +91,15 @@ class Gemma3Adapter(Adapter):
         span = torch.tensor([[config.boi_token_id, *[config.image_token_id] * config.mm_tokens_per_image,
                               config.eoi_token_id]])
         return span, {"pixel_values": pixels.to(next(model.parameters()).dtype)}
+
+
+def _types(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``token_type_ids`` ``[B, L]``: 1 on the image placeholders of ``ids``, as the processor sets them."""
+    types = torch.zeros_like(ids)
+    for b, row in enumerate(ids):
+        for start, end in _runs(model, row):
+            types[b, start:end] = 1
+    return types
 
 
 def _runs(model: torch.nn.Module, row: torch.Tensor) -> list[tuple[int, int]]:

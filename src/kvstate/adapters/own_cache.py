@@ -37,20 +37,26 @@ class MiniMaxAdapter(RecurrentAdapter):
         return self.build_cache(model, self.empty_layers(model, 0), batch_size)
 
 
-class XLSTMAdapter(RecurrentAdapter):
-    """xLSTM: one mLSTM state per block, ``recurrent`` = ``{0: C, 1: N, 2: M}``. Its forward takes
-    no positions, ignores the attention mask (no padding) and returns every position's logits."""
+class _RecurrentOnly(RecurrentAdapter):
+    """Every block holds recurrent state only; the config's own cache layers (attention, for
+    xLSTM) are never used. Such forwards take no positions and ignore the mask (no padding)."""
 
-    def __init__(self) -> None:
-        super().__init__(position_ids=False, name="xlstm")
-        self.caps = Capabilities(name="xlstm", position_ids=False, padding=False, logits_to_keep=False)
+    def __init__(self, caps: Capabilities) -> None:
+        super().__init__(caps=caps)
 
     def layer_specs(self, model: torch.nn.Module) -> list[tuple[str, int | None]]:
-        # the config builds a DynamicCache of attention layers, which xLSTM never uses
         return [("recurrent", None)] * int(self.text_config(model).num_hidden_layers)
 
     def kv_shapes(self, model: torch.nn.Module) -> list[tuple[int, int, int] | None]:
         return [None] * int(self.text_config(model).num_hidden_layers)
+
+
+class XLSTMAdapter(_RecurrentOnly):
+    """xLSTM: one mLSTM state per block, ``recurrent`` = ``{0: C, 1: N, 2: M}``; its forward
+    returns every position's logits."""
+
+    def __init__(self) -> None:
+        super().__init__(Capabilities(name="xlstm", position_ids=False, padding=False, logits_to_keep=False))
 
     def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
         return _compat.xlstm_cache(layers, self.text_config(model), batch_size, next(model.parameters()))
@@ -63,20 +69,12 @@ class XLSTMAdapter(RecurrentAdapter):
         return None  # as plain generate starts: its compile check reads attributes xLSTMCache lacks
 
 
-class RWKVAdapter(RecurrentAdapter):
+class RWKVAdapter(_RecurrentOnly):
     """RWKV (v4): per block two token-shift vectors and the WKV numerator, denominator and
-    running max, all ``[B, hidden]``, passed as ``state=`` and updated in place. Its forward
-    takes no positions and ignores the attention mask (no padding)."""
+    running max, all ``[B, hidden]``, passed as ``state=`` and updated in place."""
 
     def __init__(self) -> None:
-        super().__init__(position_ids=False, name="rwkv")
-        self.caps = Capabilities(name="rwkv", position_ids=False, padding=False, cache_kwarg="state")
-
-    def layer_specs(self, model: torch.nn.Module) -> list[tuple[str, int | None]]:
-        return [("recurrent", None)] * int(self.text_config(model).num_hidden_layers)
-
-    def kv_shapes(self, model: torch.nn.Module) -> list[tuple[int, int, int] | None]:
-        return [None] * int(self.text_config(model).num_hidden_layers)
+        super().__init__(Capabilities(name="rwkv", position_ids=False, padding=False, cache_kwarg="state"))
 
     def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
         hidden = int(self.text_config(model).hidden_size)

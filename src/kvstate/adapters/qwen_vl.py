@@ -76,12 +76,12 @@ class QwenVLAdapter(Adapter):
                       inputs: dict[str, Any]) -> dict[str, Any]:
         """Drop the pixels of images and videos already processed (media are never fed twice)."""
         rest = {k: v for k, v in inputs.items() if k not in (*_IMAGE_INPUTS, *_VIDEO_INPUTS, "mm_token_type_ids")}
+        items = self._items(model, ids[0], inputs)
         for kind, (pixels_key, grid_key) in ((_IMAGE, _IMAGE_INPUTS), (_VIDEO, _VIDEO_INPUTS[:2])):
             grid = inputs.get(grid_key)
             if grid is None:
                 continue
-            done = sum(1 for item in self._items(model, ids[0], inputs) if item.kind == kind
-                       and item.span[0] < processed)
+            done = sum(1 for item in items if item.kind == kind and item.span[0] < processed)
             if done < grid.shape[0]:
                 rest[pixels_key] = inputs[pixels_key][int(grid[:done].prod(-1).sum()):]
                 rest[grid_key] = grid[done:]

@@ -32,8 +32,8 @@ class RecurrentAdapter(Adapter):
     family's selective scan is given the cached state on multi-token chunks (``_compat.scan``)."""
 
     def __init__(self, *, stepwise: bool = False, position_ids: bool = True, scan_from_cache: bool = False,
-                 name: str = "recurrent-hybrid") -> None:
-        self.caps = Capabilities(name=name, stepwise=stepwise, position_ids=position_ids, padding=False)
+                 name: str = "recurrent-hybrid", caps: Capabilities | None = None) -> None:
+        self.caps = caps or Capabilities(name=name, stepwise=stepwise, position_ids=position_ids, padding=False)
         self._scan_from_cache = scan_from_cache
 
     def forward_context(self, model: torch.nn.Module) -> AbstractContextManager[Any]:

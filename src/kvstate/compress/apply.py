@@ -82,11 +82,14 @@ def _compress_layer(i: int, n: int, layer: LayerState, policy: Policy, attention
 def _surviving(state: State, kept: list[torch.Tensor | None]) -> tuple[MediaItem, ...]:
     """``state.media`` marked ``kept`` where every full-attention layer (with known tokens) still holds
     all of the item's slots."""
-    known = [set(k.tolist()) for k in kept if k is not None]
-    if not known:
+    known = [k for k in kept if k is not None]  # sorted token indices per layer
+    if not state.media or not known:
         return state.media
-    return tuple(replace(item, kept=item.kept and all(set(range(item.start, item.end)) <= k for k in known))
-                 for item in state.media)
+
+    def whole(item: MediaItem, k: torch.Tensor) -> bool:
+        return int(((k >= item.start) & (k < item.end)).sum()) == item.end - item.start
+
+    return tuple(replace(item, kept=item.kept and all(whole(item, k) for k in known)) for item in state.media)
 
 
 def rerotate(model: Any, state: State) -> State:
