@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--store", required=True, help="folder or redis://host:port/db")
     st.add_argument("--max-bytes", type=int, help="prune: evict least recently used entries down to this size")
     st.add_argument("--json", action="store_true")
+    from .serve.cli import add_parser
+
+    add_parser(sub, positive)
     return parser
 
 
@@ -291,6 +294,12 @@ def _store(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .serve.cli import command
+
+    return command(args, UserError)
+
+
 def time_text(stamp: float) -> str:
     import datetime
 
@@ -299,7 +308,8 @@ def time_text(stamp: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"verify": _verify, "inspect": _inspect, "prefill": _prefill, "generate": _generate, "store": _store}
+    commands = {"verify": _verify, "inspect": _inspect, "prefill": _prefill, "generate": _generate, "store": _store,
+                "serve": _serve}
     from .errors import KVStateError
 
     try:

@@ -1,0 +1,154 @@
+"""Requests to token ids: chat messages through a chat template, prompts as text.
+
+A model whose tokenizer has no chat template (the default Gemma-3-270M GGUF, the
+tiny models) gets ``FALLBACK_TEMPLATE``, a plain transcript::
+
+    <bos>{system}\\n\\n            (only with a system message)
+    User: {content}\\n
+    Assistant:{content}\\n         (the content as the server returned it, leading space included)
+    Assistant:                     (the generation prompt)
+
+with ``"\\nUser:"`` as its default stop sequence. The assistant content follows the
+colon with nothing added, so the text an answer was generated as is the text the
+next turn renders: the next request's tokens then continue the stored state.
+Templates render text, which is tokenized without adding special tokens (the
+template writes its own BOS), as ``transformers serve`` does.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import BadRequest
+
+FALLBACK_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+    "{% else %}Assistant:{{ m['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+FALLBACK_STOP = ("\nUser:",)
+ROLES = ("system", "developer", "user", "assistant")
+IMAGE_MIME = ("image/png", "image/jpeg", "image/webp", "image/gif")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A rendered request: ``text`` and its ``ids`` (a list of ints), the decoded ``images``
+    (PIL images, in order) and ``default_stop``, the template's stop sequences."""
+
+    text: str
+    ids: list[int]
+    images: tuple[Any, ...] = ()
+    image_digests: tuple[str, ...] = ()
+    default_stop: tuple[str, ...] = ()
+
+
+class Renderer:
+    """Renders chat messages and prompts for one tokenizer (and, for image models, its processor)."""
+
+    def __init__(self, tokenizer: Any, *, image_placeholder: str | None = None, processor: Any = None,
+                 max_image_bytes: int = 8 << 20) -> None:
+        self.tokenizer = tokenizer
+        self.template = getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE
+        self.default_stop = FALLBACK_STOP if self.template is FALLBACK_TEMPLATE else ()
+        self.image_placeholder, self.processor = image_placeholder, processor
+        self.max_image_bytes = max_image_bytes
+
+    def chat(self, messages: Any) -> Prompt:
+        """``messages``: the OpenAI list of ``{"role", "content"}``; content a string or a list of parts."""
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty array", param="messages")
+        images: list[Any] = []
+        digests: list[str] = []
+        plain = [self._message(i, m, images, digests) for i, m in enumerate(messages)]
+        text = self.tokenizer.apply_chat_template(plain, chat_template=self.template, tokenize=False,
+                                                  add_generation_prompt=True)
+        return Prompt(text, self._encode(text), tuple(images), tuple(digests), self.default_stop)
+
+    def completion(self, prompt: Any) -> Prompt:
+        """``prompt``: a string (tokenized with the tokenizer's special tokens, as a fresh run would) or a
+        list of token ids."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # OpenAI accepts a batch; n=1 and one prompt are what kvstate serves
+        if isinstance(prompt, str) and prompt:
+            return Prompt(prompt, self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            return Prompt(self.tokenizer.decode(prompt), list(prompt))
+        raise BadRequest("'prompt' must be one non-empty string or one non-empty array of token ids",
+                         param="prompt")
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _message(self, index: int, message: Any, images: list[Any], digests: list[str]) -> dict[str, str]:
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise BadRequest(f"messages[{index}] needs a 'role' among {', '.join(ROLES)}",
+                             param=f"messages[{index}].role")
+        role = "system" if message["role"] == "developer" else message["role"]
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, str):
+            return {"role": role, "content": content}
+        if not isinstance(content, list):
+            raise BadRequest(f"messages[{index}].content must be a string or an array of parts",
+                             param=f"messages[{index}].content")
+        return {"role": role, "content": "".join(self._part(index, p, images, digests) for p in content)}
+
+    def _part(self, index: int, part: Any, images: list[Any], digests: list[str]) -> str:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            return part["text"]
+        if kind == "image_url":
+            url = part.get("image_url", {}).get("url") if isinstance(part.get("image_url"), dict) else None
+            image, digest = self._image(index, url)
+            images.append(image)
+            digests.append(digest)
+            return self.image_placeholder or ""
+        raise BadRequest(f"messages[{index}].content has an unsupported part {kind!r}",
+                         param=f"messages[{index}].content", fix="use parts of type 'text' or 'image_url'")
+
+    def _image(self, index: int, url: Any) -> tuple[Any, str]:
+        """A data-URL image, decoded in memory: kvstate never fetches a URL or opens a path a request names."""
+        param = f"messages[{index}].content.image_url"
+        if self.image_placeholder is None:
+            raise BadRequest("this model takes no images", param=param, fix="send text parts only")
+        if not isinstance(url, str) or not url.startswith("data:"):
+            raise BadRequest("images must be data URLs (data:image/png;base64,...); the server fetches no URL "
+                             "and opens no path", param=param)
+        header, _, payload = url.partition(",")
+        mime = header[5:].split(";")[0]
+        if mime not in IMAGE_MIME or not header.endswith(";base64"):
+            raise BadRequest(f"unsupported image data URL header {header[:40]!r}", param=param,
+                             fix=f"send base64 data of one of {', '.join(IMAGE_MIME)}")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise BadRequest("the image data URL is not valid base64", param=param) from exc
+        if len(data) > self.max_image_bytes:
+            raise BadRequest(f"image of {len(data)} bytes is over the limit of {self.max_image_bytes}", param=param,
+                             status=413)
+        return _decode_image(data, param), hashlib.sha256(data).hexdigest()
+
+
+def _decode_image(data: bytes, param: str) -> Any:
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        if image.width * image.height > 40_000_000:  # a decompression bomb: refuse before decoding pixels
+            raise BadRequest("image dimensions are too large", param=param, status=413)
+        return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise BadRequest(f"cannot decode the image: {exc}", param=param) from exc

@@ -1,0 +1,76 @@
+"""``kvstate serve``: its options and its start-up (checked before the model loads)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+API_KEY_ENV = "KVSTATE_API_KEY"
+
+
+def add_parser(sub: Any, positive: Any) -> None:
+    s = sub.add_parser(
+        "serve", help="an OpenAI-compatible server whose conversations resume exactly across turns and restarts",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. Every request "
+        "continues the longest matching conversation state (an in-memory pool, then --store), so a turn costs "
+        "only its new tokens, and answers equal a fresh run on the whole history. Model work runs one request at "
+        "a time; HTTP, tokenization and streaming run concurrently. Needs: pip install 'kvstate[serve]'.")
+    s.add_argument("--model", default="default", help="'default' (embedded Gemma-3-270M), 'tiny:<model_type>' "
+                   "(random tiny model with a character tokenizer), or a local folder with a tokenizer")
+    s.add_argument("--model-name", help="the model id clients send and /v1/models lists (default: from --model)")
+    s.add_argument("--store", help="prefix store shared by restarts and workers: a folder or redis://host:port/db")
+    s.add_argument("--store-chunk-tokens", type=positive, default=64, help="store granularity in tokens")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", action="append", default=[], help=f"accepted key (repeatable; or ${API_KEY_ENV}, "
+                   "comma-separated). Each key has its own pool and store namespace")
+    s.add_argument("--max-queue", type=positive, default=16, help="requests queued or running before a 429")
+    s.add_argument("--max-request-bytes", type=positive, default=16 << 20, help="larger bodies get a 413")
+    s.add_argument("--max-prompt-tokens", type=positive, default=8192, help="longer prompts get a 400")
+    s.add_argument("--max-new-tokens", type=positive, default=2048, help="bound on a request's max_tokens")
+    s.add_argument("--default-max-tokens", type=positive, default=256,
+                   help="max_tokens of a chat request that names none (completions: 16, as OpenAI)")
+    s.add_argument("--pool-bytes", type=positive, default=2 << 30, help="memory for recent conversation states")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise user_error(f"kvstate serve needs FastAPI and uvicorn ({exc.name} is missing): "
+                         "pip install 'kvstate[serve]'") from exc
+    from . import Server, Settings, run
+    from .params import Limits
+    from .server import model_id_for
+
+    keys = tuple(args.api_key) + tuple(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
+    if args.store is not None:
+        from ..store import PrefixStore
+
+        PrefixStore(args.store).health()  # an unusable folder or a malformed URL fails now, not per request
+    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, min(args.default_max_tokens, args.max_new_tokens))
+    settings = Settings(store=args.store, api_keys=keys, limits=limits, max_request_bytes=args.max_request_bytes,
+                        max_queue=args.max_queue, pool_bytes=args.pool_bytes,
+                        store_chunk_tokens=args.store_chunk_tokens)
+    model, tokenizer = load(args.model)
+    server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        print(f"kvstate serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    run(server, args.host, args.port, args.log_level)
+    return 0
+
+
+def load(spec: str) -> tuple[Any, Any]:
+    """Model and tokenizer for a spec; tiny models get the in-memory character tokenizer."""
+    from ..testing.models import load_model
+
+    if spec.startswith("tiny:"):
+        from ..testing.tiny_tokenizer import tiny_tokenizer
+
+        model, _ = load_model(spec)
+        return model, tiny_tokenizer()
+    return load_model(spec, need_tokenizer="serve")

@@ -1,0 +1,182 @@
+"""The one thread that runs the model: a bounded FIFO of generation jobs.
+
+What runs in parallel: HTTP parsing, authentication, chat rendering, tokenization
+and streaming to clients run on the server's event loop, for any number of
+requests at once. Model work runs here, one request at a time, in arrival order,
+with torch's intra-op threads inside each forward. There is no batching across
+requests, so every answer is the answer its request would get alone. A request
+that finds ``max_queue`` jobs waiting or running gets a 429 at once.
+
+Each job builds a ``Session`` on the shared model, starting from the longest
+matching state of its namespace in the ``StatePool`` (the session itself then
+weighs that against the store), calls ``Session.generate`` and puts the new state
+back in the pool. A cancelled job (the client went away) stops at its next token
+by raising from the streamer: ``Session.generate`` is transactional, so nothing of
+the cancelled call is kept anywhere.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..session import Session
+from .chat import Prompt
+from .errors import HTTPError
+from .metrics import Metrics
+from .params import Request
+from .pool import StatePool
+
+
+class Cancelled(Exception):
+    """The client disconnected; the job stops without committing anything."""
+
+
+@dataclass
+class Job:
+    """One request's work. ``on_text`` (called on the worker thread) receives answer text as it is final."""
+
+    namespace: str
+    prompt: Prompt
+    request: Request
+    inputs: dict[str, Any] = field(default_factory=dict)
+    on_text: Callable[[str], None] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class Result:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    seconds: float
+
+
+class Runner:
+    """Runs ``Job`` s on one model, one at a time; ``store_for(namespace)`` gives each namespace's store."""
+
+    def __init__(self, model: Any, tokenizer: Any, pool: StatePool, store_for: Callable[[str], Any],
+                 metrics: Metrics, max_queue: int = 16, chunk_size: int = 512) -> None:
+        from ..fingerprint import fingerprint
+
+        self.model, self.tokenizer, self.pool, self.store_for = model, tokenizer, pool, store_for
+        self.metrics, self.max_queue, self.chunk_size = metrics, max_queue, chunk_size
+        self.fingerprint = fingerprint(model, tokenizer)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstate-model")
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        """Jobs waiting or running."""
+        return self._pending
+
+    def submit(self, job: Job) -> concurrent.futures.Future[Result]:
+        """Queue ``job``; a full queue is a 429 before anything is queued."""
+        with self._lock:
+            if self._pending >= self.max_queue:
+                raise HTTPError(f"the server is busy: {self._pending} requests are queued or running "
+                                f"(limit {self.max_queue})", status=429, code="rate_limit_exceeded",
+                                fix="retry after a moment", headers={"Retry-After": "1"})
+            self._pending += 1
+        future = self._executor.submit(self._run, job)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _: concurrent.futures.Future[Result]) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _run(self, job: Job) -> Result:
+        if job.cancelled.is_set():
+            raise Cancelled
+        started = time.perf_counter()
+        ids = torch.tensor([job.prompt.ids], dtype=torch.long)
+        pooled, _ = self.pool.longest(job.namespace, ids)
+        session = Session(self.model, store=self.store_for(job.namespace), state=pooled,
+                          chunk_size=self.chunk_size, _fingerprint=self.fingerprint)
+        streamer = _Streamer(self.tokenizer, job)
+        options = dict(job.request.options)
+        if "stop_strings" in options:
+            options["tokenizer"] = self.tokenizer
+        if job.request.seed is not None:
+            torch.manual_seed(job.request.seed)
+        new = session.generate(ids, streamer=streamer, **options, **job.inputs)
+        self.pool.put(job.namespace, session.state)
+        tokens = new[0].tolist()
+        text, stopped = streamer.final(tokens)
+        eos = _eos_ids(self.model)
+        finish = "stop" if stopped or len(tokens) < options["max_new_tokens"] or (tokens and tokens[-1] in eos) \
+            else "length"
+        plan = session.last_plan
+        result = Result(text, finish, len(job.prompt.ids), len(tokens), plan.reused if plan else 0,
+                        time.perf_counter() - started)
+        self.metrics.record(result)
+        return result
+
+
+def _eos_ids(model: Any) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
+class _Streamer:
+    """A transformers streamer that turns new tokens into final text: it holds back an incomplete
+    character and any tail that may still become a stop string, and cuts the answer at the first stop."""
+
+    def __init__(self, tokenizer: Any, job: Job) -> None:
+        self.tokenizer, self.job = tokenizer, job
+        self.stop = job.request.stop
+        self.tokens: list[int] = []
+        self.sent = 0
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.job.cancelled.is_set():
+            raise Cancelled
+        if not self._prompt_seen:  # generate echoes the history first
+            self._prompt_seen = True
+            return
+        self.tokens.extend(value.reshape(-1).tolist())
+        if self.job.on_text is not None:
+            text, stopped = self._text(self.tokens)
+            ready = len(text) if stopped else len(text) - self._held(text)
+            if ready > self.sent:
+                self.job.on_text(text[self.sent:ready])
+                self.sent = ready
+
+    def end(self) -> None:
+        """Nothing here: ``final`` sends the rest once the state is committed."""
+
+    def final(self, tokens: list[int]) -> tuple[str, bool]:
+        """The whole answer (cut at a stop string, and whether one was found); sends what is left."""
+        text, stopped = self._text(tokens)
+        if self.job.on_text is not None and len(text) > self.sent:
+            self.job.on_text(text[self.sent:])
+        return text, stopped
+
+    def _text(self, tokens: list[int]) -> tuple[str, bool]:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return (text[:min(cuts)], True) if cuts else (text, False)
+
+    def _held(self, text: str) -> int:
+        """Characters at the end of ``text`` not yet final: a partial UTF-8 character, or a stop string's start."""
+        held = 1 if text.endswith("\ufffd") else 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    held = max(held, k)
+                    break
+        return held

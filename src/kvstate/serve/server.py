@@ -1,0 +1,104 @@
+"""``Server``: the model, its tokenizer, the pool, the stores and the runner of one ``kvstate serve``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..store import PrefixStore
+from .chat import Prompt, Renderer
+from .errors import BadRequest
+from .metrics import Metrics
+from .params import Limits
+from .pool import StatePool
+from .runner import Runner
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``kvstate serve`` takes besides the model: see ``kvstate serve --help``."""
+
+    store: str | None = None
+    api_keys: tuple[str, ...] = ()
+    limits: Limits = field(default_factory=Limits)
+    max_request_bytes: int = 16 << 20
+    max_queue: int = 16
+    pool_bytes: int = 2 << 30
+    store_chunk_tokens: int = 64
+    chunk_size: int = 512
+
+
+class Server:
+    """Everything a request needs; the app (``kvstate.serve.app``) only speaks HTTP."""
+
+    def __init__(self, model: Any, tokenizer: Any, model_id: str, settings: Settings | None = None) -> None:
+        from .. import __version__
+
+        self.settings = settings = settings or Settings()
+        self.model, self.tokenizer, self.model_id, self.version = model, tokenizer, model_id, __version__
+        self.api_keys, self.limits = settings.api_keys, settings.limits
+        self.max_request_bytes = settings.max_request_bytes
+        self.renderer = Renderer(tokenizer)
+        self.metrics = Metrics()
+        self.pool = StatePool(settings.pool_bytes)
+        self._stores: dict[str, PrefixStore] = {}
+        if settings.store is not None:
+            self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
+        self.runner = Runner(model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue,
+                             settings.chunk_size)
+        self.started = int(time.time())
+
+    def store_for(self, namespace: str) -> PrefixStore | None:
+        """The namespace's view of the store (same backend, keys salted by the namespace)."""
+        if self.settings.store is None:
+            return None
+        if namespace not in self._stores:
+            self._stores[namespace] = PrefixStore(self.settings.store, chunk_tokens=self.settings.store_chunk_tokens,
+                                                  namespace=namespace)
+        return self._stores[namespace]
+
+    def render(self, content: Any, chat: bool) -> tuple[Prompt, dict[str, Any]]:
+        """A request's messages (``chat``) or prompt as a ``Prompt`` and the model inputs for its media."""
+        prompt = self.renderer.chat(content) if chat else self.renderer.completion(content)
+        return prompt, {}
+
+    def check_prompt(self, prompt: Prompt) -> None:
+        limit = self.limits.max_prompt_tokens
+        if len(prompt.ids) > limit:
+            raise BadRequest(f"This model's maximum context length for a request is {limit} tokens; the request has "
+                             f"{len(prompt.ids)}.", param="messages", code="context_length_exceeded",
+                             fix="shorten the conversation, or start the server with a larger --max-prompt-tokens")
+        vocab = int(self.model.get_input_embeddings().num_embeddings)
+        if any(not 0 <= t < vocab for t in prompt.ids):
+            raise BadRequest(f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "kvstate"}
+
+    def health(self) -> dict[str, Any]:
+        store = self.store_for("default")
+        return {"status": "ok", "model": self.model_id, "queue": self.runner.pending,
+                "max_queue": self.settings.max_queue, "store": None if store is None else store.health()}
+
+    def render_metrics(self) -> str:
+        failures = sum(s.failures for s in self._stores.values())
+        return self.metrics.render({
+            "queue_depth": ("Requests waiting or running.", self.runner.pending),
+            "pool_states": ("Conversation states in the in-memory pool.", len(self.pool)),
+            "pool_bytes": ("Bytes of K/V and other state in the in-memory pool.", self.pool.nbytes),
+            "store_failures": ("Prefix store reads or writes that failed in this process.", failures),
+        })
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def model_id_for(spec: str) -> str:
+    """The name ``/v1/models`` lists: ``gemma-3-270m`` for the default model, the spec for tiny
+    models, the folder's own name otherwise (never its path)."""
+    if spec == "default":
+        return "gemma-3-270m"
+    if spec.startswith("tiny:"):
+        return spec
+    return spec.rstrip("/").rsplit("/", 1)[-1]

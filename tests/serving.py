@@ -1,0 +1,78 @@
+"""Live ``kvstate serve`` instances for the server tests: uvicorn on a loopback port, in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import torch
+
+from kvstate import Session
+from kvstate.serve import Server, Settings, create_app
+from kvstate.serve.chat import FALLBACK_STOP
+
+
+@contextlib.contextmanager
+def live(server: Server) -> Iterator[str]:
+    """Serve ``server`` on a free loopback port; yields the base URL (``http://127.0.0.1:PORT``)."""
+    import uvicorn
+
+    config = uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning")
+    runner = uvicorn.Server(config)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not runner.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    port = runner.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        runner.should_exit = True
+        thread.join(timeout=30)
+        server.close()
+
+
+def client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def make_server(model: Any, tokenizer: Any, name: str = "tiny:llama", **settings: Any) -> Server:
+    return Server(model, tokenizer, name, Settings(**settings))
+
+
+def reference(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int,
+              stop: tuple[str, ...] = FALLBACK_STOP) -> str:
+    """The greedy answer ``Session.generate`` gives on ``ids`` from an empty state, cut at ``stop``
+    (what a fresh single-client server must answer)."""
+    options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False}
+    if stop:
+        options.update(stop_strings=list(stop), tokenizer=tokenizer)
+    new = Session(model).generate(torch.tensor([ids]), **options)
+    text = tokenizer.decode(new[0].tolist(), skip_special_tokens=True)
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+def chat_turn(api: openai.OpenAI, messages: list[dict[str, str]], *, stream: bool, max_tokens: int = 10,
+              model: str = "tiny:llama", **extra: Any) -> tuple[str, int]:
+    """One greedy chat turn: ``(answer, cached_tokens)``."""
+    if not stream:
+        r = api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                        **extra)
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+    parts, cached = [], None
+    for chunk in api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}, **extra):
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            cached = chunk.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None, "the stream ended without its usage chunk"
+    return "".join(parts), cached
