@@ -160,6 +160,15 @@ def _is_complete(folder: Path) -> bool:
     return (folder / _WEIGHTS).is_file() and (folder / "config.json").is_file()
 
 
+def default_model_folder(cache_dir: str | os.PathLike[str] | None = None, progress: bool = True) -> Path:
+    """The converted safetensors folder of the default model (converting it on first use), for tools
+    that load a model by path (``transformers serve`` in ``bench/bench_serve.py``)."""
+    folder = _model_dir(_cache_root(cache_dir), _package())
+    if not _is_complete(folder):
+        _convert(gguf_path(cache_dir, progress), folder, progress)
+    return folder
+
+
 def load_default_model(
     dtype: torch.dtype = torch.float32,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -174,10 +183,7 @@ def load_default_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root = _cache_root(cache_dir)
-    folder = _model_dir(root, _package())
-    if not _is_complete(folder):
-        _convert(gguf_path(cache_dir, progress), folder, progress)
+    folder = default_model_folder(cache_dir, progress)
     with _quiet(progress):
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=dtype, attn_implementation=attn_implementation or "sdpa"
