@@ -125,3 +125,15 @@ def test_path_like_inputs_never_touch_the_filesystem(tiny, tmp_path):
                           json.dumps(r).encode())[0] for r in requests]
     assert statuses == [404, 400, 400, 200, 200]
     assert opened == []
+
+
+def test_unknown_routes_get_openai_errors_and_few_metric_labels(tiny):
+    with live(make_server(*tiny)) as url:
+        status, body = _post(url, "/v1/nope/" + "x" * 50, b"{}")
+        assert status == 404 and body["error"]["type"] == "invalid_request_error"
+        assert _post(url, "/v1/models/" + "y" * 30, b"{}")[0] == 405
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
+    assert "xxxx" not in metrics and "yyyy" not in metrics and 'endpoint="unmatched",status="404"' in metrics

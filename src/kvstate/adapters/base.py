@@ -130,6 +130,11 @@ class Adapter:
         """``(placeholder ids [1, n], image inputs)`` for verify's multimodal rows; None if text-only."""
         return None
 
+    def image_tokens(self, model: torch.nn.Module) -> tuple[int, int, int] | None:
+        """``(start, placeholder, end)`` ids a prompt writes for one image (the placeholder repeated once
+        per image token), for renderers that build prompts (``kvstate serve``); None without images."""
+        return None
+
     def synthetic_video(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, Any]] | None:
         """``(placeholder ids [1, n], video inputs)`` for verify's video rows; None without video."""
         return None

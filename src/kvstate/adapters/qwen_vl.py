@@ -169,6 +169,10 @@ class QwenVLAdapter(Adapter):
         span = torch.tensor([[config.vision_start_token_id, *[config.image_token_id] * 4, config.vision_end_token_id]])
         return span, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 2 * m, 2 * m]])}
 
+    def image_tokens(self, model: torch.nn.Module) -> tuple[int, int, int]:
+        config = model.config  # type: ignore[union-attr]
+        return int(config.vision_start_token_id), _token(model, _IMAGE), int(config.vision_end_token_id)
+
     def synthetic_video(self, model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, Any]]:
         """A random video of 2 temporal patches of (2m x 2m) patches: 8 placeholder tokens, in one run
         (Qwen2/2.5-VL) or one run per temporal patch after 2 timestamp tokens (Qwen3-VL)."""

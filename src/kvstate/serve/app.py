@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import KVStateError
 from .errors import BadRequest, HTTPError
@@ -36,8 +37,13 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
-        server.metrics.request(request.url.path, exc.status)
+        server.metrics.request(_route(request), exc.status)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = HTTPError(f"{request.method} {request.url.path[:200]}: {exc.detail}", status=exc.status_code)
+        return await _http_error(request, error)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -67,6 +73,12 @@ def create_app(server: Server) -> FastAPI:
         return await _complete(server, request, chat=False)
 
     return app
+
+
+def _route(request: Request) -> str:
+    """The route's template (not the raw path), so metric labels stay few whatever clients send."""
+    route = request.scope.get("route")
+    return getattr(route, "path", "unmatched")
 
 
 def _namespace(server: Server, request: Request) -> str:
@@ -130,7 +142,7 @@ async def _complete(server: Server, request: Request, *, chat: bool) -> Response
         job.on_text = lambda text: loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
         future = server.runner.submit(job)
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, ("done", f)))
-        server.metrics.request(request.url.path, 200)
+        server.metrics.request(_route(request), 200)
         return StreamingResponse(_events(reply, job, queue, req.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     future = server.runner.submit(job)
@@ -143,7 +155,7 @@ async def _complete(server: Server, request: Request, *, chat: bool) -> Response
         raise BadRequest(str(exc)) from exc
     finally:
         watcher.cancel()
-    server.metrics.request(request.url.path, 200)
+    server.metrics.request(_route(request), 200)
     return JSONResponse(reply.whole(result))
 
 

@@ -57,7 +57,8 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
                         max_queue=args.max_queue, pool_bytes=args.pool_bytes,
                         store_chunk_tokens=args.store_chunk_tokens)
     model, tokenizer = load(args.model)
-    server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings)
+    server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings,
+                    image_processor=image_processor(args.model))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print(f"kvstate serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     run(server, args.host, args.port, args.log_level)
@@ -69,8 +70,26 @@ def load(spec: str) -> tuple[Any, Any]:
     from ..testing.models import load_model
 
     if spec.startswith("tiny:"):
-        from ..testing.tiny_tokenizer import tiny_tokenizer
+        from ..testing.tiny import QWEN_VL
+        from ..testing.tiny_tokenizer import QWEN_VL_TOKENS, tiny_tokenizer
 
         model, _ = load_model(spec)
-        return model, tiny_tokenizer()
+        return model, tiny_tokenizer(QWEN_VL_TOKENS if spec.removeprefix("tiny:") in QWEN_VL else None)
     return load_model(spec, need_tokenizer="serve")
+
+
+def image_processor(spec: str) -> Any:
+    """The image processor for a spec's images: the tiny Qwen-VL one, a folder's own, or None."""
+    if spec.startswith("tiny:"):
+        from ..testing.tiny import QWEN_VL
+        from ..testing.tiny_tokenizer import tiny_qwen_vl_image_processor
+
+        return tiny_qwen_vl_image_processor() if spec.removeprefix("tiny:") in QWEN_VL else None
+    if spec == "default":
+        return None
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError, KeyError):  # a text-only model folder
+        return None

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..store import PrefixStore
 from .chat import Prompt, Renderer
 from .errors import BadRequest
+from .media import ImageEncoder
 from .metrics import Metrics
 from .params import Limits
 from .pool import StatePool
@@ -32,14 +33,19 @@ class Settings:
 class Server:
     """Everything a request needs; the app (``kvstate.serve.app``) only speaks HTTP."""
 
-    def __init__(self, model: Any, tokenizer: Any, model_id: str, settings: Settings | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any, model_id: str, settings: Settings | None = None, *,
+                 image_processor: Any = None) -> None:
         from .. import __version__
+        from ..selfcheck import adapter_for
 
         self.settings = settings = settings or Settings()
         self.model, self.tokenizer, self.model_id, self.version = model, tokenizer, model_id, __version__
         self.api_keys, self.limits = settings.api_keys, settings.limits
         self.max_request_bytes = settings.max_request_bytes
-        self.renderer = Renderer(tokenizer)
+        tokens = adapter_for(model).image_tokens(model)
+        self.images = None if tokens is None or image_processor is None else \
+            ImageEncoder(image_processor, tokenizer, tokens)
+        self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None)
         self.metrics = Metrics()
         self.pool = StatePool(settings.pool_bytes)
         self._stores: dict[str, PrefixStore] = {}
@@ -61,7 +67,13 @@ class Server:
     def render(self, content: Any, chat: bool) -> tuple[Prompt, dict[str, Any]]:
         """A request's messages (``chat``) or prompt as a ``Prompt`` and the model inputs for its media."""
         prompt = self.renderer.chat(content) if chat else self.renderer.completion(content)
-        return prompt, {}
+        if self.images is None:
+            return prompt, {}
+        if not prompt.images:
+            self.images.check_text_only(prompt.ids)
+            return prompt, {}
+        ids, inputs = self.images.encode(prompt.text, prompt.images)
+        return replace(prompt, ids=ids), inputs
 
     def check_prompt(self, prompt: Prompt) -> None:
         limit = self.limits.max_prompt_tokens
