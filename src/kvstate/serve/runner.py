@@ -38,7 +38,7 @@ class Cancelled(Exception):
     """The client disconnected; the job stops without committing anything."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One request's work. ``on_text`` (called on the worker thread) receives answer text as it is final."""
 
@@ -72,6 +72,7 @@ class Runner:
         self.fingerprint = fingerprint(model, tokenizer)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstate-model")
         self._pending = 0
+        self._jobs: set[Job] = set()  # queued or running, so close() can cancel them
         self._lock = threading.Lock()
 
     @property
@@ -87,15 +88,21 @@ class Runner:
                                 f"(limit {self.max_queue})", status=429, code="rate_limit_exceeded",
                                 fix="retry after a moment", headers={"Retry-After": "1"})
             self._pending += 1
+            self._jobs.add(job)
         future = self._executor.submit(self._run, job)
-        future.add_done_callback(self._done)
+        future.add_done_callback(lambda _: self._done(job))
         return future
 
-    def _done(self, _: concurrent.futures.Future[Result]) -> None:
+    def _done(self, job: Job) -> None:
         with self._lock:
             self._pending -= 1
+            self._jobs.discard(job)
 
     def close(self) -> None:
+        """Cancel what is queued or running (each stops at its next token, committing nothing) and wait."""
+        with self._lock:
+            for job in self._jobs:
+                job.cancelled.set()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _run(self, job: Job) -> Result:
