@@ -118,3 +118,16 @@ def test_fallback_template_is_documented_and_stops(tiny):
     assert prompt.default_stop == FALLBACK_STOP
     assert prompt.ids == tiny[1](prompt.text, add_special_tokens=False).input_ids
     assert torch.tensor(prompt.ids)[0] == tiny[1].bos_token_id
+
+
+def test_a_tokenizers_own_chat_template_is_used():
+    from kvstate.serve.chat import Renderer
+    from kvstate.testing.tiny_tokenizer import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}" \
+                              "{% if add_generation_prompt %}[assistant]{% endif %}"
+    prompt = Renderer(tokenizer).chat([{"role": "developer", "content": "Be brief."},
+                                       {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                                    {"type": "text", "text": "you"}]}])
+    assert prompt.text == "[system]Be brief.[user]Hi you[assistant]" and prompt.default_stop == ()
