@@ -6,3 +6,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 # Self-check verdicts go to a fresh folder per test run, never the user's cache.
 os.environ.setdefault("KVSTATE_SELFCHECK_CACHE", tempfile.mkdtemp(prefix="kvstate-selfcheck-"))
+
+import pytest
+
+# The compatibility subset (`pytest -m window`) that .ci/run also runs on the oldest transformers in the
+# window and scripts/version_window.py on every minor: every family adapter, generate's options, the state
+# files, compression, media and verify, and files across versions (issue 15).
+WINDOW = {"test_families.py", "test_generate_options.py", "test_files.py", "test_compress.py", "test_video.py",
+          "test_gemma3.py", "test_verify_matrix.py", "test_cross_version.py"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in WINDOW:
+            item.add_marker(pytest.mark.window)

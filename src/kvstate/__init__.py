@@ -9,7 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._compat import versions as _versions
+
 __version__ = "0.2.0"
+_versions.check()  # a transformers outside the tested window: one line naming it (docs/versions.md)
 
 _EXPORTS = {
     "Session": "session", "StoreWarning": "errors",

@@ -141,6 +141,7 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, adapter: ModelAdapter) -> None:
         self.model, self.adapter = model, adapter
+        self.cache_kwarg = adapter.cache_kwarg(model)
         self.lock = model_lock(model)
         self.seconds_per_token = 0.0  # measured on the last prefill-sized forward
 
@@ -177,7 +178,7 @@ class Engine:
                                found=f"state of {start.tokens_seen} tokens without last_logits")
         positions = start.positions if feed is None else torch.cat([start.positions, feed.positions], dim=1)
         call: dict[str, Any] = {"input_ids": history, "attention_mask": mask.long(),
-                                self.adapter.caps.cache_kwarg: self.adapter.empty_cache(self.model, history.shape[0])}
+                                self.cache_kwarg: self.adapter.empty_cache(self.model, history.shape[0])}
         if self.adapter.caps.position_ids:
             call["position_ids"] = self.adapter.model_positions(positions)
         with self.lock, torch.no_grad(), ExitStack() as hooks:
@@ -192,7 +193,8 @@ class Engine:
                 run["recorder"] = hooks.enter_context(Recorder(self.adapter, prefilled.next_position).attached(
                     self.model))
                 hooks.enter_context(self._masks(prefilled.layers, run["recorder"]))
-                return self.adapter.lm_output(prefilled.last_logits[:, None, :], run["cache"])  # type: ignore[index]
+                return self.adapter.lm_output(self.model, prefilled.last_logits[:, None, :],  # type: ignore[index]
+                                              run["cache"])
 
             with _compat.replaced_prefill(self.model, prefill):
                 output = self.model.generate(**call, **options.kwargs)
@@ -223,7 +225,7 @@ class Engine:
         if self.adapter.caps.position_ids:
             kwargs["position_ids"] = self.adapter.model_positions(state.positions[:, T - window:])
         with self.lock, torch.no_grad():
-            kwargs[self.adapter.caps.cache_kwarg] = self.adapter.build_cache(self.model, base.layers, base.batch_size)
+            kwargs[self.cache_kwarg] = self.adapter.build_cache(self.model, base.layers, base.batch_size)
             self.adapter.restore_extras(self.model, dict(base.extras))
             recorder = Recorder(self.adapter, base.next_position)
             with _compat.attention_backend(self.model, "eager"), recorder.attached(self.model), \
@@ -274,7 +276,7 @@ class Engine:
         self.adapter.restore_extras(self.model, dict(state.extras))
         extra = self.adapter.forward_inputs(self.model, state.tokens, ids, dict(inputs))
         kwargs = dict(extra, input_ids=ids, attention_mask=_mask_arg(mask), use_cache=True, **self._keep_one(),
-                      **{self.adapter.caps.cache_kwarg: cache})
+                      **{self.cache_kwarg: cache})
         if self.adapter.caps.position_ids:
             kwargs["position_ids"] = self.adapter.model_positions(positions)
         recorder = Recorder(self.adapter, state.next_position)

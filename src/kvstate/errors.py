@@ -92,3 +92,7 @@ class StoreError(KVStateError):
 
 class StoreWarning(UserWarning):
     """A prefix store failed; the call went on without it (a store is a cache, never the answer)."""
+
+
+class TransformersVersionError(KVStateError, ImportError):
+    """The installed transformers is outside the window kvstate is tested with (``import kvstate``)."""

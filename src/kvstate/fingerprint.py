@@ -2,7 +2,8 @@
 
 A fingerprint names the model type and architectures, hashes the config (minus fields
 that do not change the computation, such as the attention backend), records the dtype,
-and digests **every byte of every parameter and buffer** the model computes with,
+and digests **every byte of every parameter and persistent buffer** (what a checkpoint
+holds; derived buffers such as RoPE frequencies follow from the config and the code),
 adapter weights (peft LoRA, say) included when they are part of the module tree. The
 bulk is hashed with XXH3-64 (fast, non-cryptographic); SHA-256 covers the summary.
 A copy differing in one layer's weights therefore gets another fingerprint.
@@ -31,6 +32,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import xxhash
 
+from ._compat import versions
+
 # Config fields that describe loading or bookkeeping, not the function computed.
 _VOLATILE_CONFIG_KEYS = frozenset({
     "_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
@@ -39,7 +42,12 @@ _VOLATILE_CONFIG_KEYS = frozenset({
     "quantization_config", "_experts_implementation", "tie_word_embeddings_autoset",
 })
 _SAMPLE_ELEMENTS = 4096  # per tensor, for the dtype-independent digest
-SCHEME = 2  # 2: every byte (XXH3-64 per tensor, SHA-256 summary); 1: kvstate 0.1's three-tensor sample
+# 3: every byte (XXH3-64 per tensor, SHA-256 summary) of the parameters and persistent buffers, in name
+# order; 2: the same over every buffer too, in module order, which some models vary between processes
+# (5.14's Gemma 3 registers its RoPE buffers from a set) and whose derived, non-persistent buffers move
+# between transformers minors (5.24's Qwen3-VL vision RoPE adds original_inv_freq); 1: kvstate 0.1's
+# three-tensor sample. Older schemes are checked with their own rules.
+SCHEME = 3
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,10 @@ class Fingerprint:
     tokenizer_hash: str | None = None
     weights_sample: str | None = None  # bf16-rounded sample of every tensor: equal across dtypes
     scheme: int = SCHEME
+    # the hashed config itself (JSON) and the transformers version that produced it: a state saved under
+    # another minor may differ in fields that minor added or moved, never in a field both versions have
+    config_json: str | None = None
+    transformers: str | None = None
 
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
@@ -62,7 +74,8 @@ class Fingerprint:
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> Fingerprint:
-        text = {k: None if d.get(k) is None else str(d[k]) for k in ("tokenizer_hash", "weights_sample")}
+        text = {k: None if d.get(k) is None else str(d[k])
+                for k in ("tokenizer_hash", "weights_sample", "config_json", "transformers")}
         return cls(model_type=str(d["model_type"]),
                    architectures=tuple(str(a) for a in d["architectures"]),  # type: ignore[union-attr]
                    config_hash=str(d["config_hash"]), weights_digest=str(d["weights_digest"]),
@@ -74,10 +87,12 @@ class Fingerprint:
         ``across_dtypes``: the caller cast the state on purpose, so the dtype may differ
         and the weights are compared by their dtype-independent sample.
         """
-        skip = {"scheme", "weights_sample"}
+        skip = {"scheme", "weights_sample", "config_json", "transformers"}
         if across_dtypes:
             skip |= {"dtype", "weights_digest"}
-        out = []
+        if self.config_hash != other.config_hash and self.across_versions(other):
+            skip.add("config_hash")  # compared field by field instead
+        out = [f"config field {c}" for c in self.config_conflicts(other)]
         mine, theirs = self.to_dict(), other.to_dict()
         for name in mine:
             if name in skip or (name == "tokenizer_hash" and None in (mine[name], theirs[name])):
@@ -89,10 +104,33 @@ class Fingerprint:
         return out
 
 
+    def across_versions(self, other: Fingerprint) -> bool:
+        """Both record their configs, made under different transformers versions."""
+        return None not in (self.config_json, other.config_json, self.transformers, other.transformers) \
+            and self.transformers != other.transformers
+
+    def config_conflicts(self, other: Fingerprint) -> list[str]:
+        """Fields both configs have, with different values (only across transformers versions; a field one
+        minor added or moved is not a conflict, and the weights digest still has to match byte for byte)."""
+        if self.config_hash == other.config_hash or not self.across_versions(other):
+            return []
+        return _conflicts(json.loads(self.config_json or "{}"), json.loads(other.config_json or "{}"), "")
+
+
+def _conflicts(mine: object, theirs: object, path: str) -> list[str]:
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        return [c for k in sorted(set(mine) & set(theirs)) for c in _conflicts(mine[k], theirs[k], f"{path}{k}.")]
+    return [] if mine == theirs else [f"{path.rstrip('.')}: {mine!r} != {theirs!r}"]
+
+
+def config_json(config: object) -> str:
+    """The config's JSON, without volatile fields, recursively (what ``config_hash`` hashes)."""
+    return json.dumps(_strip(config.to_dict()), sort_keys=True, default=str)  # type: ignore[attr-defined]
+
+
 def config_hash(config: object) -> str:
     """SHA-256 over the config's JSON, without volatile fields, recursively."""
-    data = config.to_dict()  # type: ignore[attr-defined]
-    return hashlib.sha256(json.dumps(_strip(data), sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(config_json(config).encode()).hexdigest()
 
 
 def _strip(value: object) -> object:
@@ -103,15 +141,17 @@ def _strip(value: object) -> object:
     return value
 
 
-def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer, each once (tied weights share one entry)."""
+def _tensors(model: torch.nn.Module, scheme: int = SCHEME) -> list[tuple[str, torch.Tensor]]:
+    """Each parameter and buffer once (tied weights share one entry): scheme 3 takes what a checkpoint
+    holds (parameters and persistent buffers) in name order; scheme 2 every buffer, in module order."""
+    saved = set(model.state_dict(keep_vars=True)) if scheme >= 3 else None
     seen: set[int] = set()
     out = []
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if id(t) not in seen:
+        if id(t) not in seen and (saved is None or name in saved):
             seen.add(id(t))
             out.append((name, t))
-    return out
+    return sorted(out, key=lambda item: item[0]) if scheme >= 3 else out
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -119,19 +159,19 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def weights_digest(model: torch.nn.Module) -> str:
+def weights_digest(model: torch.nn.Module, scheme: int = SCHEME) -> str:
     """SHA-256 over the name, dtype, shape and XXH3-64 of every parameter and buffer."""
     summary = hashlib.sha256()
-    for name, t in _tensors(model):
+    for name, t in _tensors(model, scheme):
         summary.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
         summary.update(xxhash.xxh3_64_hexdigest(_bytes(t)).encode())
     return summary.hexdigest()
 
 
-def weights_sample(model: torch.nn.Module) -> str:
+def weights_sample(model: torch.nn.Module, scheme: int = SCHEME) -> str:
     """SHA-256 over strided samples of every tensor, rounded to bfloat16 (equal across dtypes)."""
     h = hashlib.sha256()
-    for name, t in _tensors(model):
+    for name, t in _tensors(model, scheme):
         flat = t.detach().reshape(-1)
         step = max(1, flat.numel() // _SAMPLE_ELEMENTS)
         sample = flat[::step][:_SAMPLE_ELEMENTS].to("cpu", torch.bfloat16).contiguous()
@@ -164,7 +204,7 @@ def tokenizer_hash(tokenizer: object) -> str:
 
 def weights_key(model: torch.nn.Module) -> tuple:
     """What changes when a weight is replaced or edited in place: identity, storage and version counter."""
-    return tuple((id(t), t.data_ptr(), t._version) for _, t in _tensors(model))
+    return tuple((id(t), t.data_ptr(), t._version) for _, t in _tensors(model, 2))  # every tensor: cheap, no sort
 
 
 _CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, Fingerprint]] = weakref.WeakKeyDictionary()
@@ -182,7 +222,8 @@ def fingerprint(model: torch.nn.Module, tokenizer: object | None = None, *, refr
             model_type=str(config.model_type),
             architectures=tuple(getattr(config, "architectures", None) or (type(model).__name__,)),
             config_hash=config_hash(config), weights_digest=weights_digest(model),
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."), weights_sample=weights_sample(model))
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."), weights_sample=weights_sample(model),
+            config_json=config_json(config), transformers=versions.installed())
         with _CACHE_LOCK:
             _CACHE[model] = (key, base)
     else:
@@ -199,6 +240,9 @@ def mismatch(state_fp: Fingerprint, model: torch.nn.Module, model_fp: Fingerprin
     if state_fp.scheme == 1:
         model_fp = replace(model_fp, weights_digest=legacy_weights_digest(model), weights_sample=None, scheme=1)
         return state_fp.differences(model_fp, across_dtypes=False)
+    if state_fp.scheme == 2:
+        model_fp = replace(model_fp, weights_digest=weights_digest(model, 2), weights_sample=weights_sample(model, 2),
+                           scheme=2)
     return state_fp.differences(model_fp, across_dtypes=cast)
 
 

@@ -34,6 +34,15 @@ _PENDING = threading.local()  # the cached state the next scan on this thread st
 _MIXERS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
 
 
+def available(modeling: str) -> bool:
+    """Whether transformers' ``modeling`` module (e.g. ``transformers.models.mamba.modeling_mamba``)
+    has the scan function kvstate continues. 5.14's Mamba and Jamba have none: their multi-token
+    forwards from a cache assume one token, so their adapters continue one token per forward."""
+    import importlib
+
+    return callable(getattr(importlib.import_module(modeling), _NAME, None))
+
+
 def mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules whose forward calls their transformers module's ``mamba_selective_scan`` (found once
     per model: a walk over every module is not for each forward)."""
@@ -96,7 +105,8 @@ def _installed(home: ModuleType) -> Iterator[None]:
 
 
 def _remember(mixer: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+    named = [kwargs[k] for k in ("cache", "cache_params", "past_key_values") if kwargs.get(k) is not None]
+    cache = named[0] if named else (args[1] if len(args) > 1 else None)
     state = None if cache is None else cache.get_recurrent_state(mixer.layer_idx, state_idx=0)  # type: ignore[arg-type]
     _PENDING.state = None if state is None else state.clone()  # the cache overwrites it in place after the scan
 

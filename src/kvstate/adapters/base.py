@@ -46,7 +46,8 @@ class Capabilities:
         rollback: cropping attention layers returns the model to an earlier state exactly
             (False when the self-check found state outside the cache: then only
             continuing or re-feeding is allowed).
-        cache_kwarg: the ``forward`` / ``generate`` keyword the cache travels in (RWKV: ``state``).
+        cache_kwarg: the ``forward`` / ``generate`` keyword the cache travels in (RWKV: ``state``);
+            None: the one the model's ``forward`` takes (it moved between transformers versions).
     """
 
     name: str = "generic-decoder"
@@ -57,7 +58,7 @@ class Capabilities:
     input_keys: tuple[str, ...] = ()
     logits_to_keep: bool = True
     rollback: bool = True
-    cache_kwarg: str = _compat.CACHE_KWARG
+    cache_kwarg: str | None = None
 
 
 class Adapter:
@@ -160,9 +161,13 @@ class Adapter:
         """The cache ``generate`` is called with; the replaced prefill hands it the real one."""
         return _compat.empty_cache(self.text_config(model))
 
-    def lm_output(self, logits: torch.Tensor, cache: Any) -> Any:
+    def cache_kwarg(self, model: torch.nn.Module) -> str:
+        """The keyword the cache travels in, for ``forward`` and ``generate``."""
+        return self.caps.cache_kwarg or _compat.cache_kwarg(model) or _compat.CACHE_KWARG
+
+    def lm_output(self, model: torch.nn.Module, logits: torch.Tensor, cache: Any) -> Any:
         """The model output ``generate``'s replaced prefill returns: ``logits`` ``[B, 1, V]`` and the cache."""
-        return _compat.lm_output(logits, cache)
+        return _compat.lm_output(logits, cache, self.cache_kwarg(model))
 
     def forward_inputs(self, model: torch.nn.Module, before: torch.Tensor, ids: torch.Tensor,
                        inputs: dict[str, Any]) -> dict[str, Any]:

@@ -87,7 +87,7 @@ class RWKVAdapter(_RecurrentOnly):
     def empty_cache(self, model: torch.nn.Module, batch_size: int) -> Any:
         return None  # as plain generate starts; the replaced prefill hands it the real state
 
-    def lm_output(self, logits: torch.Tensor, cache: Any) -> Any:
+    def lm_output(self, model: torch.nn.Module, logits: torch.Tensor, cache: Any) -> Any:
         return _compat.rwkv_output(logits, cache)
 
     def prepare(self, model: torch.nn.Module) -> None:

@@ -17,27 +17,50 @@ handled here rather than hidden:
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .. import _compat
+from .._compat.scan import available as scan_available
 from .._compat.scan import scans_from_cache
+from .._compat.versions import continues_in_chunks
 from ..layers import LayerState, RecurrentLayerState
 from .base import Adapter, Capabilities
 
 
 class RecurrentAdapter(Adapter):
-    """Families whose recurrent state lives in the transformers cache. ``scan_from_cache``: the
-    family's selective scan is given the cached state on multi-token chunks (``_compat.scan``)."""
+    """Families whose recurrent state lives in the transformers cache. ``scan_from_cache`` names the
+    transformers modeling module whose selective scan is given the cached state on multi-token
+    chunks (``_compat.scan``); where that version has no such scan, chunks go one token per forward."""
 
-    def __init__(self, *, stepwise: bool = False, position_ids: bool = True, scan_from_cache: bool = False,
-                 name: str = "recurrent-hybrid", caps: Capabilities | None = None) -> None:
-        self.caps = caps or Capabilities(name=name, stepwise=stepwise, position_ids=position_ids, padding=False)
+    def __init__(self, *, stepwise: bool = False, position_ids: bool = True, scan_from_cache: str | None = None,
+                 name: str = "recurrent-hybrid", caps: Capabilities | None = None, family: str | None = None) -> None:
+        self._caps = caps or Capabilities(name=name, stepwise=stepwise, position_ids=position_ids, padding=False)
         self._scan_from_cache = scan_from_cache
+        self._scans: bool | None = None  # decided on first use: importing the modeling module costs time
+        self._chunks = family is None or continues_in_chunks(family)  # the version table in _compat.versions
+
+    @property
+    def caps(self) -> Capabilities:  # type: ignore[override]
+        if self._chunks and (self._scan_from_cache is None or self.scans):
+            return self._caps
+        return replace(self._caps, stepwise=True)
+
+    @caps.setter
+    def caps(self, value: Capabilities) -> None:
+        self._caps = value
+
+    @property
+    def scans(self) -> bool:
+        """Whether multi-token chunks continue through ``_compat.scan`` in this transformers version."""
+        if self._scans is None:
+            self._scans = self._scan_from_cache is not None and scan_available(self._scan_from_cache)
+        return self._scans
 
     def forward_context(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
-        return scans_from_cache(model) if self._scan_from_cache else nullcontext()
+        return scans_from_cache(model) if self._scan_from_cache is not None and self.scans else nullcontext()
 
 
 class RecurrentGemmaAdapter(RecurrentAdapter):
@@ -50,6 +73,9 @@ class RecurrentGemmaAdapter(RecurrentAdapter):
 
     def __init__(self) -> None:
         super().__init__(stepwise=True, name="recurrent-gemma")
+
+    def layer_specs(self, model: torch.nn.Module) -> list[tuple[str, int | None]]:
+        return _compat.recurrent_gemma_specs(self.text_config(model))
 
     def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
         cache = super().build_cache(model, tuple(

@@ -67,7 +67,7 @@ def structural_caps(model: torch.nn.Module) -> Capabilities:
     config = model.config  # type: ignore[union-attr]
     model_type = str(getattr(config, "model_type", type(model).__name__))
     params = inspect.signature(model.forward).parameters
-    if _compat.CACHE_KWARG not in params and "past_key_values" not in params:
+    if _compat.cache_kwarg(model) is None:
         raise UnsupportedModelError(f"{model_type} does not take a transformers cache in forward()",
                                     expected=f"a forward with a `{_compat.CACHE_KWARG}` argument",
                                     found=", ".join(list(params)[:8]), fix="kvstate cannot hold this model's state")

@@ -110,5 +110,5 @@ def _describe(path: str | os.PathLike[str], header: dict[str, Any], entries: dic
         "storage": header.get("storage"), "kv_dtype": header.get("kv_dtype"),
         "file_bytes": size, "tensor_bytes": tensor_bytes, "has_last_logits": header.get("has_last_logits"),
         "extras": {name: entries.get(f"extras.{name}", {}).get("shape") for name in header.get("extras", [])},
-        "metadata": header.get("metadata", {}), "layers": layers,
+        "metadata": header.get("metadata", {}), "layers": layers, "created_with": header.get("created_with"),
     }

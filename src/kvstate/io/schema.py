@@ -69,6 +69,7 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "has_last_logits": state.last_logits is not None, "extras": sorted(state.extras),
         "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "metadata": meta,
         "media": [[m.start, m.end, m.digest, m.kept] for m in state.media],
+        "created_with": created_with(),
     }
     header["checksum"] = "xxh3-64"
     header["checksums"] = {name: digest(t) for name, t in tensors.items()}
@@ -320,3 +321,11 @@ def _list(d: dict[str, Any], key: str) -> list:
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def created_with() -> dict[str, str]:
+    """The library versions a file is written with (informative: files load across the tested window)."""
+    from .. import __version__
+    from .._compat import versions
+
+    return {"kvstate": __version__, "transformers": versions.installed(), "torch": torch.__version__.split("+")[0]}

@@ -22,7 +22,8 @@ KEY_FORMAT = 1
 
 
 def salt(fingerprint: Fingerprint, namespace: str, compressed: bool) -> bytes:
-    blob = json.dumps({"format": KEY_FORMAT, "fingerprint": fingerprint.to_dict(), "dtype": fingerprint.dtype,
+    identity = {k: v for k, v in fingerprint.to_dict().items() if k not in ("config_json", "transformers")}
+    blob = json.dumps({"format": KEY_FORMAT, "fingerprint": identity, "dtype": fingerprint.dtype,
                        "namespace": namespace, "compressed": compressed}, sort_keys=True)
     return hashlib.sha256(blob.encode()).digest()
 

@@ -68,6 +68,7 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=lambda: environment())
 
     @property
     def ok(self) -> bool:
@@ -77,12 +78,13 @@ class Report:
         return {"schema_version": SCHEMA_VERSION, "model": self.model, "backend": self.backend,
                 "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "tolerance": TOLERANCE,
                 "ok": self.ok, "rows": [{**asdict(r), "verdict": r.verdict} for r in self.rows],
-                "diagnosis": [asdict(f) for f in self.findings], "skipped": self.skipped}
+                "diagnosis": [asdict(f) for f in self.findings], "skipped": self.skipped,
+                "environment": self.environment}
 
     def table(self, colour: bool = False) -> str:
         head = f"{'group':<8} {'check':<46} {'max|Δlogit|':>11} {'cosine':>8} {'top5':>4} {'greedy':>7}  verdict"
         lines = [f"kvstate verify: {self.model} ({self.backend}), prompt {self.prompt_tokens} tokens, "
-                 f"{self.new_tokens} new", head, "-" * len(head)]
+                 f"{self.new_tokens} new", _environment_line(self.environment), head, "-" * len(head)]
         for r in self.rows:
             verdict = _paint(r.verdict, _COLOURS[r.verdict], colour)
             if r.error is not None:
@@ -98,7 +100,7 @@ class Report:
         return "\n".join(lines)
 
     def markdown(self) -> str:
-        lines = [f"### kvstate verify: `{self.model}` ({self.backend})", "",
+        lines = [f"### kvstate verify: `{self.model}` ({self.backend})", "", _environment_line(self.environment), "",
                  f"Prompt {self.prompt_tokens} tokens, {self.new_tokens} greedy tokens; tolerance "
                  f"max \\|Δ\\| ≤ {TOLERANCE:g} × max \\|reference logit\\|.", "",
                  "| group | check | max \\|Δlogit\\| | cosine | top-1 | top-5 | greedy | verdict |",
@@ -136,3 +138,19 @@ def compare(name: str, group: str, description: str, logits: torch.Tensor, token
 
 def crashed(name: str, group: str, description: str, exc: BaseException, facts: dict[str, Any] | None = None) -> Row:
     return Row(name, group, description, error=f"{type(exc).__name__}: {exc}"[:300], facts=facts or {})
+
+
+def environment() -> dict[str, Any]:
+    """The versions this run used, and whether transformers is inside kvstate's tested window."""
+    import torch
+
+    from .._compat import versions
+
+    return {"transformers": versions.installed(), "torch": torch.__version__, "tested_window": versions.window(),
+            "in_window": versions.in_window(versions.installed())}
+
+
+def _environment_line(env: dict[str, Any]) -> str:
+    inside = "inside" if env["in_window"] else "OUTSIDE (untested: results may not hold)"
+    return (f"transformers {env['transformers']}, torch {env['torch']}: {inside} the tested window "
+            f"{env['tested_window']}")

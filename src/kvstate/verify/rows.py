@@ -105,7 +105,7 @@ def plain(model: Any, state: State, ids: torch.Tensor, n: int, *, mask: bool, po
                                       inputs)
         kwargs["position_ids"] = adapter.model_positions(new)
     out = model.generate(input_ids=suffix, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
-                         output_logits=True, **{adapter.caps.cache_kwarg: cache}, **kwargs)
+                         output_logits=True, **{adapter.cache_kwarg(model): cache}, **kwargs)
     return out.logits[0], out.sequences[:, suffix.shape[1]:]
 
 

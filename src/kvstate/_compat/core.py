@@ -1,0 +1,495 @@
+"""Cache, generation and model-side helpers over transformers internals (5.14 through 5.24).
+
+What moves between transformers minor releases, and how this module follows it:
+the cache keyword (5.24 renamed ``past_key_values`` to ``cache``: read from the output
+class's fields), cache layer classes (``DummyLayer`` exists from 5.2x: optional) and
+their private fields (``cumulative_length``), and the generation helpers
+``_prepare_generation_config`` and ``_prefill``. Nothing else in kvstate imports
+``transformers`` internals; ``versions`` holds the window.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import DynamicCache, GenerationConfig, cache_utils
+from transformers.cache_utils import (
+    DynamicIndexedLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+)
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
+
+from ..errors import KVStateError, UnsupportedError
+from ..layers import (
+    AttentionLayerState,
+    HybridLayerState,
+    IndexedLayerState,
+    LayerState,
+    RecurrentLayerState,
+    StatelessLayerState,
+)
+
+# the field outputs carry the cache in: "cache" from 5.24, "past_key_values" before (feature-detected)
+CACHE_KWARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+# the forward keywords a cache may travel in, newest first (5.14's Mamba-style models take cache_params)
+_CACHE_NAMES = ("cache", "past_key_values", "cache_params")
+
+
+def cache_kwarg(model: Any) -> str | None:
+    """The keyword ``model.forward`` takes its transformers cache in; None if it takes none."""
+    params = inspect.signature(model.forward).parameters
+    return next((name for name in _CACHE_NAMES if name in params), None)
+# mllama's empty cross-attention layers on the text path; older versions leave a plain DynamicLayer
+DummyLayer = getattr(cache_utils, "DummyLayer", None)
+
+
+def layer_specs(config: object) -> list[tuple[str, int | None]]:
+    """``(kind, window)`` per decoder layer, decided exactly as transformers decides it."""
+    specs: list[tuple[str, int | None]] = []
+    for i, layer in enumerate(DynamicCache(config=config).layers):  # type: ignore[arg-type]
+        kind = _KIND_OF.get(type(layer))
+        if kind is None:
+            raise UnsupportedError(
+                f"layer {i} uses transformers cache layer {type(layer).__name__}",
+                expected=" / ".join(c.__name__ for c in _KIND_OF), found=type(layer).__name__,
+                fix="use a model family kvstate supports (`kvstate verify --list`)")
+        specs.append((kind, _window(layer)))
+    return specs
+
+
+def observe_layout(model: Any, ids: torch.Tensor) -> list[tuple[str, int | None]]:
+    """``(kind, window)`` per cache layer as one forward of ``ids`` ``[1, Q]`` actually used them.
+
+    Differs from ``layer_specs`` for two kinds of models: looped ones append a cache layer per
+    extra pass of their shared layers (dory, inkling2_loop), and some leave a layer empty on the
+    text-only path (mllama's cross-attention layers), which holds no state there ("stateless").
+    """
+    config = model.config.get_text_config(decoder=True)
+    declared = layer_specs(config)
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model) or CACHE_KWARG: cache})
+    specs: list[tuple[str, int | None]] = []
+    for i, hf_layer in enumerate(cache.layers):
+        kind, window = declared[i] if i < len(declared) else _appended(hf_layer)
+        if kind in ("full_attention", "sliding_attention") and not _holds_keys(hf_layer):
+            kind, window = "stateless", None
+        specs.append((kind, window))
+    return specs
+
+
+def _appended(hf_layer: Any) -> tuple[str, int | None]:
+    """``(kind, window)`` of a cache layer the model appended beyond the config's."""
+    kind = _KIND_OF.get(type(hf_layer))
+    if kind is None:
+        raise UnsupportedError(f"the model appended a cache layer of class {type(hf_layer).__name__}",
+                               expected=" / ".join(c.__name__ for c in _KIND_OF), found=type(hf_layer).__name__,
+                               fix="use a model family kvstate supports (`kvstate verify --list`)")
+    return kind, _window(hf_layer)
+
+
+def _window(hf_layer: Any) -> int | None:
+    return int(hf_layer.sliding_window) if isinstance(hf_layer, DynamicSlidingWindowLayer) else None
+
+
+def _holds_keys(hf_layer: Any) -> bool:
+    keys = getattr(hf_layer, "keys", None)
+    return bool(getattr(hf_layer, "is_initialized", False)) and keys is not None and keys.numel() > 0
+
+
+def _extra_layers(declared: list[Any], layers: tuple[LayerState, ...]) -> list[Any]:
+    """Cache layers for the state layers past the config's count (a looped model's extra passes):
+    an empty copy of the first declared layer of the same kind and window, as the model makes them."""
+    def spec(layer: LayerState) -> tuple[str, int | None]:
+        attention = layer.attention if isinstance(layer, (HybridLayerState, IndexedLayerState)) else layer
+        return layer.kind, attention.window if isinstance(attention, AttentionLayerState) else None
+
+    out = []
+    for layer in layers[len(declared):]:
+        if isinstance(layer, StatelessLayerState):
+            out.append(DynamicLayer())
+            continue
+        template = next((t for t in declared if (_KIND_OF.get(type(t)), _window(t)) == spec(layer)), None)
+        if template is None:
+            raise KVStateError("the state has a layer the model's config cannot make", expected="a declared kind",
+                               found=spec(layer), fix="load this state into the model it was made with")
+        out.append(copy.deepcopy(template))
+    return out
+
+
+_KIND_OF: dict[type, str] = {
+    DynamicLayer: "full_attention",
+    DynamicSlidingWindowLayer: "sliding_attention",
+    DynamicIndexedLayer: "indexed_attention",
+    LinearAttentionLayer: "recurrent",
+    LinearAttentionAndFullAttentionLayer: "hybrid",
+    LinearAttentionAndSlidingWindowAttentionLayer: "hybrid",  # with its window
+}
+if DummyLayer is not None:
+    _KIND_OF[DummyLayer] = "stateless"
+
+
+def build_cache(layers: tuple[LayerState, ...], config: object) -> DynamicCache:
+    """A transformers ``DynamicCache`` holding the state's tensors.
+
+    K/V are shared, not copied (transformers concatenates, never writes them in place).
+    Conv and recurrent states are cloned, because models update those in place.
+    Sliding layers record their past so that they return every slot they were given;
+    ``read_cache`` trims them back to the window plus reserve.
+    """
+    cache = DynamicCache(config=config)  # type: ignore[arg-type]
+    cache.layers += _extra_layers(cache.layers, layers)  # a looped model's extra passes
+    cache.layers = [_recording(hf_layer) for hf_layer in cache.layers]
+    for hf_layer, layer in zip(cache.layers, layers, strict=True):
+        if isinstance(layer, HybridLayerState):
+            _fill_attention(hf_layer, layer.attention)
+            _fill_recurrent(hf_layer, layer.recurrent)
+        elif isinstance(layer, RecurrentLayerState):
+            _fill_recurrent(hf_layer, layer)
+        elif isinstance(layer, IndexedLayerState):
+            _fill_attention(hf_layer, layer.attention)
+            if layer.indexer_keys is not None:
+                hf_layer.lazy_initialization_indexer(layer.indexer_keys)
+                hf_layer.indexer_keys = layer.indexer_keys
+            hf_layer.indexer_position_ids = layer.indexer_positions
+        elif isinstance(layer, AttentionLayerState):
+            _fill_attention(hf_layer, layer)
+    return cache
+
+
+class _RecordingSlidingLayer(DynamicSlidingWindowLayer):
+    """A sliding layer that keeps every slot it is given and returns only the visible ones, as
+    5.2x's ``activate_past_recording`` does; for versions without it (5.14), whose layer keeps
+    only ``window - 1`` slots and would drop the reserve kvstate keeps for rollback."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        visible = self.sliding_window - 1 + key_states.shape[-2]
+        return self.keys[:, :, -visible:, :], self.values[:, :, -visible:, :]
+
+
+_RECORDS_PAST = hasattr(DynamicSlidingWindowLayer, "activate_past_recording")
+
+
+def _recording(hf_layer: Any) -> Any:
+    """``hf_layer``, set to keep every slot it is given (a sliding layer records its past)."""
+    if not isinstance(hf_layer, DynamicSlidingWindowLayer):
+        return hf_layer
+    if _RECORDS_PAST:
+        hf_layer.activate_past_recording()
+        return hf_layer
+    return _RecordingSlidingLayer(sliding_window=hf_layer.sliding_window)
+
+
+def _fill_attention(hf_layer: Any, layer: AttentionLayerState) -> None:
+    if isinstance(hf_layer, DynamicSlidingWindowLayer):
+        hf_layer.cumulative_length = layer.tokens_seen
+    if layer.keys is not None:
+        DynamicLayer.lazy_initialization(hf_layer, layer.keys, layer.values)
+        if isinstance(hf_layer, DynamicSlidingWindowLayer):
+            hf_layer._sliding_window_tensor = hf_layer._sliding_window_tensor.to(layer.keys.device)
+        hf_layer.keys, hf_layer.values = layer.keys, layer.values
+
+
+def _fill_recurrent(hf_layer: Any, layer: RecurrentLayerState) -> None:
+    for i, conv in layer.conv.items():
+        hf_layer.conv_states[i] = conv.clone()
+        hf_layer.conv_kernel_size[i] = conv.shape[-1]
+        hf_layer.is_conv_states_initialized[i] = True
+        hf_layer.has_previous_state[i] = True  # without it the next chunk is treated as a prefill
+        hf_layer.device, hf_layer.dtype = conv.device, conv.dtype
+    for i, rec in layer.recurrent.items():
+        hf_layer.recurrent_states[i] = rec.clone()
+        hf_layer.is_recurrent_states_initialized[i] = True
+        hf_layer.has_previous_state[i] = True
+        hf_layer.device = hf_layer.device or rec.device
+
+
+def read_cache(cache: DynamicCache, layers: tuple[LayerState, ...], new_positions: torch.Tensor,
+               tokens_seen: int) -> tuple[LayerState, ...]:
+    """New layer states after transformers appended the tokens fed at ``new_positions`` ``[B, Q(, R)]``.
+
+    ``Q`` and ``tokens_seen`` come from the engine's record of what was fed, never from
+    the tensors: a layer that did not append exactly ``Q`` slots is an error.
+    """
+    if len(cache.layers) != len(layers):
+        raise KVStateError("the model changed its cache's layer count during a forward",
+                           expected=f"{len(layers)} layers, as the state holds", found=len(cache.layers),
+                           fix="a dynamic-depth model: kvstate cannot hold its state exactly")
+    out: list[LayerState] = []
+    for i, (hf_layer, layer) in enumerate(zip(cache.layers, layers, strict=True)):
+        if isinstance(layer, HybridLayerState):
+            out.append(HybridLayerState(_read_attention(i, hf_layer, layer.attention, new_positions),
+                                        _read_recurrent(hf_layer, tokens_seen)))
+        elif isinstance(layer, RecurrentLayerState):
+            out.append(_read_recurrent(hf_layer, tokens_seen))
+        elif isinstance(layer, IndexedLayerState):
+            out.append(_read_indexed(i, hf_layer, layer, new_positions))
+        elif isinstance(layer, StatelessLayerState):
+            if _holds_keys(hf_layer):  # a layer empty on the probe's path filled up: its state would be lost
+                raise KVStateError(f"layer {i} stored keys, but held none when kvstate examined this model",
+                                   expected="an empty layer", found=tuple(hf_layer.keys.shape),
+                                   fix="this model fills layers depending on its inputs; report it with "
+                                   "`kvstate verify --model ...`")
+            out.append(StatelessLayerState(tokens_seen))
+        else:
+            out.append(_read_attention(i, hf_layer, layer, new_positions))  # type: ignore[arg-type]
+    return tuple(out)
+
+
+def _read_indexed(index: int, hf_layer: Any, layer: IndexedLayerState,
+                  new_positions: torch.Tensor) -> IndexedLayerState:
+    attention = _read_attention(index, hf_layer, layer.attention, new_positions)
+    keys = hf_layer.indexer_keys if hf_layer.is_indexer_initialized else None  # None: a shared indexer
+    positions = hf_layer.indexer_position_ids
+    if (keys is not None and keys.shape[1] != attention.slots) or (
+            positions is not None and positions.shape[-1] != attention.slots):
+        raise KVStateError(f"layer {index}'s indexer state does not follow its slots",
+                           expected=f"{attention.slots} indexer keys and positions",
+                           found=[None if t is None else tuple(t.shape) for t in (keys, positions)],
+                           fix="report this model with `kvstate verify --model ...`")
+    return IndexedLayerState(attention, keys, positions)
+
+
+def _read_attention(index: int, hf_layer: Any, layer: AttentionLayerState,
+                    new_positions: torch.Tensor) -> AttentionLayerState:
+    added = new_positions.shape[1]
+    stored = 0 if hf_layer.keys is None or not hf_layer.is_initialized else int(hf_layer.keys.shape[-2])
+    # Sliding layers may only be trimmed (to the window) by generate's own stop check; nothing else may differ.
+    if stored != layer.slots + added and not (layer.window is not None and stored < layer.slots + added):
+        raise KVStateError(f"layer {index} did not store the tokens it was fed", expected=layer.slots + added,
+                           found=stored, fix="this model does not fill the transformers cache it is given; "
+                           "report it with `kvstate verify --model ...`")
+    old = layer.positions if layer.positions is not None else new_positions[:, :0]
+    positions = torch.cat([old, new_positions], dim=1)[:, layer.slots + added - stored:]
+    return layer.appended(hf_layer.keys, hf_layer.values, positions, layer.tokens_seen + added)
+
+
+def _read_recurrent(hf_layer: Any, tokens_seen: int) -> RecurrentLayerState:
+    # a layer the model keeps its state outside of (RecurrentGemma on 5.14: a sliding layer) holds none
+    conv = {i: t for i, t in getattr(hf_layer, "conv_states", {}).items() if t is not None}
+    rec = {i: t for i, t in getattr(hf_layer, "recurrent_states", {}).items() if t is not None}
+    return RecurrentLayerState(conv, rec, tokens_seen)
+
+
+def set_rope_deltas(model: Any, value: torch.Tensor | None) -> None:
+    """Qwen-VL keeps its M-RoPE offset on the inner model (``model.model.rope_deltas``)."""
+    model.model.rope_deltas = value
+
+
+def rope_index(model: Any, ids: torch.Tensor, token_types: torch.Tensor, mask: torch.Tensor,
+               image_grid: torch.Tensor | None, video_grid: torch.Tensor | None,
+               second_per_grid_ts: torch.Tensor | None = None) -> torch.Tensor:
+    """Qwen-VL M-RoPE positions ``[3, B, Q]`` of a chunk that starts at position 0; ``token_types``
+    ``[B, Q]`` is transformers' ``mm_token_type_ids`` (0 text, 1 image, 2 video)."""
+    extra = {} if second_per_grid_ts is None else {"second_per_grid_ts": second_per_grid_ts}
+    positions, _ = model.model.get_rope_index(ids, token_types.int(), image_grid_thw=image_grid,
+                                              video_grid_thw=None if video_grid is None else video_grid.clone(),
+                                              attention_mask=mask.long(), **extra)
+    return positions
+
+
+def recurrent_gemma_blocks(model: Any) -> list[Any]:
+    """RecurrentGemma's recurrent blocks (``temporal_block`` of recurrent layers), by layer index."""
+    kinds = model.config.block_types  # "recurrent" or "attention", repeated over the layers
+    return [layer.temporal_block if kinds[i % len(kinds)] == "recurrent" else None
+            for i, layer in enumerate(model.model.layers)]
+
+
+def recurrent_gemma_specs(config: Any) -> list[tuple[str, int | None]]:
+    """``(kind, window)`` per RecurrentGemma layer from its ``block_types``: 5.24's config declares the
+    same as ``layer_types``, 5.14's declares none (its cache then makes every layer sliding)."""
+    kinds = config.block_types
+    return [("recurrent", None) if kinds[i % len(kinds)] == "recurrent" else
+            ("sliding_attention", int(config.attention_window_size)) for i in range(config.num_hidden_layers)]
+
+
+def recurrent_gemma_zero(model: Any, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Zero RecurrentGemma's module-held conv and RG-LRU states (its ``_setup_cache``)."""
+    model.model._setup_cache(model.config, batch_size, device, dtype)
+
+
+def attention_implementation(model: Any) -> str:
+    """The attention backend the decoder runs with (e.g. ``sdpa`` or ``eager``)."""
+    return str(model.config.get_text_config(decoder=True)._attn_implementation)
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The decoder layers, in order (for Qwen-VL, those of the language model)."""
+    return list(model.get_decoder().layers)
+
+
+@contextmanager
+def attention_backend(model: Any, name: str) -> Iterator[None]:
+    """Temporarily run ``model`` with another attention implementation (e.g. eager for weights)."""
+    configs = list({id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values())
+    before = [c._attn_implementation for c in configs]
+    try:
+        for c in configs:
+            c._attn_implementation = name
+        yield
+    finally:
+        for c, value in zip(configs, before, strict=True):
+            c._attn_implementation = value
+
+
+def rope_inv_freq(model: Any) -> torch.Tensor:
+    """Inverse frequencies ``[D / 2]`` of a model with one static RoPE (default, linear, llama3)."""
+    config = model.config.get_text_config(decoder=True)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in ("default", "linear", "llama3"):
+        raise UnsupportedError("key re-rotation needs a static RoPE", expected="default, linear or llama3",
+                               found=rope.get("rope_type"), fix="use the policy without ReRotate")
+    rotary = model.get_decoder().rotary_emb
+    if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+        raise UnsupportedError("key re-rotation needs one rotary embedding per model",
+                               found=type(rotary).__name__, fix="use the policy without ReRotate")
+    return rotary.inv_freq
+
+
+def minimax_cache(layers: tuple[LayerState, ...], config: object) -> Any:
+    """MiniMax's own ``MiniMaxCache``: softmax layers in ``layers``, lightning-attention states
+    ``[B, H, D, D]`` in ``linear_cache`` (None: start from zeros). Empty ``LinearAttentionLayer``
+    placeholders stand where the linear layers are, so the cache's length comes from a softmax
+    layer; MiniMax's lazily made ``DynamicLayer`` there would report 0 past tokens and size the
+    mask of a multi-token continuation wrongly."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    cache = MiniMaxCache()
+    cache.layers = build_cache(tuple(RecurrentLayerState({}, {}, 0) if isinstance(layer, RecurrentLayerState)
+                                     else layer for layer in layers), config).layers
+    # the model replaces these tensors after each forward, never writes into them
+    cache.linear_cache = [layer.recurrent.get(0) if isinstance(layer, RecurrentLayerState) else []
+                          for layer in layers]
+    return cache
+
+
+def read_minimax(cache: Any, layers: tuple[LayerState, ...], new_positions: torch.Tensor,
+                 tokens_seen: int) -> tuple[LayerState, ...]:
+    """The state after a forward on a ``minimax_cache``."""
+    linear = [isinstance(layer, RecurrentLayerState) for layer in layers]
+    attention = read_cache(cache, tuple(StatelessLayerState(layer.tokens_seen) if is_linear else layer
+                                        for layer, is_linear in zip(layers, linear, strict=True)),
+                           new_positions, tokens_seen)
+    return tuple(RecurrentLayerState({}, {0: cache.linear_cache[i]}, tokens_seen) if is_linear else new
+                 for i, (new, is_linear) in enumerate(zip(attention, linear, strict=True)))
+
+
+def xlstm_cache(layers: tuple[LayerState, ...], config: Any, batch_size: int, like: torch.Tensor) -> Any:
+    """xLSTM's own ``xLSTMCache``: per block the mLSTM ``(C [B, H, Dqk, Dv], N [B, H, Dqk], M [B, H, 1])``,
+    cloned because the model copies into them. Its dtype is the model's (the class defaults to bf16)."""
+    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
+
+    cache = xLSTMCache(config, batch_size, dtype=like.dtype, device=like.device)
+    for i, layer in enumerate(layers):
+        if isinstance(layer, RecurrentLayerState) and layer.recurrent:
+            cache.rnn_state[i] = tuple(layer.recurrent[j].clone() for j in range(len(layer.recurrent)))
+    cache.seqlen_offset = torch.tensor([layers[0].tokens_seen], device=like.device)
+    return cache
+
+
+def read_xlstm(cache: Any, tokens_seen: int) -> tuple[LayerState, ...]:
+    """The state after a forward on an ``xlstm_cache``."""
+    return tuple(RecurrentLayerState({}, dict(enumerate(cache.rnn_state[i])), tokens_seen)
+                 for i in range(len(cache.rnn_state)))
+
+
+def rwkv_state(layers: tuple[LayerState, ...], batch_size: int, hidden: int, like: torch.Tensor) -> list[torch.Tensor]:
+    """RWKV's ``state``: five ``[B, hidden, L]`` tensors (feed-forward shift, attention shift in the
+    model dtype; numerator, denominator, running max in fp32), filled in place by its forward.
+    Empty layers start as RWKV's own forward starts them (zeros, max -1e30)."""
+    shape = (batch_size, hidden, len(layers))
+    state = [torch.zeros(shape, dtype=like.dtype if i <= 1 else torch.float32, device=like.device) for i in range(5)]
+    state[4] -= 1e30
+    for i, layer in enumerate(layers):
+        if isinstance(layer, RecurrentLayerState) and layer.recurrent:
+            for j, part in enumerate((layer.conv[0], layer.conv[1], *(layer.recurrent[k] for k in range(3)))):
+                state[j][:, :, i] = part
+    return state
+
+
+def read_rwkv(state: list[torch.Tensor], tokens_seen: int) -> tuple[LayerState, ...]:
+    """Per layer ``conv = {0: ffn shift, 1: attention shift}``, ``recurrent = {0: num, 1: den, 2: max}``,
+    each ``[B, hidden]``, after a forward on ``rwkv_state``."""
+    return tuple(RecurrentLayerState({j: state[j][:, :, i].clone() for j in range(2)},
+                                     {k: state[2 + k][:, :, i].clone() for k in range(3)}, tokens_seen)
+                 for i in range(state[0].shape[2]))
+
+
+def rwkv_output(logits: torch.Tensor, state: list[torch.Tensor]) -> Any:
+    """RWKV's output class: its generate carries ``state`` from one step to the next."""
+    from transformers.models.rwkv.modeling_rwkv import RwkvCausalLMOutput
+
+    return RwkvCausalLMOutput(logits=logits, state=state)
+
+
+def rwkv_rescale(model: Any) -> None:
+    """RWKV divides some weights by powers of two on its first inference forward
+    (``config.rescale_every``); doing it now keeps the weights' fingerprint stable."""
+    inner = getattr(model, "rwkv", model)
+    if not inner.training:
+        inner._rescale_layers()
+
+
+def empty_cache(config: object) -> DynamicCache:
+    """An empty transformers cache for ``config`` (a placeholder that ``generate`` never reads)."""
+    return DynamicCache(config=config)  # type: ignore[arg-type]
+
+
+def prepare_generation_config(model: Any, generation_config: GenerationConfig | None,
+                              kwargs: dict[str, Any]) -> tuple[GenerationConfig, dict[str, Any]]:
+    """The config ``model.generate`` would run with, and the kwargs it would hand the model.
+
+    The same private helper ``generate`` calls, so defaults (``model.generation_config``,
+    global defaults such as top-k 50) resolve exactly as on the plain path.
+    """
+    return model._prepare_generation_config(generation_config, **kwargs)
+
+
+def lm_output(logits: torch.Tensor, cache: Any, name: str = CACHE_KWARG) -> Any:
+    """A model output carrying last-position ``logits`` ``[B, 1, V]`` and ``cache`` in the field
+    ``name`` (the model's cache keyword: ``generate`` carries the cache on under that name)."""
+    return _output_class(name)(logits=logits, **{name: cache})
+
+
+@functools.cache
+def _output_class(name: str) -> type:
+    if name in CausalLMOutputWithPast.__dataclass_fields__:
+        return CausalLMOutputWithPast
+    fields = [("logits", torch.Tensor | None, None), (name, Any, None)]
+    return dataclasses.make_dataclass(f"KVStateOutputWith_{name}", fields, bases=(ModelOutput,))
+
+
+@contextmanager
+def replaced_prefill(model: Any, prefill: Callable[[], CausalLMOutputWithPast]) -> Iterator[None]:
+    """Run ``model.generate`` with its first forward (``_prefill``) replaced by ``prefill()``.
+
+    ``generate`` then does everything else itself (logits processors, stopping criteria,
+    streamers, sampling, outputs) over the full history it was given. Scoped to one
+    call: the instance attribute is removed in ``finally``.
+    """
+    if not callable(getattr(type(model), "_prefill", None)):
+        raise UnsupportedError("this transformers version has no GenerationMixin._prefill",
+                               found=type(model).__name__, fix="install a transformers version kvstate supports")
+    model._prefill = lambda *args, **kwargs: prefill()
+    try:
+        yield
+    finally:
+        del model._prefill
