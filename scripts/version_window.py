@@ -67,9 +67,30 @@ def run(version: str, root: Path) -> dict[str, object]:
     return row
 
 
+def refused(version: str, root: Path) -> dict[str, object]:
+    """A version below the window: kvstate installed without dependencies, and ``import kvstate`` must
+    fail with the one-line error that names the window."""
+    venv = root / version
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    for command in ([str(python), "-m", "pip", "install", "-q", TORCH, f"transformers=={version}"],
+                    [str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)]):
+        subprocess.run(command, check=True, capture_output=True)
+    done = subprocess.run([str(python), "-c", "import kvstate"], capture_output=True, text=True, cwd="/")
+    last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+    ok = done.returncode != 0 and "TransformersVersionError" in last and versions.window() in last
+    print(f"{version}: import refused: {ok}: {last}", flush=True)
+    return {"version": version, "ok": ok, "expect": "import refused", "message": last}
+
+
 def markdown(rows: list[dict[str, object]]) -> str:
     lines = ["| transformers | subset | passed | failed | skipped | seconds |", "|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("expect") == "import refused":
+            lines.append(f"| {r['version']} | `import kvstate` refused{'' if r['ok'] else ' **NOT**'}: "
+                         f"`{str(r['message'])[:90]}…` | | | | |")
+            continue
         lines.append(f"| {r['version']} | {'pass' if r['ok'] else '**FAIL**'} | {r.get('passed', 0)} | "
                      f"{r.get('failed', 0) + r.get('error', 0) + r.get('errors', 0)} | {r.get('skipped', 0)} | "
                      f"{r.get('test_seconds', '')} |")
@@ -80,10 +101,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--versions", help="comma-separated versions (default: the newest patch of every minor)")
     parser.add_argument("--root", type=Path, default=Path("/tmp/kvstate-window"), help="where the venvs go")
+    parser.add_argument("--below", default="5.13.1", help="a version below the window, to check the refusal")
     args = parser.parse_args()
     chosen = args.versions.split(",") if args.versions else newest_patches()
     args.root.mkdir(parents=True, exist_ok=True)
-    rows = [run(v, args.root) for v in chosen]
+    rows = [run(v, args.root) for v in chosen] + ([refused(args.below, args.root)] if args.below else [])
     write_results("version_window", {"window": versions.window(), "subset": "pytest -m window", "rows": rows})
     table = markdown(rows)
     doc = ROOT / "docs" / "versions.md"

@@ -134,6 +134,7 @@ def _convert(gguf: Path, target: Path, progress: bool) -> None:
     _say(progress, "reading the tokenizer from the GGUF")
     with _quiet(progress):
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    check_tokenizer(tokenizer, "converted from the GGUF")  # never cache a wrong conversion
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
@@ -189,4 +190,27 @@ def load_default_model(
             str(folder), dtype=dtype, attn_implementation=attn_implementation or "sdpa"
         )
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    check_tokenizer(tokenizer, f"loaded from {folder}")
     return model.eval(), tokenizer
+
+
+# Gemma 3's ids for this sentence, as the newest transformers converts the GGUF's vocabulary (issue 15):
+# a BOS, then one token per word. transformers 5.14's GGUF conversion drops the BOS and splits the words
+# into 10 fragments, and the model then answers " is is is is"; a folder converted by a newer version
+# loads correctly under 5.14, since the tokenizer file no longer depends on that conversion.
+KNOWN_SENTENCE, KNOWN_IDS = "The capital of France is", [2, 818, 5279, 529, 7001, 563]
+GOOD_GGUF_TOKENIZER = "5.23"  # 5.14-5.17: fragments without BOS; 5.18-5.22: the words, no BOS
+
+
+def check_tokenizer(tokenizer: Any, how: str) -> None:
+    """Refuse a default-model tokenizer that does not encode a known sentence as Gemma 3 does."""
+    ids = list(tokenizer(KNOWN_SENTENCE).input_ids)
+    if ids != KNOWN_IDS:
+        import transformers
+
+        raise DefaultModelError(
+            f"The default model's tokenizer ({how}) encodes {KNOWN_SENTENCE!r} as {ids}, expected "
+            f"{KNOWN_IDS}: transformers {transformers.__version__} converts the GGUF's tokenizer wrongly. "
+            f"Fix: pip install 'kvstate[default-model]' (it requires transformers>={GOOD_GGUF_TOKENIZER}), "
+            "or convert once with such a version: the converted copy then loads correctly under any "
+            "version in the window")
