@@ -13,6 +13,7 @@ every family adapter, the state files, compression, verify and the cross-version
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -42,7 +43,7 @@ def newest_patches() -> list[str]:
     return [best[k] for k in sorted(best)]
 
 
-def run(version: str, root: Path) -> dict[str, object]:
+def run(version: str, root: Path, other: str | None) -> dict[str, object]:
     venv = root / version
     python = venv / "bin" / "python"
     started = time.perf_counter()
@@ -55,8 +56,11 @@ def run(version: str, root: Path) -> dict[str, object]:
         if done.returncode:
             return {"version": version, "ok": False, "error": done.stderr[-2000:]}
     installed = time.perf_counter()
+    env = dict(os.environ)
+    if other is not None and versions.installed() != version:  # files saved here continue there, and back
+        env["KVSTATE_OTHER_PYTHON"] = other
     test = subprocess.run([str(python), "-m", "pytest", "-m", "window", "-q", "-p", "no:cacheprovider"],
-                          cwd=ROOT, capture_output=True, text=True)
+                          cwd=ROOT, capture_output=True, text=True, env=env)
     tail = test.stdout.strip().splitlines()[-1] if test.stdout.strip() else test.stderr[-500:]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", tail)}
     row = {"version": version, "ok": test.returncode == 0, **counts, "summary": tail,
@@ -102,10 +106,14 @@ def main() -> None:
     parser.add_argument("--versions", help="comma-separated versions (default: the newest patch of every minor)")
     parser.add_argument("--root", type=Path, default=Path("/tmp/kvstate-window"), help="where the venvs go")
     parser.add_argument("--below", default="5.13.1", help="a version below the window, to check the refusal")
+    parser.add_argument("--other-python", default=sys.executable,
+                        help="a Python with another transformers, for the cross-version files (default: this one)")
     args = parser.parse_args()
     chosen = args.versions.split(",") if args.versions else newest_patches()
     args.root.mkdir(parents=True, exist_ok=True)
-    rows = [run(v, args.root) for v in chosen] + ([refused(args.below, args.root)] if args.below else [])
+    rows = [run(v, args.root, args.other_python) for v in chosen]
+    if args.below:
+        rows.append(refused(args.below, args.root))
     write_results("version_window", {"window": versions.window(), "subset": "pytest -m window", "rows": rows})
     table = markdown(rows)
     doc = ROOT / "docs" / "versions.md"
