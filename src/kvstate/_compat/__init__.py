@@ -1,7 +1,8 @@
 """Every contact with transformers internals lives in this package.
 
 ``versions`` holds the tested window (checked on ``import kvstate``), ``core`` the cache,
-generation and model-side helpers, ``scan`` the Mamba selective scan. ``core`` loads on
+generation and model-side helpers, ``own_cache`` the models with a cache class of their own,
+``scan`` the Mamba selective scan. ``core`` loads on
 first attribute access, so the version gate runs before torch or transformers import.
 """
 
@@ -10,13 +11,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("core", "scan", "versions")
+_SUBMODULES = ("core", "own_cache", "scan", "versions")
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES or name.startswith("__"):  # let the import system load submodules itself
         raise AttributeError(name)
-    core = importlib.import_module(f"{__name__}.core")
-    value = getattr(core, name)
+    module = importlib.import_module(f"{__name__}.core")
+    if not hasattr(module, name):
+        module = importlib.import_module(f"{__name__}.own_cache")
+    value = getattr(module, name)
     globals()[name] = value
     return value
