@@ -104,6 +104,7 @@ def test_exit_code_follows_kvstate_rows_only(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.default_model
 def test_default_model_matrix(capsys):
     assert main(["verify", "--quick", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
