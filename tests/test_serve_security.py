@@ -137,3 +137,22 @@ def test_unknown_routes_get_openai_errors_and_few_metric_labels(tiny):
         conn.request("GET", "/metrics")
         metrics = conn.getresponse().read().decode()
     assert "xxxx" not in metrics and "yyyy" not in metrics and 'endpoint="unmatched",status="404"' in metrics
+
+
+def test_options_transformers_rejects_late_are_a_400_and_commit_nothing(tiny):
+    server = make_server(*tiny)
+    with live(server) as url:
+        chat_turn(client(url), HI, stream=False)
+        pooled = list(server.pool._states.values())
+        # token 500 is outside the tiny vocabulary: transformers refuses the bias when it builds its processors
+        request = {"model": MODEL, "messages": [*HI, {"role": "user", "content": "More"}], "max_tokens": 2,
+                   "logit_bias": {"500": 5}}
+        status, body = _post(url, "/v1/chat/completions", json.dumps(request).encode())
+        assert status == 400 and body["error"]["message"].startswith("invalid generation options")
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/chat/completions", json.dumps({**request, "stream": True}),
+                     {"Content-Type": "application/json"})
+        events = conn.getresponse().read().decode()  # streaming: headers are sent, the error is an event
+        assert '"message":"invalid generation options' in events and events.rstrip().endswith("[DONE]")
+        assert list(server.pool._states.values()) == pooled  # nothing of the failed calls was kept

@@ -40,6 +40,10 @@ def create_app(server: Server) -> FastAPI:
         server.metrics.request(_route(request), exc.status)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception) -> JSONResponse:  # never a bare traceback
+        return await _http_error(request, HTTPError(f"internal error: {type(exc).__name__}: {exc}", status=500))
+
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error = HTTPError(f"{request.method} {request.url.path[:200]}: {exc.detail}", status=exc.status_code)

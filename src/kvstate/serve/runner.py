@@ -28,7 +28,7 @@ import torch
 
 from ..session import Session
 from .chat import Prompt
-from .errors import HTTPError
+from .errors import BadRequest, HTTPError
 from .metrics import Metrics
 from .params import Request
 from .pool import StatePool
@@ -119,7 +119,14 @@ class Runner:
             options["tokenizer"] = self.tokenizer
         if job.request.seed is not None:
             torch.manual_seed(job.request.seed)
-        new = session.generate(ids, streamer=streamer, **options, **job.inputs)
+        try:
+            new = session.generate(ids, streamer=streamer, **options, **job.inputs)
+        except (ValueError, TypeError) as exc:
+            if streamer.tokens:  # a failure mid-answer is the server's, not the request's
+                raise
+            # transformers validates some options only when generate builds its processors (5.14 refuses a
+            # logit_bias on token 0, say): still the request's mistake, and nothing was committed
+            raise BadRequest(f"invalid generation options: {exc}") from exc
         self.pool.put(job.namespace, session.state)
         tokens = new[0].tolist()
         text, stopped = streamer.final(tokens)
