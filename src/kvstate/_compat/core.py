@@ -289,6 +289,16 @@ def _read_recurrent(hf_layer: Any, tokens_seen: int) -> RecurrentLayerState:
     return RecurrentLayerState(conv, rec, tokens_seen)
 
 
+def recurrent_state(cache: Any, layer_idx: int) -> torch.Tensor | None:
+    """A linear-attention layer's cached recurrent state (index 0), or None before its first forward.
+    ``Cache.get_recurrent_state`` exists from 5.21; 5.15 - 5.20 keep the same on the layer."""
+    getter = getattr(cache, "get_recurrent_state", None)
+    if getter is not None:
+        return getter(layer_idx, state_idx=0)
+    layer = cache.layers[layer_idx]
+    return layer.recurrent_states[0] if layer.has_previous_state[0] else None
+
+
 def set_rope_deltas(model: Any, value: torch.Tensor | None) -> None:
     """Qwen-VL keeps its M-RoPE offset on the inner model (``model.model.rope_deltas``)."""
     model.model.rope_deltas = value

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .core import recurrent_state
+
 _NAME = "mamba_selective_scan"
 _LOCK = threading.Lock()
 _INSTALLED: dict[ModuleType, tuple[int, Callable[..., Any]]] = {}  # module -> (users, original function)
@@ -107,7 +109,7 @@ def _installed(home: ModuleType) -> Iterator[None]:
 def _remember(mixer: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     named = [kwargs[k] for k in ("cache", "cache_params", "past_key_values") if kwargs.get(k) is not None]
     cache = named[0] if named else (args[1] if len(args) > 1 else None)
-    state = None if cache is None else cache.get_recurrent_state(mixer.layer_idx, state_idx=0)  # type: ignore[arg-type]
+    state = None if cache is None else recurrent_state(cache, mixer.layer_idx)  # type: ignore[arg-type]
     _PENDING.state = None if state is None else state.clone()  # the cache overwrites it in place after the scan
 
 
