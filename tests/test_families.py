@@ -176,7 +176,7 @@ def test_mamba_continues_a_chunk_in_one_forward_from_the_cached_scan_state():
     ids = prompt(40)
     single = Session(model).extend(ids)
     with torch.no_grad():  # the plain path: a cache-carrying continuation
-        cache = getattr(model(ids[:, :13], use_cache=True), _compat.CACHE_KWARG)
+        cache = getattr(model(ids[:, :13], use_cache=True), _compat.cache_kwarg(model))
         plain = model(ids[:, 13:], **{_compat.cache_kwarg(model): cache}, use_cache=True).logits[:, -1]
     assert (plain - single).abs().max() > 1e-4  # transformers' own path drifts here
     s = Session(model)

@@ -170,9 +170,15 @@ def build_cache(layers: tuple[LayerState, ...], config: object) -> DynamicCache:
 
 
 class _RecordingSlidingLayer(DynamicSlidingWindowLayer):
-    """A sliding layer that keeps every slot it is given and returns only the visible ones, as
-    5.2x's ``activate_past_recording`` does; for versions without it (5.14), whose layer keeps
-    only ``window - 1`` slots and would drop the reserve kvstate keeps for rollback."""
+    """A sliding layer that keeps every slot it is given and returns only the ``window - 1 + Q``
+    visible ones, which the mask is sized for. 5.24's ``activate_past_recording`` does the same;
+    5.14's layer cannot record (it keeps ``window - 1`` slots, dropping kvstate's rollback
+    reserve), and 5.15's recording returns every slot, more than its own mask covers. One class
+    for every version keeps the behaviour the same across the window."""
+
+    def __init__(self, sliding_window: int, **kwargs: Any) -> None:
+        super().__init__(sliding_window, **kwargs)
+        self.record_past = True  # what Cache.is_recording_past reports
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,12 +196,11 @@ _RECORDS_PAST = hasattr(DynamicSlidingWindowLayer, "activate_past_recording")
 
 def _recording(hf_layer: Any) -> Any:
     """``hf_layer``, set to keep every slot it is given (a sliding layer records its past)."""
-    if not isinstance(hf_layer, DynamicSlidingWindowLayer):
-        return hf_layer
-    if _RECORDS_PAST:
+    if type(hf_layer) is DynamicSlidingWindowLayer:
+        return _RecordingSlidingLayer(sliding_window=hf_layer.sliding_window)
+    if isinstance(hf_layer, DynamicSlidingWindowLayer) and _RECORDS_PAST:  # hybrid sliding layers
         hf_layer.activate_past_recording()
-        return hf_layer
-    return _RecordingSlidingLayer(sliding_window=hf_layer.sliding_window)
+    return hf_layer
 
 
 def _fill_attention(hf_layer: Any, layer: AttentionLayerState) -> None:
