@@ -157,9 +157,12 @@ def test_recurrent_gemma_chunked_prefill_and_lost_conv_context():
 
         cache = {_compat.cache_kwarg(model): DynamicCache(config=model.config)}
         model(ids[:, :16], **cache, use_cache=True)
-        plain = model(ids[:, 16:], **cache, use_cache=True,
-                      position_ids=torch.arange(16, 24)[None]).logits[:, -1]
-    assert (plain - single).abs().max() > 1e-3  # transformers' own path drifts here
+        try:
+            plain = model(ids[:, 16:], **cache, use_cache=True,
+                          position_ids=torch.arange(16, 24)[None]).logits[:, -1]
+        except RuntimeError:  # 5.18 - 5.22 size the window's mask for fewer keys than they return
+            plain = None
+    assert plain is None or (plain - single).abs().max() > 1e-3  # transformers' own path drifts, or crashes
     s = Session(model)
     s.extend(ids[:, :16])
     assert_logits_close(s.extend(ids[:, 16:]), single, "kvstate continuation")

@@ -24,6 +24,19 @@ PURE_RECURRENT = ("mamba", "mamba2", "rwkv")  # no attention: generate never sli
 PLAIN_GENERATE_REFUSES_CACHE = {"xlstm": "'xLSTMCache' object has no attribute 'is_compileable'"}
 
 
+# Plain transformers' own behaviour moves between minors (scripts/version_window.py found it): 5.18 - 5.22's
+# RecurrentGemma keeps the unprocessed token when explicit positions come without the full mask, where the
+# other minors drop it as the long seed found. kvstate's rows do not depend on it.
+POSITIONS_SUFFICE = {"recurrent_gemma": ((5, 18), (5, 22))}
+
+
+def _positions_suffice(arch):
+    from kvstate._compat import versions
+
+    span = POSITIONS_SUFFICE.get(arch)
+    return span is not None and span[0] <= versions.minor(versions.installed()) <= span[1]
+
+
 def rows_by_name(report):
     return {row.name: row for row in report.rows}
 
@@ -44,7 +57,8 @@ def test_every_family_passes_and_plain_rows_show_the_seed(arch):
         assert rows["plain: mask only"].matches  # the cache itself is fine on the same instance
     if arch not in PURE_RECURRENT:
         assert rows["plain: neither"].verdict in ("crashes", "drifts")
-        assert rows["plain: positions only"].verdict in ("crashes", "drifts")
+        if not _positions_suffice(arch):
+            assert rows["plain: positions only"].verdict in ("crashes", "drifts")
     if arch in QWEN_VL:
         assert rows["plain: image prefix, fresh instance, mask only"].verdict == "drifts"
         assert rows["kvstate: image prefix, fresh instance"].matches
