@@ -48,10 +48,6 @@ class RecurrentAdapter(Adapter):
             return self._caps
         return replace(self._caps, stepwise=True)
 
-    @caps.setter
-    def caps(self, value: Capabilities) -> None:
-        self._caps = value
-
     @property
     def scans(self) -> bool:
         """Whether multi-token chunks continue through ``_compat.scan`` in this transformers version."""
