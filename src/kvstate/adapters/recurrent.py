@@ -41,12 +41,14 @@ class RecurrentAdapter(Adapter):
         self._scan_from_cache = scan_from_cache
         self._scans: bool | None = None  # decided on first use: importing the modeling module costs time
         self._chunks = family is None or continues_in_chunks(family)  # the version table in _compat.versions
+        self._resolved: Capabilities | None = None
 
     @property
     def caps(self) -> Capabilities:  # type: ignore[override]
-        if self._chunks and (self._scan_from_cache is None or self.scans):
-            return self._caps
-        return replace(self._caps, stepwise=True)
+        if self._resolved is None:  # once: the caps are read many times per call
+            exact = self._chunks and (self._scan_from_cache is None or self.scans)
+            self._resolved = self._caps if exact else replace(self._caps, stepwise=True)
+        return self._resolved
 
     @property
     def scans(self) -> bool:
