@@ -11,7 +11,8 @@ it was. Three runs exist:
   (``_prefill``) replaced by ``feed`` of the unprocessed suffix, or by the stored
   logits when nothing is unprocessed. Generation options, logits processors,
   stopping criteria and streamers are therefore ``generate``'s own;
-* ``observe``: attention maps of the last tokens, for compression policies.
+* ``observe``: queries and attention weights of watched tokens, for compression policies
+  (the last tokens re-run, a question, or a reconstruction of the context); its state is discarded.
 
 One ``Recorder`` captures what every forward saw (the positions of its tokens and
 its last logits); new states are built from that record, never re-derived from
@@ -25,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from . import _compat
+from ._compat.watch import watching
 from .errors import KVStateError, UnsupportedError
 from .layers import FULL_ATTENTION, SLIDING_ATTENTION, LayerState
 from .masks import layer_masks, needs_masks
@@ -41,6 +43,7 @@ from .options import GenerateOptions
 from .protocols import ModelAdapter
 from .state import State, next_position_after
 
+Listener = Callable[[int, int, torch.Tensor, torch.Tensor, float, Any], None]
 _LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 
@@ -207,36 +210,37 @@ class Engine:
             setattr(output, _compat.CACHE_KWARG, None)  # the state is the cache; never hand out its tensors
         return Generated(state, run["state"], new, output)
 
-    def observe(self, state: State, window: int) -> dict[int, torch.Tensor]:
-        """Attention ``[B, H, W, S]`` of the last ``window`` queries, per attention layer index.
+    def observe(self, state: State, ids: torch.Tensor, listener: Listener, *, rerun: int = 0,
+                chunk_size: int = 512) -> None:
+        """Feed ``ids`` ``[B, Q]`` with attention watched (eager), and discard the state that makes.
 
-        The last ``window`` tokens are re-run once with eager attention on the state
-        rolled back by ``window``; that forward's state is discarded.
+        ``ids`` follow ``state`` rolled back by ``rerun`` tokens (re-running its last
+        ``rerun`` tokens when ``ids`` are those tokens). ``listener(layer, first_key,
+        query, weights, scaling, rope)`` sees every attention layer of every forward:
+        post-RoPE queries ``[B, Hq, q, D]``, weights ``[B, Hq, q, K]`` whose first column is
+        key ``first_key`` of the layer (slot ``j`` of the base state is key ``j``; fed
+        tokens follow), and the layer's RoPE tables.
         """
         T = state.tokens_seen
-        reasons = state.rollback_limit(T - window) if window <= T else [f"only {T} tokens"]
+        reasons = state.rollback_limit(T - rerun) if rerun <= T else [f"only {T} tokens"]
         if reasons:
-            raise UnsupportedError(f"this policy re-runs the last {window} tokens, and the state cannot roll back "
+            raise UnsupportedError(f"this policy re-runs the last {rerun} tokens, and the state cannot roll back "
                                    "that far", found="; ".join(reasons),
                                    fix="use KNorm, StreamingLLM or Random, a smaller window, or checkpoint_every")
-        base = state.truncated(T - window)
-        kwargs: dict[str, Any] = {"input_ids": state.tokens[:, T - window:], "use_cache": True,
-                                  "output_attentions": True, **self._keep_one()}
-        if self.adapter.caps.position_ids:
-            kwargs["position_ids"] = self.adapter.model_positions(state.positions[:, T - window:])
-        with self.lock, torch.no_grad():
-            kwargs[self.cache_kwarg] = self.adapter.build_cache(self.model, base.layers, base.batch_size)
-            self.adapter.restore_extras(self.model, dict(base.extras))
-            recorder = Recorder(self.adapter, base.next_position)
-            with _compat.attention_backend(self.model, "eager"), recorder.attached(self.model), \
-                    self._masks(base.layers, recorder), self.adapter.forward_context(self.model):
-                out = self.model(**kwargs)
-            self.adapter.restore_extras(self.model, dict(state.extras))
-        indices = [i for i, layer in enumerate(state.layers) if layer.kind in (FULL_ATTENTION, SLIDING_ATTENTION)]
-        maps = [a for a in out.attentions if a is not None]
-        if len(maps) != len(indices):
-            raise UnsupportedError("could not match attention maps to layers", expected=len(indices), found=len(maps))
-        return dict(zip(indices, maps, strict=True))
+        base = state.truncated(T - rerun) if rerun else state
+        keys = {i: layer.slots for i, layer in enumerate(base.layers) if layer.kind in (FULL_ATTENTION,
+                                                                                       SLIDING_ATTENTION)}
+
+        def counted(layer: int, query: torch.Tensor, weights: torch.Tensor, scaling: float, rope: Any) -> None:
+            keys[layer] += query.shape[2]
+            listener(layer, keys[layer] - weights.shape[-1], query, weights, scaling, rope)
+
+        mask = torch.ones(ids.shape[0], base.tokens_seen + ids.shape[1], dtype=torch.bool, device=ids.device)
+        with self.lock, torch.no_grad(), watching(self.model, counted):
+            try:
+                self._run_feed(base, self.feed_for(base, ids, mask, {}), FeedSettings(chunk_size), chunk_size)
+            finally:
+                self.adapter.restore_extras(self.model, dict(state.extras))
 
     def reset_model(self) -> None:
         """Clear model-side values (e.g. ``rope_deltas``), as on a freshly loaded instance."""

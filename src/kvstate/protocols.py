@@ -93,6 +93,7 @@ class PrefixCache(StateSource, StateSink, Protocol):
 
 
 class AttentionObserver(Protocol):
-    """What a compression policy may ask of the engine: attention of the last ``window`` queries."""
+    """What a compression policy may ask of the engine: watched queries and attention (``Engine.observe``)."""
 
-    def observe(self, state: State, window: int) -> dict[int, torch.Tensor]: ...
+    def observe(self, state: State, ids: torch.Tensor, listener: Any, *, rerun: int = 0,
+                chunk_size: int = 512) -> None: ...

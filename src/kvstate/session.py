@@ -154,17 +154,32 @@ class Session:
                                 found="the self-check found state outside the cache", fix="reset() and re-feed")
         self._commit(self._state.truncated(n))
 
-    def compress(self, policy: Any) -> None:
+    def compress(self, policy: Any, *, query_ids: IdsLike | None = None, sliding: str = "window",
+                 budget: int | None = None) -> None:
         """Evict slots from the attention layers with ``policy`` (see ``kvstate.compress``).
 
         Retained slots keep their original logical positions, new tokens continue at the
         true next position, and each layer gets its own mask from then on, so the
         continuation is exactly "attention restricted to the retained slots".
+
+        Args:
+            policy: e.g. ``KVzip(0.5)``; ``ratio`` is the fraction of slots to evict.
+            query_ids: ``[B, Q]`` the question that will follow, for question-aware
+                selection: attention-based policies score with the question's attention
+                instead of their question-agnostic watch. The question is not fed.
+            sliding: ``"window"`` (each layer evicts ``ratio`` of its slots; sliding layers
+                compress within their window) or ``"context"`` (kvpress's meaning: every
+                layer keeps at most ``(1 - ratio) * tokens_seen`` slots).
+            budget: keep at most this many slots per attention layer instead of ``ratio``.
         """
         from .compress.apply import compress_state
 
         self._check_weights()
-        self._commit(compress_state(self._engine, self.model, self._state, policy))
+        query = None if query_ids is None else self._ids(query_ids)
+        if query is not None:
+            check_batch(self._state, query.shape[0])
+        self._commit(compress_state(self._engine, self.model, self._state, policy, query_ids=query, sliding=sliding,
+                                    budget=budget))
 
     # ----- files -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
@@ -231,7 +246,14 @@ class Session:
         unprocessed suffix, and returns the new token ids ``[B, N]``. With
         ``return_dict_in_generate=True`` the transformers output object is returned,
         its ``sequences`` holding only the new tokens (the state holds the cache).
+
+        ``compress=policy, budget=B, every=N`` decodes on at most ``B`` slots per attention
+        layer: every ``N`` new tokens the state is compressed to ``B - N`` slots
+        (``kvstate.compress.during``); the prompt is fed whole first.
         """
+        from .compress.during import split_options
+
+        budgeted = split_options(generate_kwargs)
         inputs = {k: generate_kwargs.pop(k) for k in self._adapter.caps.input_keys if k in generate_kwargs}
         refuse_media(generate_kwargs, self._adapter.caps.input_keys, self._adapter.caps.name)
         options = resolve(self.model, generate_kwargs)
@@ -251,6 +273,8 @@ class Session:
             T = start.tokens_seen
             feed = self._engine.feed_for(start, ids[:, T:], mask,
                                          self._adapter.select_inputs(self.model, ids, T, inputs))
+        if budgeted is not None:
+            return self._generate_within(start, feed, ids, mask, options, budgeted, media)
         generated = self._engine.generate(start, feed, ids, mask, options, self._settings())
         new = _with_media(generated.state.with_checkpoint(self.max_checkpoints), start, media)
         if query is not None:  # before the commit: a Ctrl-C while writing leaves the session as it was
@@ -260,6 +284,37 @@ class Session:
         return _answer(generated, options.return_dict)
 
     # ----- internals ---------------------------------------------------------------------
+    def _generate_within(self, start: State, feed: Any, ids: torch.Tensor, mask: torch.Tensor, options: Any,
+                         budgeted: tuple[Any, int, int], media: tuple[MediaItem, ...] | None) -> torch.Tensor:
+        """``generate`` in rounds under a slot budget (``kvstate.compress.during``); one commit at the end.
+        The prefix store is not offered the result: a compressed state is not the prompt's cache."""
+        from .compress.apply import compress_state
+        from .compress.during import generate_within, rounds_plan
+
+        policy, budget, every = budgeted
+        if options.return_dict:
+            raise UnsupportedError("return_dict_in_generate is not supported with compress=", found="a config "
+                                   "with return_dict_in_generate", fix="take the returned token ids")
+        if not bool(mask.all()):
+            raise UnsupportedError("generate(compress=...) needs a history without padding",
+                                   found="attention_mask with padding", fix="run one row per Session, unpadded")
+        settings = self._settings()
+        prefilled = start if feed is None else self._engine.feed(start, feed, settings)
+        total, ends = rounds_plan(self.model, options, ids.shape[1])
+
+        def one_more(state: State, token: torch.Tensor) -> State:
+            ones = torch.ones(1, state.tokens_seen + 1, dtype=torch.bool, device=self.device)
+            return self._engine.feed(state, self._engine.feed_for(state, token, ones, {}), settings)
+
+        state, new = generate_within(
+            prefilled, ids, options, budget=budget, every=every, total=total, ends=ends,
+            compress=lambda st, b: compress_state(self._engine, self.model, st, policy, budget=b),
+            generate=lambda st, h, o: self._engine.generate(st, None, h, torch.ones_like(h, dtype=torch.bool), o,
+                                                            settings),
+            feed=one_more)
+        self._commit(_with_media(state.with_checkpoint(self.max_checkpoints), start, media))
+        return new
+
     def _commit(self, state: State, plan: ResumePlan | None = None) -> None:
         """The only place the session's state changes."""
         self._state, self.last_plan = state, plan if plan is not None else self.last_plan

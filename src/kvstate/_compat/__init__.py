@@ -2,7 +2,7 @@
 
 ``versions`` holds the tested window (checked on ``import kvstate``), ``core`` the cache,
 generation and model-side helpers, ``own_cache`` the models with a cache class of their own,
-``scan`` the Mamba selective scan. ``core`` loads on
+``scan`` the Mamba selective scan, ``watch`` the attention listener that compression scores with. ``core`` loads on
 first attribute access, so the version gate runs before torch or transformers import.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("core", "own_cache", "scan", "versions")
+_SUBMODULES = ("core", "own_cache", "scan", "versions", "watch")
 
 
 def __getattr__(name: str) -> Any:

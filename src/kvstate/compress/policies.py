@@ -1,11 +1,12 @@
 """KV compression policies: small validated dataclasses that score slots; wrappers compose.
 
 A policy scores the stored slots of one attention layer (higher = keep) and says how
-many to evict (``ratio`` of the layer's slots; 0 keeps everything, bitwise). Scores
-see ``ScoreInput``: keys ``[B, H, S, D]``, positions ``[B, S(, R)]`` and, for
-attention-based policies, the attention ``[B, H, W, S]`` of the last ``W`` queries.
-Which slots survive is the policy's business; where they sit (their logical
-positions) is recorded by kvstate, so every policy resumes exactly.
+many to evict (``ratio``; 0 keeps everything, bitwise). Scores see ``ScoreInput``:
+keys and values ``[B, H, S, D]``, positions ``[B, S(, R)]`` and, for policies that
+watch the model (``Policy.needs``), attention rows ``[B, Hq, W, S]``, the peak
+attention each slot received ``[B, Hq, S]``, and pre-RoPE queries. Which slots survive
+is the policy's business; where they sit (their logical positions) is recorded by
+kvstate, so every policy resumes exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,28 @@ from ..errors import InputError
 
 
 @dataclass(frozen=True)
+class Needs:
+    """What a policy watches before scoring (``kvstate.compress.observe`` runs it).
+
+    ``rerun``: re-run the state's last ``rerun`` tokens and keep their attention rows;
+    ``queries``: also keep their pre-RoPE queries and the RoPE tables of ``future``
+    positions after the state; ``reconstruct``: feed the context again after an
+    instruction (``prompt``) and keep the peak attention each slot receives.
+    """
+
+    rerun: int = 0
+    queries: bool = False
+    future: int = 0
+    reconstruct: bool = False
+    prompt: tuple[int, ...] = ()
+    chunk: int = 2048
+
+    @property
+    def watches(self) -> bool:
+        return bool(self.rerun or self.reconstruct)
+
+
+@dataclass(frozen=True)
 class ScoreInput:
     """What a policy may look at for one layer."""
 
@@ -25,8 +48,16 @@ class ScoreInput:
     n_layers: int
     keys: torch.Tensor  # [B, H, S, D]
     positions: torch.Tensor  # [B, S] or [B, S, R]
-    attention: torch.Tensor | None = None  # [B, H, W, S]: the last W queries' attention weights
+    attention: torch.Tensor | None = None  # [B, Hq, W, S]: attention rows of the watched queries
     media: torch.Tensor | None = None  # [S] bool: the slot holds an image or video token (None: unknown)
+    values: torch.Tensor | None = None  # [B, H, S, Dv]
+    peak: torch.Tensor | None = None  # [B, Hq, S]: the most attention any watched query paid each slot
+    queries: torch.Tensor | None = None  # [B, Hq, W, D]: watched queries with their RoPE undone
+    future: tuple[torch.Tensor, torch.Tensor] | None = None  # mean RoPE (cos, sin) [Dr] over future positions
+    scaling: float | None = None  # the layer's attention scaling
+    tail: int = 0  # trailing slots that are the watched queries' own tokens (a re-run window)
+    length: int | None = None  # what the ratio counts: the layer's slots (None) or the whole context
+    limit: int | None = None  # an absolute budget of slots per layer, instead of the ratio
 
 
 @dataclass(frozen=True)
@@ -46,6 +77,10 @@ class Policy:
         """Queries whose attention the policy needs (0: none)."""
         return 0
 
+    def needs(self) -> Needs:
+        """What to watch before scoring (default: re-run the observation window)."""
+        return Needs(rerun=self.observation_window)
+
     def ratio_for(self, layer: int, n_layers: int) -> float:
         return self.ratio
 
@@ -54,8 +89,14 @@ class Policy:
         raise NotImplementedError
 
     def keep_count(self, x: ScoreInput) -> int:
+        """Slots to keep: ``ratio`` of the layer's slots evicted, or with ``x.length`` (the kvpress
+        meaning) a budget of ``(1 - ratio) * length`` slots, which a short sliding layer may already meet;
+        ``x.limit`` (a slot budget) overrides both."""
         S = x.keys.shape[2]
-        return S - int(S * self.ratio_for(x.layer, x.n_layers))
+        if x.limit is not None:
+            return min(S, x.limit)
+        L = S if x.length is None else x.length
+        return min(S, L - int(L * self.ratio_for(x.layer, x.n_layers)))
 
 
 def _attention(x: ScoreInput, policy: Policy) -> torch.Tensor:
@@ -131,7 +172,8 @@ class SnapKV(Policy):
     def scores(self, x: ScoreInput) -> torch.Tensor:
         votes = _attention(x, self).float().sum(dim=2).mean(dim=1)  # [B, S]
         pooled = torch.nn.functional.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
-        pooled[:, -self.window:] = float("inf")  # the observation window always stays
+        if x.tail:
+            pooled[:, -x.tail:] = float("inf")  # the observation window always stays
         return pooled
 
 
@@ -154,6 +196,9 @@ class PerLayerBudget(Policy):
     @property
     def observation_window(self) -> int:
         return self.policy.observation_window
+
+    def needs(self) -> Needs:
+        return self.policy.needs()
 
     def ratio_for(self, layer: int, n_layers: int) -> float:
         if self.ratios is not None:
@@ -181,6 +226,9 @@ class ReRotate(Policy):
     def observation_window(self) -> int:
         return self.policy.observation_window
 
+    def needs(self) -> Needs:
+        return self.policy.needs()
+
     def ratio_for(self, layer: int, n_layers: int) -> float:
         return self.policy.ratio_for(layer, n_layers)
 
@@ -204,6 +252,9 @@ class MediaSpans(Policy):
     @property
     def observation_window(self) -> int:
         return self.policy.observation_window
+
+    def needs(self) -> Needs:
+        return self.policy.needs()
 
     def ratio_for(self, layer: int, n_layers: int) -> float:
         return self.policy.ratio_for(layer, n_layers)

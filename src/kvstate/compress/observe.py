@@ -1,0 +1,139 @@
+"""What a policy watches before it scores: re-run tokens, a question, or a reconstruction pass.
+
+``watch`` turns a policy's ``Needs`` (or the caller's question, ``query_ids``) into
+forwards the engine runs with attention watched (``Engine.observe``), and folds what
+each forward shows into one ``Seen`` per attention layer, indexed by the layer's
+slots in the state being compressed:
+
+* question-agnostic (the default): the last ``rerun`` tokens are re-run on the state
+  rolled back by as many, or (``reconstruct``) the whole context is fed again after an
+  instruction, chunk by chunk, as KVzip does;
+* question-aware (``query_ids``): the question is fed after the state, so attention-based
+  policies see the question, as SnapKV's and TOVA's papers assume.
+
+Every forward's state is discarded; the model and the session are left as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._compat.watch import future_rope
+from ..errors import UnsupportedError
+from ..layers import AttentionLayerState
+from ..protocols import AttentionObserver
+from ..state import State
+from .policies import Needs
+
+_OVERLAP = 8  # each reconstruction chunk starts after the previous chunk's last tokens (as KVzip does)
+
+
+@dataclass
+class Seen:
+    """What one attention layer showed, over its ``slots`` slots in the compressed state."""
+
+    slots: int
+    rows: list[torch.Tensor] = field(default_factory=list)  # [B, Hq, q, S] per forward
+    peak: torch.Tensor | None = None  # [B, Hq, S]
+    total: torch.Tensor | None = None  # [B, Hq, S]: attention summed over the watched queries
+    queries: list[torch.Tensor] = field(default_factory=list)  # [B, Hq, q, D], RoPE undone
+    scaling: float | None = None
+    future: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def attention(self) -> torch.Tensor | None:
+        return torch.cat(self.rows, dim=2) if self.rows else None
+
+    def query_block(self) -> torch.Tensor | None:
+        return torch.cat(self.queries, dim=2) if self.queries else None
+
+
+def watch(observer: AttentionObserver, model: Any, state: State, needs: Needs,
+          query_ids: torch.Tensor | None) -> tuple[dict[int, Seen], int]:
+    """Per attention layer, what the watched forwards showed, and how many trailing slots are the
+    watched tokens themselves (a re-run window; 0 otherwise)."""
+    seen = {i: Seen(layer.slots) for i, layer in enumerate(state.layers) if isinstance(layer, AttentionLayerState)}
+    keep_rows = query_ids is not None or bool(needs.rerun)
+    listener = _Listener(seen, keep_rows=keep_rows, keep_queries=needs.queries)
+    if query_ids is not None:
+        observer.observe(state, query_ids, listener)
+        tail, after = 0, state.tokens_seen + query_ids.shape[1]
+    elif needs.reconstruct:
+        for ids in reconstruction(state.tokens, needs.prompt, needs.chunk):
+            observer.observe(state, ids, listener)
+        tail, after = 0, state.tokens_seen
+    else:
+        T = state.tokens_seen
+        observer.observe(state, state.tokens[:, T - needs.rerun:], listener, rerun=needs.rerun)
+        tail, after = needs.rerun, T
+    if needs.queries:
+        _future(model, state, seen, after, needs.future)
+    return seen, tail
+
+
+def reconstruction(tokens: torch.Tensor, prompt: tuple[int, ...], chunk: int) -> list[torch.Tensor]:
+    """The re-read feeds of a context ``[B, T]``: prompt + chunk, later chunks after the last
+    tokens of the one before."""
+    head = torch.tensor([prompt], dtype=tokens.dtype, device=tokens.device).expand(tokens.shape[0], -1)
+    feeds, T = [], tokens.shape[1]
+    for start in range(0, T, chunk):
+        lead = tokens[:, max(start - _OVERLAP, 0):start]
+        feeds.append(torch.cat([head, lead, tokens[:, start:start + chunk]], dim=1))
+    return feeds
+
+
+class _Listener:
+    """Folds each watched forward into the layers' ``Seen``."""
+
+    def __init__(self, seen: dict[int, Seen], *, keep_rows: bool, keep_queries: bool) -> None:
+        self.seen, self.keep_rows, self.keep_queries = seen, keep_rows, keep_queries
+
+    def __call__(self, layer: int, first_key: int, query: torch.Tensor, weights: torch.Tensor, scaling: float,
+                 rope: Any) -> None:
+        seen = self.seen.get(layer)
+        if seen is None:
+            return
+        B, H, q, K = weights.shape
+        part = weights.new_zeros(B, H, q, seen.slots, dtype=torch.float32)
+        lo, hi = max(first_key, 0), min(seen.slots, first_key + K)  # columns that are the state's slots
+        if hi > lo:
+            part[..., lo:hi] = weights[..., lo - first_key:hi - first_key].float()
+        top, tot = part.amax(dim=2), part.sum(dim=2)
+        seen.peak = top if seen.peak is None else torch.maximum(seen.peak, top)
+        seen.total = tot if seen.total is None else seen.total + tot
+        seen.scaling = scaling
+        if self.keep_rows:
+            seen.rows.append(part)
+        if self.keep_queries:
+            seen.queries.append(unrotate(query, rope))
+
+
+def unrotate(query: torch.Tensor, rope: Any) -> torch.Tensor:
+    """Queries ``[B, H, q, D]`` with their RoPE undone (``rope``: the ``(cos, sin)`` ``[B, q, Dr]`` they were
+    rotated with; None: no RoPE). The rotation is orthogonal up to a per-frequency scale, divided out."""
+    q = query.float()
+    if rope is None:
+        return q
+    cos, sin = rope[0][:, None].float(), rope[1][:, None].float()
+    if cos.dim() != 4 or cos.shape[-1] > q.shape[-1]:
+        raise UnsupportedError("cannot undo this model's RoPE", expected="(cos, sin) of shape [B, q, Dr]",
+                               found=tuple(rope[0].shape), fix="use a policy that does not need queries")
+    r = cos.shape[-1]
+    part = q[..., :r]
+    half = torch.cat([-part[..., r // 2:], part[..., : r // 2]], dim=-1)
+    plain = (part * cos - half * sin) / (cos * cos + sin * sin)
+    return torch.cat([plain, q[..., r:]], dim=-1)
+
+
+def _future(model: Any, state: State, seen: dict[int, Seen], start: int, count: int) -> None:
+    """Each layer's mean RoPE tables over the ``count`` positions after ``start``."""
+    if state.positions.dim() == 3:
+        raise UnsupportedError("ExpectedAttention needs 1-D positions", found="multimodal (M-RoPE) positions",
+                               fix="use KVzip, KNorm or a question-aware policy")
+    begin = int(state.next_position.max()) + (start - state.tokens_seen)
+    positions = torch.arange(begin, begin + count, device=state.device)[None]
+    for i, layer_seen in seen.items():
+        table = future_rope(model, i, positions)
+        layer_seen.future = None if table is None else (table[0][0].mean(0), table[1][0].mean(0))
