@@ -14,7 +14,17 @@ import pytest
 import torch
 
 from kvstate import Session
-from kvstate.compress import TOVA, KNorm, PerLayerBudget, Random, ReRotate, SnapKV, StreamingLLM
+from kvstate.compress import (
+    TOVA,
+    ExpectedAttention,
+    KNorm,
+    KVzip,
+    PerLayerBudget,
+    Random,
+    ReRotate,
+    SnapKV,
+    StreamingLLM,
+)
 from kvstate.testing.tiny import IMAGE_TOKEN, image_span, tiny_image
 from tiny import WINDOW, assert_logits_close, prompt, tiny_model
 
@@ -25,8 +35,10 @@ POLICIES = {
     "knorm": lambda r: KNorm(r),
     "random": lambda r: Random(r, seed=3),
     "pyramid": lambda r: PerLayerBudget(r, policy=KNorm()),
+    "kvzip": lambda r: KVzip(r, prompt=(5, 6, 7), chunk=16),  # two reconstruction chunks
+    "expected": lambda r: ExpectedAttention(r, window=4, future=16),
+    "pyramid_kvzip": lambda r: PerLayerBudget(r, policy=KVzip(chunk=16)),
 }
-NEEDS_ROLLBACK = ("snapkv", "tova")  # re-run their observation window
 RECURRENT_OK = ("lfm2", "qwen3_next", "jamba", "falcon_h1", "mamba", "mamba2", "recurrent_gemma")
 
 

@@ -110,7 +110,8 @@ def _compress_layer(i: int, n: int, layer: LayerState, policy: Policy, seen: See
         keys, values, positions = keys[:, :, -keep:], values[:, :, -keep:], positions[:, -keep:]
         tokens = None if tokens is None else tokens[-keep:]
     x = ScoreInput(i, n, keys, positions, media=None if tokens is None else media[tokens], values=values,
-                   tail=limits.tail, length=limits.length, limit=limits.budget, **_watched(seen, keys.shape[2], cut))
+                   tail=limits.tail, length=limits.length, limit=limits.budget, window=layer.window,
+                   **_watched(seen, keys.shape[2], cut))
     k = policy.keep_count(x)
     if k >= keys.shape[2] and (limits.budget is None or layer.slots <= limits.budget):
         return layer, tokens  # identity: the very same tensors, bitwise
@@ -131,7 +132,7 @@ def _watched(seen: Seen | None, slots: int, held: int) -> dict[str, Any]:
     attention = seen.attention()
     return {"attention": None if attention is None else attention[..., held - slots:held],
             "peak": None if seen.peak is None else seen.peak[..., held - slots:held],
-            "queries": seen.query_block(), "future": seen.future, "scaling": seen.scaling}
+            "queries": seen.query_block(), "future": seen.future, "horizon": seen.horizon, "scaling": seen.scaling}
 
 
 def _surviving(state: State, kept: list[torch.Tensor | None]) -> tuple[MediaItem, ...]:

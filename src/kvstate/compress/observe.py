@@ -38,10 +38,10 @@ class Seen:
     slots: int
     rows: list[torch.Tensor] = field(default_factory=list)  # [B, Hq, q, S] per forward
     peak: torch.Tensor | None = None  # [B, Hq, S]
-    total: torch.Tensor | None = None  # [B, Hq, S]: attention summed over the watched queries
     queries: list[torch.Tensor] = field(default_factory=list)  # [B, Hq, q, D], RoPE undone
     scaling: float | None = None
     future: tuple[torch.Tensor, torch.Tensor] | None = None
+    horizon: tuple[int, int] | None = None  # (first future position, count) that ``future`` averages over
 
     def attention(self) -> torch.Tensor | None:
         return torch.cat(self.rows, dim=2) if self.rows else None
@@ -100,9 +100,8 @@ class _Listener:
         lo, hi = max(first_key, 0), min(seen.slots, first_key + K)  # columns that are the state's slots
         if hi > lo:
             part[..., lo:hi] = weights[..., lo - first_key:hi - first_key].float()
-        top, tot = part.amax(dim=2), part.sum(dim=2)
+        top = part.amax(dim=2)
         seen.peak = top if seen.peak is None else torch.maximum(seen.peak, top)
-        seen.total = tot if seen.total is None else seen.total + tot
         seen.scaling = scaling
         if self.keep_rows:
             seen.rows.append(part)
@@ -137,3 +136,4 @@ def _future(model: Any, state: State, seen: dict[int, Seen], start: int, count: 
     for i, layer_seen in seen.items():
         table = future_rope(model, i, positions)
         layer_seen.future = None if table is None else (table[0][0].mean(0), table[1][0].mean(0))
+        layer_seen.horizon = (begin, count)

@@ -54,6 +54,8 @@ class ScoreInput:
     peak: torch.Tensor | None = None  # [B, Hq, S]: the most attention any watched query paid each slot
     queries: torch.Tensor | None = None  # [B, Hq, W, D]: watched queries with their RoPE undone
     future: tuple[torch.Tensor, torch.Tensor] | None = None  # mean RoPE (cos, sin) [Dr] over future positions
+    horizon: tuple[int, int] | None = None  # (first future position, how many) that ``future`` averages over
+    window: int | None = None  # the layer's sliding window (None: full attention)
     scaling: float | None = None  # the layer's attention scaling
     tail: int = 0  # trailing slots that are the watched queries' own tokens (a re-run window)
     length: int | None = None  # what the ratio counts: the layer's slots (None) or the whole context

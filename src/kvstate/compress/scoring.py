@@ -69,7 +69,9 @@ class ExpectedAttention(Policy):
     rotation ``R`` of the next ``future`` positions, give each key the expected
     logit ``s * (R mu) . k + s^2 / 2 * k^T (R Sigma R^T) k`` (``s``: the layer's scaling).
     Softmax over the layer's slots, averaged over heads, times the value norm
-    (``vnorm``). Queries come from the model's own forward, so QK-norm models work.
+    (``vnorm``). In a sliding layer a slot counts only for the future positions that
+    still see it (a slot about to leave the window is worth little). Queries come from
+    the model's own forward, so QK-norm models work.
     """
 
     window: int = 48
@@ -111,7 +113,17 @@ class ExpectedAttention(Policy):
         expected = expected.view(expected.shape[0], kv_heads, -1, expected.shape[-1]).mean(dim=2)  # [B, H, S]
         if self.vnorm:
             expected = expected * x.values.float().norm(dim=-1)
-        return _with_sinks(expected.mean(dim=1), x, self.sinks)
+        return _with_sinks(expected.mean(dim=1) * _visible(x), x, self.sinks)
+
+
+def _visible(x: ScoreInput) -> torch.Tensor | float:
+    """``[B, S]``: the share of the future horizon during which each slot of a sliding layer stays in
+    the window (1 for full attention)."""
+    if x.window is None or x.horizon is None:
+        return 1.0
+    first, count = x.horizon
+    flat = x.positions if x.positions.dim() == 2 else x.positions.amax(-1)
+    return ((flat + x.window - first) / count).clamp(0.0, 1.0).float()
 
 
 def _per_query_head(keys: torch.Tensor, q_heads: int) -> torch.Tensor:
