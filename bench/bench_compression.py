@@ -259,7 +259,8 @@ def plot(result: dict, path: Path) -> None:
                                     if f"window/{name}/{b}" in fid]
         if len(points) > 1:
             b.plot(*zip(*points, strict=True), "o-", label=name)
-    b.set(xlabel="KV budget (%)", ylabel="greedy agreement (share of 32 tokens)", title="Continuation fidelity (question-agnostic)")
+    b.set(xlabel="KV budget (%)", ylabel="greedy agreement (share of 32 tokens)",
+          title="Continuation fidelity (question-agnostic)")
     for ax in (a, b):
         ax.invert_xaxis()
         ax.grid(alpha=0.3)
