@@ -254,7 +254,7 @@ def test_decoding_under_a_budget_keeps_slots_bounded_and_positions_true():
     s = Session(model)
     tokens = decode_with_budget(s, ids, KNorm(), budget=20, every=4, max_new_tokens=12)
     assert tokens.shape == (1, 12)
-    assert all(layer.slots <= 20 + 4 for layer in s.state.layers)  # compressed every 4 tokens
+    assert all(layer.slots <= 20 for layer in s.state.layers)  # compressed to 16 every 4 tokens
     assert s.state.next_position.item() == 30 + 11  # the last token is not fed yet
     assert s.state.positions[0, -1].item() == 40  # true logical position, not the slot count
     roomy = Session(model)
