@@ -15,7 +15,7 @@ prose, code blocks dropped, drawn in a seeded order. Nothing is repeated to fill
 * **Memory**: state bytes against the uncompressed state.
 
 Writes ``bench/results/compression.json`` and ``compression.png``. Run:
-``python bench/bench_compression.py`` (needs the ``bench`` extra; about an hour on 2 cores).
+``python bench/bench_compression.py`` (needs the ``bench`` extra; about 35 minutes on 2 idle cores).
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--per-cell", type=int, default=4, help="needle cases per (length, depth) cell")
+    parser.add_argument("--per-cell", type=int, default=8, help="needle cases per (length, depth) cell")
     parser.add_argument("--texts", type=int, default=3, help="haystacks for the fidelity columns")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
