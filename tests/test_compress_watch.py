@@ -221,8 +221,9 @@ def test_generate_with_compression_equals_the_manual_reference_within_budget(arc
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
-@given(budget=st.integers(12, 40), every=st.integers(1, 11), n=st.integers(1, 40),
-       policy=st.sampled_from([KNorm(), StreamingLLM(sinks=2), TOVA(), ExpectedAttention(window=3)]))
+@given(budget=st.integers(12, 40), every=st.integers(3, 11), n=st.integers(1, 40),
+       policy=st.sampled_from([KNorm(), StreamingLLM(sinks=2), TOVA(), ExpectedAttention(window=3),
+                               SnapKV(window=3, kernel=3)]))
 def test_budgeted_generate_matches_manual_for_any_budget(budget, every, n, policy):
     model = tiny_model("llama")
     ids = prompt(20)
@@ -242,9 +243,10 @@ def test_budgeted_generate_refuses_before_running_and_is_transactional():
     history = torch.cat([prompt(20), prompt(3, seed=2)], 1)
     for bad, kind in ((dict(budget=8, every=8), InputError), (dict(budget=16, every=4, streamer=TextStreamer(None)),
                                                               UnsupportedError),
+                      (dict(budget=16, every=2, compress=SnapKV(window=4)), InputError),
                       (dict(budget=16, every=4, stop_strings=["x"]), UnsupportedError)):
         with pytest.raises(kind):
-            s.generate(history, compress=KNorm(), max_new_tokens=20, **bad)
+            s.generate(history, **{"compress": KNorm(), "max_new_tokens": 20, **bad})
         assert s.state is before
 
     class Boom(LogitsProcessor):

@@ -198,7 +198,7 @@ def decode_with_budget(session: Decoder, input_ids: torch.Tensor, policy: Policy
     ``[B, N]``. Retained slots keep their true positions, so every step is exactly
     "attention restricted to the retained slots".
     """
-    check_budget(budget, every)
+    check_budget(budget, every, policy)
     logits = session.extend(input_ids)
     out = []
     for step in range(max_new_tokens):
@@ -210,9 +210,16 @@ def decode_with_budget(session: Decoder, input_ids: torch.Tensor, policy: Policy
     return torch.cat(out, dim=1)
 
 
-def check_budget(budget: object, every: object) -> None:
+def check_budget(budget: object, every: object, policy: Policy) -> None:
+    """Budgeted decoding settings, checked before anything runs."""
     if any(isinstance(v, bool) or not isinstance(v, int) for v in (budget, every)) or not 1 <= every < budget:  # type: ignore[operator]
         raise InputError("invalid decoding budget", expected="ints with 1 <= every < budget",
                          found={"budget": budget, "every": every},
                          fix="budget is the most slots a layer may hold; every new tokens it is compressed to "
                          "budget - every")
+    rerun = policy.needs().rerun
+    if rerun > every:  # type: ignore[operator]
+        # a compressed layer cannot roll back past its compression: only the `every` tokens since can re-run
+        raise InputError(f"{type(policy).__name__} re-runs its last {rerun} tokens, more than are fed between "
+                         "compressions", expected=f"every >= {rerun}", found={"every": every},
+                         fix=f"pass every={rerun} or more, or a policy with a smaller window")

@@ -45,7 +45,7 @@ def split_options(kwargs: dict[str, Any]) -> tuple[Policy, int, int] | None:
         raise InputError("generate(compress=...) takes a policy", expected="e.g. compress=KVzip(), budget=256, "
                          "every=32", found=type(policy).__name__, fix="pass compress, budget and every together")
     budget, every = given.get("budget"), given.get("every", 32)
-    check_budget(budget, every)
+    check_budget(budget, every, policy)
     for key, why in _REFUSED.items():
         if kwargs.get(key) not in (None, 0):
             raise UnsupportedError(f"{key} is not supported with compress=: {why}", found=key,
