@@ -295,9 +295,10 @@ class Session:
         if options.return_dict:
             raise UnsupportedError("return_dict_in_generate is not supported with compress=", found="a config "
                                    "with return_dict_in_generate", fix="take the returned token ids")
-        if not bool(mask.all()):
-            raise UnsupportedError("generate(compress=...) needs a history without padding",
-                                   found="attention_mask with padding", fix="run one row per Session, unpadded")
+        if ids.shape[0] != 1 or not bool(mask.all()):
+            raise UnsupportedError("generate(compress=...) decodes one row without padding",
+                                   found=f"batch of {ids.shape[0]}, padding: {not bool(mask.all())}",
+                                   fix="run one row per Session, unpadded")
         settings = self._settings()
         prefilled = start if feed is None else self._engine.feed(start, feed, settings)
         total, ends = rounds_plan(self.model, options, ids.shape[1])

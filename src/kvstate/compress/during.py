@@ -77,9 +77,6 @@ def generate_within(state: State, history: torch.Tensor, options: GenerateOption
                     feed: Callable[[State, torch.Tensor], State]) -> tuple[State, torch.Tensor]:
     """Rounds of ``generate`` on ``state`` (which has processed ``history`` ``[1, L]`` and holds its
     last logits); returns the state after the last round and the new tokens ``[1, N]``."""
-    if history.shape[0] != 1:
-        raise UnsupportedError("generate(compress=...) decodes one row", found=f"batch of {history.shape[0]}",
-                               fix="run one Session per row")
     out: list[torch.Tensor] = []
     left = total
     while left > 0:
