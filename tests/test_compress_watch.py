@@ -285,3 +285,23 @@ def test_expected_attention_discounts_slots_leaving_a_sliding_window():
     scores = ExpectedAttention(0.5, window=2, sinks=0, covariance=False).scores(x)[0]
     assert scores[0] < scores[1] < scores[2]
     assert torch.allclose(scores / scores[2], torch.tensor([0.2, 0.7, 1.0]))
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "jamba"])
+def test_kvzip_on_hybrids_scores_attention_layers_and_stays_exact(arch):
+    """The re-read runs through recurrent layers too (one token per forward where needed); only the
+    attention layers are scored and compressed, and the continuation is exact."""
+    check_against_reference(arch, KVzip(0.5, prompt=(3, 4), chunk=16))
+
+
+def test_expected_attention_refuses_multimodal_positions_and_unrollable_states():
+    s = Session(tiny_model("qwen3_vl"))
+    s.extend(prompt(30))
+    with pytest.raises(UnsupportedError, match="1-D positions"):
+        s.compress(ExpectedAttention(0.5, window=4))
+    hybrid = Session(tiny_model("lfm2"))
+    hybrid.extend(prompt(30))
+    with pytest.raises(UnsupportedError, match="cannot roll back"):
+        hybrid.compress(ExpectedAttention(0.5, window=4))
+    hybrid.compress(ExpectedAttention(0.5, window=4), query_ids=prompt(3))  # a question needs no rollback
+    assert hybrid.state.tokens_seen == 30
