@@ -237,9 +237,11 @@ class Engine:
 
         mask = torch.ones(ids.shape[0], base.tokens_seen + ids.shape[1], dtype=torch.bool, device=ids.device)
         with self.lock, torch.no_grad(), watching(self.model, counted):
+            speed = self.seconds_per_token  # eager scoring forwards say nothing of a prefill's cost
             try:
                 self._run_feed(base, self.feed_for(base, ids, mask, {}), FeedSettings(chunk_size), chunk_size)
             finally:
+                self.seconds_per_token = speed
                 self.adapter.restore_extras(self.model, dict(state.extras))
 
     def reset_model(self) -> None:
