@@ -23,7 +23,7 @@ from ..errors import InputError, UnsupportedError
 from ..layers import AttentionLayerState, LayerState
 from ..protocols import AttentionObserver
 from ..state import MediaItem, State
-from .observe import Seen, watch
+from .observe import Seen, rotate_half, watch
 from .policies import Policy, ReRotate, ScoreInput
 
 SLIDING = ("window", "context")
@@ -173,10 +173,8 @@ def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
     """Keys ``[B, H, S, D]`` rotated by ``delta`` ``[B, S]`` positions (RoPE composes additively)."""
     angles = delta[..., None].double() * inv_freq.double()  # [B, S, D/2]
     emb = torch.cat([angles, angles], dim=-1)[:, None]
-    half = keys.shape[-1] // 2
     k = keys.double()
-    rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-    return (k * emb.cos() + rotated_half * emb.sin()).to(keys.dtype)
+    return (k * emb.cos() + rotate_half(k) * emb.sin()).to(keys.dtype)
 
 
 class Decoder(Protocol):

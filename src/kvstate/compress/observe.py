@@ -121,9 +121,14 @@ def unrotate(query: torch.Tensor, rope: Any) -> torch.Tensor:
                                found=tuple(rope[0].shape), fix="use a policy that does not need queries")
     r = cos.shape[-1]
     part = q[..., :r]
-    half = torch.cat([-part[..., r // 2:], part[..., : r // 2]], dim=-1)
-    plain = (part * cos - half * sin) / (cos * cos + sin * sin)
+    plain = (part * cos - rotate_half(part) * sin) / (cos * cos + sin * sin)
     return torch.cat([plain, q[..., r:]], dim=-1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's quarter turn of the last dim: ``[x1, x2] -> [-x2, x1]``."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def _future(model: Any, state: State, seen: dict[int, Seen], start: int, count: int) -> None:
