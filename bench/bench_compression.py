@@ -21,6 +21,7 @@ Writes ``bench/results/compression.json`` and ``compression.png``. Run:
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 import time
@@ -246,19 +247,20 @@ def plot(result: dict, path: Path) -> None:
     acc = result["needle"]["accuracy"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
     names = sorted({label.split("/")[1] for label in acc if label.count("/") == 2})
+    color = {name: f"C{i}" for i, name in enumerate(names)}  # one colour per policy in both panels
     for kind, style in (("agnostic", "o-"), ("aware", "s--")):
         for name in names:
             points = [(100.0, acc["uncompressed"])] + [(b * 100, acc[f"{kind}/{name}/{b}"]) for b in BUDGETS
                                                        if f"{kind}/{name}/{b}" in acc]
             if len(points) > 1:
-                a.plot(*zip(*points, strict=True), style, label=f"{name} ({kind})")
+                a.plot(*zip(*points, strict=True), style, color=color[name], label=f"{name} ({kind})")
     a.set(xlabel="KV budget (%)", ylabel="needle accuracy", title="Needle retrieval, Gemma-3-270M, natural text")
     fid = result["fidelity"]
     for name in names:
         points = [(100.0, 1.0)] + [(b * 100, fid[f"window/{name}/{b}"]["greedy_agreement"]) for b in BUDGETS
                                     if f"window/{name}/{b}" in fid]
         if len(points) > 1:
-            b.plot(*zip(*points, strict=True), "o-", label=name)
+            b.plot(*zip(*points, strict=True), "o-", color=color[name], label=name)
     b.set(xlabel="KV budget (%)", ylabel="greedy agreement (share of 32 tokens)",
           title="Continuation fidelity (question-agnostic)")
     for ax in (a, b):
@@ -272,10 +274,14 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from the results file")
     parser.add_argument("--per-cell", type=int, default=8, help="needle cases per (length, depth) cell")
     parser.add_argument("--texts", type=int, default=3, help="haystacks for the fidelity columns")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads((RESULTS / "compression.json").read_text()), RESULTS / "compression.png")
+        return
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model()
     corpus = paragraphs()

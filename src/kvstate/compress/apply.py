@@ -50,8 +50,7 @@ def compress_state(observer: AttentionObserver, model: Any, state: State, policy
     if budget is None and all(policy.ratio_for(i, n) == 0 for i in range(n)):
         return state  # ratio 0: the identity, bitwise, without re-running anything
     needs = policy.needs()
-    seen, tail = watch(observer, model, state, needs, query_ids) if needs.watches or query_ids is not None \
-        else ({}, 0)
+    seen, tail = watch(observer, model, state, needs, query_ids) if needs.watches else ({}, 0)
     media = torch.zeros(state.tokens_seen, dtype=torch.bool, device=state.device)
     for item in state.media:
         media[item.start:item.end] = True
