@@ -234,7 +234,7 @@ def test_budgeted_generate_matches_manual_for_any_budget(budget, every, n, polic
 
 
 def test_budgeted_generate_refuses_before_running_and_is_transactional():
-    from transformers import LogitsProcessor, LogitsProcessorList, TextStreamer
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TextStreamer
 
     model = tiny_model("llama")
     s = Session(model)
@@ -244,6 +244,9 @@ def test_budgeted_generate_refuses_before_running_and_is_transactional():
     for bad, kind in ((dict(budget=8, every=8), InputError), (dict(budget=16, every=4, streamer=TextStreamer(None)),
                                                               UnsupportedError),
                       (dict(budget=16, every=2, compress=SnapKV(window=4)), InputError),
+                      (dict(budget=16, every=4, generation_config=GenerationConfig(min_new_tokens=3)),
+                       UnsupportedError),  # set through a config counts as set by keyword
+                      (dict(budget=16, every=4, return_dict_in_generate=True), UnsupportedError),
                       (dict(budget=16, every=4, stop_strings=["x"]), UnsupportedError)):
         with pytest.raises(kind):
             s.generate(history, **{"compress": KNorm(), "max_new_tokens": 20, **bad})

@@ -52,12 +52,13 @@ class GenerateOptions:
 
     ``kwargs`` go to ``model.generate`` unchanged; ``return_dict`` says whether it
     returns an output object; ``prefill_chunk_size`` (if set) chunks kvstate's own
-    feed of the unprocessed suffix.
+    feed of the unprocessed suffix; ``config`` is the ``GenerationConfig`` they resolve to.
     """
 
     kwargs: Mapping[str, Any]
     return_dict: bool
     prefill_chunk_size: int | None
+    config: Any = None
 
 
 def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
@@ -86,7 +87,7 @@ def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
     # use_cache=False only makes plain generate recompute every step; the tokens are the same, and the
     # state is the cache, so kvstate keeps it on (whether it came from the call or model.generation_config)
     return GenerateOptions(MappingProxyType({**kwargs, "use_cache": True}), bool(config.return_dict_in_generate),
-                           config.prefill_chunk_size)
+                           config.prefill_chunk_size, config)
 
 
 def _check_config(config: Any) -> None:

@@ -289,19 +289,16 @@ class Session:
         """``generate`` in rounds under a slot budget (``kvstate.compress.during``); one commit at the end.
         The prefix store is not offered the result: a compressed state is not the prompt's cache."""
         from .compress.apply import compress_state
-        from .compress.during import generate_within, rounds_plan
+        from .compress.during import generate_within, plan_rounds
 
         policy, budget, every = budgeted
-        if options.return_dict:
-            raise UnsupportedError("return_dict_in_generate is not supported with compress=", found="a config "
-                                   "with return_dict_in_generate", fix="take the returned token ids")
+        total, ends = plan_rounds(options, ids.shape[1])
         if ids.shape[0] != 1 or not bool(mask.all()):
             raise UnsupportedError("generate(compress=...) decodes one row without padding",
                                    found=f"batch of {ids.shape[0]}, padding: {not bool(mask.all())}",
                                    fix="run one row per Session, unpadded")
         settings = self._settings()
         prefilled = start if feed is None else self._engine.feed(start, feed, settings)
-        total, ends = rounds_plan(self.model, options, ids.shape[1])
 
         def one_more(state: State, token: torch.Tensor) -> State:
             ones = torch.ones(1, state.tokens_seen + 1, dtype=torch.bool, device=self.device)

@@ -23,14 +23,18 @@ from ..state import State
 from .apply import check_budget
 from .policies import Policy
 
-# options whose meaning spans the whole call, which rounds of generate cannot keep
-_REFUSED = {
+# options whose meaning spans the whole call, which rounds of generate cannot keep: generate()
+# arguments, then GenerationConfig fields (set by keyword, generation_config= or the model's own)
+_REFUSED_ARGS = {
     "streamer": "a streamer would see the prompt again every round",
+    "stopping_criteria": "a criterion that fires on a round's last token cannot be told from the round's end",
+}
+_REFUSED_FIELDS = {
     "min_new_tokens": "a minimum length spans rounds",
     "min_length": "a minimum length spans rounds",
     "max_time": "a time limit spans rounds",
-    "stopping_criteria": "a criterion that fires on a round's last token cannot be told from the round's end",
     "stop_strings": "a criterion that fires on a round's last token cannot be told from the round's end",
+    "return_dict_in_generate": "outputs span rounds; take the returned token ids",
 }
 COMPRESS_KEYS = ("compress", "budget", "every")
 
@@ -46,25 +50,19 @@ def split_options(kwargs: dict[str, Any]) -> tuple[Policy, int, int] | None:
                          "every=32", found=type(policy).__name__, fix="pass compress, budget and every together")
     budget, every = given.get("budget"), given.get("every", 32)
     check_budget(budget, every, policy)
-    for key, why in _REFUSED.items():
-        if kwargs.get(key) not in (None, 0):
-            raise UnsupportedError(f"{key} is not supported with compress=: {why}", found=key,
-                                   fix=f"drop {key}, or generate without compress")
-    if kwargs.get("return_dict_in_generate"):
-        raise UnsupportedError("return_dict_in_generate is not supported with compress=: outputs span rounds",
-                               found="return_dict_in_generate=True", fix="take the returned token ids")
     return policy, budget, every  # type: ignore[return-value]
 
 
-def rounds_plan(model: Any, options: GenerateOptions, prompt_length: int) -> tuple[int, set[int]]:
-    """How many tokens the whole call may generate and which ids end it, as ``model.generate``
-    would resolve them."""
-    from .. import _compat
-
-    kwargs = {k: v for k, v in options.kwargs.items()
-              if k not in ("logits_processor", "prefix_allowed_tokens_fn", "synced_gpus", "tokenizer",
-                           "generation_config")}
-    config, _ = _compat.prepare_generation_config(model, options.kwargs.get("generation_config"), kwargs)
+def plan_rounds(options: GenerateOptions, prompt_length: int) -> tuple[int, set[int]]:
+    """How many tokens the whole call may generate and which ids end it, from the config
+    ``generate`` resolved; options that rounds cannot keep are refused here, before anything runs."""
+    config = options.config
+    found = [k for k in _REFUSED_ARGS if options.kwargs.get(k) is not None]
+    found += [k for k in _REFUSED_FIELDS if getattr(config, k, None) not in (None, 0, False)]
+    if found:
+        why = "; ".join(f"{k}: {_REFUSED_ARGS.get(k) or _REFUSED_FIELDS[k]}" for k in found)
+        raise UnsupportedError(f"not supported with compress=: {why}", found=found,
+                               fix="drop these options, or generate without compress")
     eos = config.eos_token_id
     ends = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
     if config.max_new_tokens is not None:
