@@ -1,10 +1,13 @@
-"""State-file benchmark (issue 3) on the real Gemma-3-270M, CPU, fp32, at 1,024 and 2,048 tokens.
+"""State-file benchmark (issues 3, 11) on the real Gemma-3-270M, CPU, fp32, at 1,024, 2,048 and 4,096 tokens.
 
-Side by side, in one run:
+Side by side, in one run (contenders interleaved round by round, medians):
 * save / load throughput (MB of retained K/V per second) and file size for
-  - ``Session.save`` / ``Session.load`` (atomic write + fsync, checksums verified, model checks),
+  - ``Session.save`` / ``Session.load`` (atomic write + fsync; every byte read and its checksum
+    verified, header validated, model checks) and ``load_state`` (the file part of a load alone),
   - ``torch.save`` / ``torch.load`` of the transformers ``DynamicCache`` (pickle),
-  - ``safetensors.torch.save_file`` / ``load_file`` of the same retained tensors (physical reference);
+  - ``safetensors.torch.save_file`` / ``load_file`` of the same retained tensors (physical reference),
+    with fsync for saves, with every byte read (``clone``) for loads, and with every byte read and
+    hashed (XXH3-64, the check kvstate makes) for the same integrity;
 * time to first token of a conversation saved one token short: ``Session.load`` + generate,
   a pickled ``DynamicCache`` loaded + generate (the plain file baseline), and a re-prefill;
 * compact storage: bytes saved vs max |Δlogit| and greedy agreement over 32 tokens.
@@ -20,10 +23,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
-from common import RESULTS, median_time, write_results
-from kvstate import Session
+from common import RESULTS, interleaved, median_time, write_results
+from kvstate import Session, load_state
 from kvstate._compat import CACHE_KWARG
 from kvstate.io import schema
 from kvstate.testing import load_default_model
@@ -34,7 +38,7 @@ def prompt_ids(tokenizer, n: int) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt").input_ids[:, :n]
 
 
-def io_row(model, ids, folder: Path, repeats: int) -> dict:
+def io_row(model, ids, folder: Path, rounds: int) -> dict:
     session = Session(model)
     session.extend(ids)
     with torch.no_grad():
@@ -52,25 +56,32 @@ def io_row(model, ids, folder: Path, repeats: int) -> dict:
     def load_touch():  # load_file maps lazily; clone() reads every byte, as a real load must
         return {k: v.clone() for k, v in load_file(raw).items()}
 
-    times = {
-        "kvstate_save": median_time(lambda: session.save(ours), repeats),
-        "torch_save": median_time(lambda: torch.save(cache, pickled), repeats),
-        "safetensors_save": median_time(lambda: save_file(tensors, raw), repeats),
-        "safetensors_save_fsync": median_time(save_fsync, repeats),
-        "kvstate_load": median_time(lambda: Session.load(ours, model), repeats),
-        "torch_load": median_time(lambda: torch.load(pickled, weights_only=False), repeats),
-        "safetensors_load": median_time(lambda: load_file(raw), repeats),
-        "safetensors_load_touch": median_time(load_touch, repeats),
-    }
+    def load_touch_verify():  # the same, plus the integrity check ours makes (XXH3-64 of every tensor)
+        loaded = load_touch()
+        return [xxhash.xxh3_64_hexdigest(memoryview(t.reshape(-1).view(torch.uint8).numpy())) for t in loaded.values()]
+
+    times = interleaved({
+        "kvstate_save": lambda: session.save(ours), "torch_save": lambda: torch.save(cache, pickled),
+        "safetensors_save": lambda: save_file(tensors, raw), "safetensors_save_fsync": save_fsync,
+    }, max(rounds // 3, 5))
+    times |= interleaved({
+        "kvstate_load": lambda: Session.load(ours, model), "kvstate_load_state": lambda: load_state(ours),
+        "torch_load": lambda: torch.load(pickled, weights_only=False), "safetensors_load": lambda: load_file(raw),
+        "safetensors_load_touch": load_touch, "safetensors_load_touch_verify": load_touch_verify,
+    }, rounds)
     return {
         "tokens": ids.shape[1], "retained_kv_mb": kv_mb,
         "file_mb": {"kvstate": ours.stat().st_size / 1e6, "torch_save": pickled.stat().st_size / 1e6,
                     "safetensors": raw.stat().st_size / 1e6},
+        "ms": {k: 1e3 * v for k, v in times.items()},
         "mb_per_s": {k: kv_mb / v for k, v in times.items()},
-        "kvstate_vs_safetensors": {"save": times["safetensors_save"] / times["kvstate_save"],
-                                   "save_both_fsync": times["safetensors_save_fsync"] / times["kvstate_save"],
-                                   "load": times["safetensors_load"] / times["kvstate_load"],
-                                   "load_both_read_all": times["safetensors_load_touch"] / times["kvstate_load"]},
+        "kvstate_vs_safetensors": {
+            "save_both_fsync": times["safetensors_save_fsync"] / times["kvstate_save"],
+            "save_vs_no_fsync": times["safetensors_save"] / times["kvstate_save"],
+            "load_both_read_all": times["safetensors_load_touch"] / times["kvstate_load"],
+            "load_state_both_read_all": times["safetensors_load_touch"] / times["kvstate_load_state"],
+            "load_both_read_and_verify_all": times["safetensors_load_touch_verify"] / times["kvstate_load"],
+            "load_vs_lazy_map": times["safetensors_load"] / times["kvstate_load"]},
     }
 
 
@@ -123,8 +134,9 @@ def compact_rows(model, ids, folder: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--repeats", type=int, default=3, help="TTFT repeats")
+    parser.add_argument("--rounds", type=int, default=41, help="interleaved rounds of each load (saves: a third)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model()
@@ -133,7 +145,7 @@ def main() -> None:
         folder = Path(tmp)
         for n in args.tokens:
             ids = prompt_ids(tokenizer, n)
-            result["io"].append(io_row(model, ids, folder, args.repeats))
+            result["io"].append(io_row(model, ids, folder, args.rounds))
             result["ttft"].append(ttft_row(model, ids, folder, args.repeats))
         result["compact"] = compact_rows(model, prompt_ids(tokenizer, args.tokens[0]), folder)
     write_results("state_io", result)

@@ -36,6 +36,24 @@ def times(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | 
     return out
 
 
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median seconds of each of ``fns``, run in turn within each of ``rounds`` rounds.
+
+    Every contender sees the same machine state (page cache, what malloc has kept from freed
+    memory, the other processes): timed in separate blocks, one-off effects such as whether a
+    large allocation arrives already mapped moved a millisecond ratio by up to 3x here.
+    """
+    for fn in fns.values():
+        fn()  # warm every path first
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def _git(*args: str) -> str:
     try:
         return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,

@@ -203,8 +203,22 @@ def tokenizer_hash(tokenizer: object) -> str:
 
 
 def weights_key(model: torch.nn.Module) -> tuple:
-    """What changes when a weight is replaced or edited in place: identity, storage and version counter."""
-    return tuple((id(t), t.data_ptr(), t._version) for _, t in _tensors(model, 2))  # every tensor: cheap, no sort
+    """What changes when a weight is replaced or edited in place: identity, storage and version counter.
+
+    Walks the modules' own tables instead of ``named_parameters``: this runs on every verb, and
+    the named walk costs ~5x more (0.46 vs 0.10 ms on Gemma-3-270M).
+    """
+    out = []
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        for t in (*module._parameters.values(), *module._buffers.values()):
+            if t is not None:
+                out.append((id(t), t.data_ptr(), t._version))
+        for child in module._modules.values():
+            if child is not None:
+                stack.append(child)
+    return tuple(out)
 
 
 _CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, Fingerprint]] = weakref.WeakKeyDictionary()

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -55,8 +56,29 @@ def cache_kwarg(model: Any) -> str | None:
 DummyLayer = getattr(cache_utils, "DummyLayer", None)
 
 
+_SPECS: dict[int, tuple[weakref.ref[Any], str, tuple[tuple[str, int | None], ...]]] = {}
+
+
 def layer_specs(config: object) -> list[tuple[str, int | None]]:
-    """``(kind, window)`` per decoder layer, decided exactly as transformers decides it."""
+    """``(kind, window)`` per decoder layer, decided exactly as transformers decides it.
+
+    Remembered per config object while its attributes are unchanged: building the probe cache
+    costs ~0.3 ms, and every session and load asks (issue 11's load budget)."""
+    try:
+        key = repr(sorted(vars(config).items(), key=lambda item: item[0]))
+    except TypeError:  # no __dict__: nothing to remember it by
+        return _declared_specs(config)
+    hit = _SPECS.get(id(config))
+    if hit is not None and hit[0]() is config and hit[1] == key:
+        return list(hit[2])
+    specs = _declared_specs(config)
+    if len(_SPECS) > 256:  # configs of models long gone
+        _SPECS.clear()
+    _SPECS[id(config)] = (weakref.ref(config), key, tuple(specs))
+    return specs
+
+
+def _declared_specs(config: object) -> list[tuple[str, int | None]]:
     specs: list[tuple[str, int | None]] = []
     for i, layer in enumerate(DynamicCache(config=config).layers):  # type: ignore[arg-type]
         kind = _KIND_OF.get(type(layer))

@@ -31,7 +31,7 @@ from ..errors import StateFileError
 from ..fingerprint import Fingerprint
 from ..layers import LAYER_KINDS
 from ..state import Checkpoint, MediaItem, State
-from .container import digest, dtype_of
+from .container import dtype_of
 
 FORMAT = "kvstate.state"
 VERSION = 2  # 2: XXH3-64 tensor checksums (``checksum`` field); 1: CRC-32, still read
@@ -71,9 +71,7 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "media": [[m.start, m.end, m.digest, m.kept] for m in state.media],
         "created_with": created_with(),
     }
-    header["checksum"] = "xxh3-64"
-    header["checksums"] = {name: digest(t) for name, t in tensors.items()}
-    return header, tensors
+    return header, tensors  # the container adds the checksums as it writes
 
 
 def _encode_layer(prefix: str, layer: Any, tensors: dict[str, torch.Tensor], compact: str | None) -> dict:
@@ -243,14 +241,14 @@ def _unpack(name: str, tensors: dict[str, torch.Tensor], kv_dtype: torch.dtype,
 def _runs(positions: torch.Tensor) -> list[list[list[int]]]:
     """Per row, runs ``[start, count]`` of consecutive positions (one run when uncompressed)."""
     out = []
-    for row in positions.tolist():
-        runs: list[list[int]] = []
-        for p in row:
-            if runs and runs[-1][0] + runs[-1][1] == p:
-                runs[-1][1] += 1
-            else:
-                runs.append([p, 1])
-        out.append(runs)
+    for row in positions.to("cpu", torch.long):
+        if row.numel() == 0:
+            out.append([])
+            continue
+        cuts = torch.nonzero(row[1:] != row[:-1] + 1).flatten() + 1  # where a run ends and the next begins
+        starts = torch.cat([cuts.new_zeros(1), cuts])
+        counts = torch.cat([cuts, cuts.new_full((1,), row.numel())]) - starts
+        out.append([[p, n] for p, n in zip(row[starts].tolist(), counts.tolist(), strict=True)])
     return out
 
 
@@ -267,16 +265,8 @@ def _positions_from_runs(runs: Any, B: int, S: int) -> torch.Tensor:
 
 
 def _mask_runs(mask: torch.Tensor) -> list[list[list[int]]]:
-    out = []
-    for row in mask.tolist():
-        runs: list[list[int]] = []
-        for i, real in enumerate(row):
-            if real and runs and runs[-1][0] + runs[-1][1] == i:
-                runs[-1][1] += 1
-            elif real:
-                runs.append([i, 1])
-        out.append(runs)
-    return out
+    """Per row, runs ``[start, count]`` of real (unpadded) slots."""
+    return [_runs(torch.nonzero(row).flatten()[None])[0] for row in mask.to("cpu", torch.bool)]
 
 
 def _mask_from_runs(runs: list, B: int, T: int) -> torch.Tensor:
