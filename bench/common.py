@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -41,13 +42,17 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
 
     Every contender sees the same machine state (page cache, what malloc has kept from freed
     memory, the other processes): timed in separate blocks, one-off effects such as whether a
-    large allocation arrives already mapped moved a millisecond ratio by up to 3x here.
+    large allocation arrives already mapped moved a millisecond ratio by up to 3x here. The order
+    within a round is shuffled (seeded), because running right after a contender that freed a
+    large buffer costs differently from running after one that did not.
     """
     for fn in fns.values():
         fn()  # warm every path first
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    order, rng = list(fns.items()), random.Random(0)
     for _ in range(rounds):
-        for name, fn in fns.items():
+        rng.shuffle(order)
+        for name, fn in order:
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)

@@ -49,7 +49,8 @@ def load_state(path: str | os.PathLike[str], *, map_location: torch.device | str
     state = schema.decode(*container.read(path))
     if dtype is not None and state.kv_dtype not in (None, dtype):
         state = _cast(state, dtype)
-    return state if map_location is None else state.to(map_location)
+    # files load onto the CPU; moving there again would only rebuild every layer
+    return state if map_location is None or torch.device(map_location).type == "cpu" else state.to(map_location)
 
 
 def _cast(state: State, dtype: torch.dtype) -> State:

@@ -25,6 +25,7 @@ previous file intact; the replaced file's blocks are freed on the I/O thread.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -219,14 +220,32 @@ def read(path: str | os.PathLike[str], *, verify: bool = True) -> tuple[dict, di
         prefer_huge_pages(data)
         view = memoryview(data.numpy()) if data.numel() else memoryview(bytearray())
         _read_at(f.fileno(), view, start, path)
-        spans = [(view[e["data_offsets"][0]:e["data_offsets"][1]], name, new_hasher(sums[name][0], _seed(
-                 (e["dtype"], e["shape"])))) for name, e in entries.items()] if verify else []
-    _hash(spans)
-    for _, name, hasher in spans:
+    hashers = {name: new_hasher(sums[name][0], _seed((e["dtype"], e["shape"])))
+               for name, e in (entries.items() if verify else ())}
+    work = collections.deque((view[slice(*entries[name]["data_offsets"])], h) for name, h in hashers.items())
+    # a large file is hashed by this thread and kvstate's I/O thread together (``xxhash`` releases
+    # the GIL); Python work meanwhile would stall the other thread on the GIL, so none runs
+    beside = run_beside(_drain, work) if data.numel() >= PARALLEL_MIN_BYTES else None
+    try:
+        _drain(work)
+    finally:
+        if beside is not None:
+            beside.result()
+    for name, hasher in hashers.items():
         if hasher.hexdigest() != sums[name][1]:
             raise StateFileError("tensor checksum mismatch", expected=sums[name][1], found=hasher.hexdigest(),
                                  fix=f"{name!r} in {path} is corrupt; re-save the state")
     return header, _tensors(data, 0, entries)
+
+
+def _drain(work: collections.deque[tuple[memoryview, Any]]) -> None:
+    """Hash pieces until none is left (two threads may drain one deque: ``popleft`` is atomic)."""
+    while True:
+        try:
+            piece, hasher = work.popleft()
+        except IndexError:
+            return
+        hasher.update(piece)
 
 
 def _open_regular(path: Path) -> Any:
@@ -266,30 +285,6 @@ def _read_at(fd: int, target: memoryview, offset: int, path: Path) -> None:
             raise StateFileError("file ends early", expected=f"{len(target)} bytes of tensor data",
                                  found=f"{done} in {path}", fix="the file is truncated; re-save the state")
         done += got
-
-
-def _hash(spans: list[tuple[memoryview, str, Any]]) -> None:
-    """Hash each ``(bytes, name, hasher)``; a large file's spans are split between this thread and
-    kvstate's I/O thread (``xxhash`` releases the GIL). On two cores this measured faster than
-    hashing each piece as it is read, or hashing on one thread."""
-    total = sum(len(view) for view, _, _ in spans)
-    if total < PARALLEL_MIN_BYTES:
-        _update(spans)
-        return
-    half, done = 0, 0
-    while half < len(spans) and done + len(spans[half][0]) <= total / 2:
-        done += len(spans[half][0])
-        half += 1
-    other = run_beside(_update, spans[half:])
-    try:
-        _update(spans[:half])
-    finally:
-        other.result()
-
-
-def _update(spans: list[tuple[memoryview, str, Any]]) -> None:
-    for view, _, hasher in spans:
-        hasher.update(view)
 
 
 def _pread_into(fd: int, piece: memoryview, offset: int) -> int:
