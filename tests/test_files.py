@@ -238,7 +238,7 @@ def test_pure_ssm_state_dtype_is_checked_and_castable(tmp_path):
 
 
 def _large_tensors() -> dict[str, torch.Tensor]:
-    """Past ``PARALLEL_MIN_BYTES`` (hashed on two threads), odd sizes, mixed dtypes, one empty."""
+    """Many read pieces (``container.CHUNK``) per tensor, odd sizes, mixed dtypes, one empty."""
     g = torch.Generator().manual_seed(0)
     return {"a": torch.randn(3, 700_001, generator=g), "b": torch.randint(0, 255, (1_000_003,), dtype=torch.uint8),
             "c": torch.randn(5, 300_000, generator=g).to(torch.bfloat16), "d": torch.empty(0, 4)}
@@ -251,16 +251,17 @@ def _checked(header: dict, tensors: dict[str, torch.Tensor]) -> dict:
 
 
 def test_large_files_read_back_exactly_and_every_corrupt_byte_is_caught(tmp_path):
-    """The load path that reads once and hashes on two threads (issue 11): exact tensors, and a
-    flipped byte anywhere in the data, in either thread's half, is a typed checksum error."""
-    from kvstate.io import checksum, container
+    """The one-pass load (issue 11: pieces read and hashed while in cache) and the save that hashes
+    on the I/O thread while it writes: exact tensors, and a flipped byte anywhere is a typed error."""
+    from kvstate.io import container
 
     tensors = _large_tensors()
     path = tmp_path / "big.kvs"
-    size = container.write(path, tensors, _checked({"note": "large"}, tensors))
-    assert sum(t.numel() * t.element_size() for t in tensors.values()) > checksum.PARALLEL_MIN_BYTES
+    size = container.write(path, tensors, {"note": "large"})  # checksums added while writing
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) > 8 * container.CHUNK
     header, back = container.read(path)
     assert header["note"] == "large" and back.keys() == tensors.keys()
+    assert header["checksums"] == _checked({}, tensors)["checksums"]  # the digests a sequential pass gives
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
     data = path.read_bytes()
@@ -274,14 +275,13 @@ def test_large_files_read_back_exactly_and_every_corrupt_byte_is_caught(tmp_path
 
 
 def test_a_forked_child_loads_large_files(tmp_path):
-    """The background hashing thread does not survive ``fork``: a child must start its own."""
+    """The I/O thread (a save's hashing) does not survive ``fork``: a child must start its own."""
     import multiprocessing
 
     from kvstate.io import container
 
     tensors = _large_tensors()
-    container.write(tmp_path / "big.kvs", tensors, _checked({}, tensors))
-    container.read(tmp_path / "big.kvs")  # the parent's thread exists before the fork
+    container.write(tmp_path / "big.kvs", tensors, {})  # the parent's I/O thread exists before the fork
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
         digests = pool.apply_async(_digests_of_loaded, (str(tmp_path / "big.kvs"),)).get(timeout=60)
@@ -289,7 +289,10 @@ def test_a_forked_child_loads_large_files(tmp_path):
 
 
 def _digests_of_loaded(path: str) -> dict[str, str]:
-    """No torch kernels here: OpenMP's threads do not survive ``fork`` either."""
+    """Save a copy (hashed on the child's I/O thread) and load it back. No torch kernels here:
+    OpenMP's threads do not survive ``fork`` either."""
     from kvstate.io import container
 
-    return {n: container.digest(t) for n, t in container.read(path)[1].items()}
+    copy = path + ".copy"
+    container.write(copy, container.read(path)[1], {})
+    return {n: container.digest(t) for n, t in container.read(copy)[1].items()}

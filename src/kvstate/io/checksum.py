@@ -1,8 +1,8 @@
-"""Tensor checksums of state files, and the one background thread loads share (issue 11).
+"""Tensor checksums of state files, and kvstate's one background I/O thread (issue 11).
 
-``preadv`` and ``xxhash`` both release the GIL, so a load that reads and hashes half of
-the file on this thread and half on the calling one uses two cores; see
-``container.read``.
+``xxhash`` releases the GIL, so a save hashes its tensors on that thread while the calling
+one writes them, and the blocks of a file a save replaced are freed there too; see
+``container.write``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import xxhash
 from ..errors import StateFileError
 
 CHECKSUMS = ("xxh3-64", "crc32")  # by format version: 2, 1
-PARALLEL_MIN_BYTES = 4 * 2**20  # below this, handing half a load to a thread costs more than it saves
 
 
 class _Crc32:
