@@ -3,7 +3,8 @@
 Side by side, in one run (contenders interleaved round by round, medians):
 * save / load throughput (MB of retained K/V per second) and file size for
   - ``Session.save`` / ``Session.load`` (atomic write + fsync; every byte read and its checksum
-    verified, header validated, model checks) and ``load_state`` (the file part of a load alone),
+    verified, header validated, model checks), ``load_state`` (no model checks) and
+    ``container.read`` (header checks, read and hash only: no ``State`` is built),
   - ``torch.save`` / ``torch.load`` of the transformers ``DynamicCache`` (pickle),
   - ``safetensors.torch.save_file`` / ``load_file`` of the same retained tensors (physical reference),
     with fsync for saves, with every byte read (``clone``) for loads, and with every byte read and
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from common import RESULTS, interleaved, median_time, write_results
 from kvstate import Session, load_state
 from kvstate._compat import CACHE_KWARG
-from kvstate.io import schema
+from kvstate.io import container, schema
 from kvstate.testing import load_default_model
 
 
@@ -66,6 +67,7 @@ def io_row(model, ids, folder: Path, rounds: int) -> dict:
     }, max(rounds // 3, 5))
     times |= interleaved({
         "kvstate_load": lambda: Session.load(ours, model), "kvstate_load_state": lambda: load_state(ours),
+        "kvstate_read_verified": lambda: container.read(ours),  # the file part: header checks, read, hash
         "torch_load": lambda: torch.load(pickled, weights_only=False), "safetensors_load": lambda: load_file(raw),
         "safetensors_load_touch": load_touch, "safetensors_load_touch_verify": load_touch_verify,
     }, rounds)
@@ -80,6 +82,7 @@ def io_row(model, ids, folder: Path, rounds: int) -> dict:
             "save_vs_no_fsync": times["safetensors_save"] / times["kvstate_save"],
             "load_both_read_all": times["safetensors_load_touch"] / times["kvstate_load"],
             "load_state_both_read_all": times["safetensors_load_touch"] / times["kvstate_load_state"],
+            "read_verified_both_read_all": times["safetensors_load_touch"] / times["kvstate_read_verified"],
             "load_both_read_and_verify_all": times["safetensors_load_touch_verify"] / times["kvstate_load"],
             "load_vs_lazy_map": times["safetensors_load"] / times["kvstate_load"]},
     }
