@@ -296,3 +296,22 @@ def _digests_of_loaded(path: str) -> dict[str, str]:
     copy = path + ".copy"
     container.write(copy, container.read(path)[1], {})
     return {n: container.digest(t) for n, t in container.read(copy)[1].items()}
+
+
+def test_a_failed_replace_leaves_the_old_file_and_no_leftovers(tmp_path, monkeypatch):
+    """A save that fails at the rename (after the replaced file got its second name) is a typed
+    error, and leaves the previous file as it was and no ``.tmp`` or ``.old`` beside it."""
+    from kvstate.io import container
+
+    tensors = _large_tensors()
+    path = tmp_path / "s.kvs"
+    container.write(path, tensors, {"n": 1})
+    before = path.read_bytes()
+
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(container.os, "replace", refuse)
+    with pytest.raises(StateFileError, match="cannot write"):
+        container.write(path, tensors, {"n": 2})
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["s.kvs"]

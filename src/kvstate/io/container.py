@@ -93,6 +93,7 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], hea
         **header, "checksum": "xxh3-64", "checksums": dict.fromkeys(ordered, "0" * 16)}
     raw = _header_bytes(ordered, blobs, planned)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    old = None
     try:
         with open(tmp, "wb") as f:
             sums = None if planned is header else run_beside(_digests, ordered, blobs)
@@ -107,12 +108,13 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], hea
             os.fsync(f.fileno())
         old = _keep_replaced(path)
         os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise StateFileError("cannot write state file", found=f"{path}: {exc}",
-                             fix="check the free space and the folder's permissions") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        for leftover in (tmp, old):
+            if leftover is not None:
+                _discard(leftover)
+        if isinstance(exc, OSError):
+            raise StateFileError("cannot write state file", found=f"{path}: {exc}",
+                                 fix="check the free space and the folder's permissions") from exc
         raise
     _fsync_dir(path.parent)
     if old is not None:
