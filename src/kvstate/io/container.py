@@ -68,8 +68,12 @@ def _seed(tensor_or_entry: torch.Tensor | tuple[str, list[int]]) -> str:
 
 def digest(tensor: torch.Tensor, algorithm: str = "xxh3-64") -> str:
     """Checksum of a tensor's dtype, shape and bytes, as hex (integrity, not authentication)."""
+    return _digest_of(tensor, tensor_bytes(tensor), algorithm)
+
+
+def _digest_of(tensor: torch.Tensor, blob: memoryview, algorithm: str = "xxh3-64") -> str:
     hasher = new_hasher(algorithm, _seed(tensor))
-    hasher.update(tensor_bytes(tensor))
+    hasher.update(blob)
     return hasher.hexdigest()
 
 
@@ -148,12 +152,7 @@ def _discard(path: Path) -> None:
 
 
 def _digests(ordered: Mapping[str, torch.Tensor], blobs: list[memoryview]) -> dict[str, str]:
-    out = {}
-    for (name, t), blob in zip(ordered.items(), blobs, strict=True):
-        hasher = new_hasher("xxh3-64", _seed(t))
-        hasher.update(blob)
-        out[name] = hasher.hexdigest()
-    return out
+    return {name: _digest_of(t, blob) for (name, t), blob in zip(ordered.items(), blobs, strict=True)}
 
 
 def check_target(path: Path) -> None:
@@ -278,9 +277,12 @@ def _read_span(fd: int, target: memoryview, offset: int, path: Path, hasher: Any
             hasher.update(piece)
 
 
+_HAS_PREADV = hasattr(os, "preadv")  # a platform fact: looked up once, not per piece
+
+
 def _pread_into(fd: int, piece: memoryview, offset: int) -> int:
     """Positional read into ``piece``."""
-    if hasattr(os, "preadv"):
+    if _HAS_PREADV:
         return os.preadv(fd, [piece], offset)
     chunk = os.pread(fd, len(piece), offset)  # where preadv is missing: one copy more
     piece[:len(chunk)] = chunk
