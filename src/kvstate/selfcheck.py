@@ -41,6 +41,7 @@ from . import _compat
 from ._compat.scan import mixers
 from .adapters import Adapter
 from .adapters.base import registered
+from .adapters.binding import Binding, bound
 from .adapters.structural import StructuralAdapter, structural_caps
 from .engine import Engine, FeedSettings
 from .errors import UnsupportedError, UnsupportedModelError
@@ -61,6 +62,13 @@ class Verdict:
     rollback: bool
     reason: str | None
     seconds: float
+
+
+def bind(model: torch.nn.Module) -> Binding:
+    """The model bound to its family's adapter (``adapter_for``): the one entry every session,
+    server and verify run takes to a model. It lives beside the self-check because an
+    unregistered model earns its adapter by running the engine."""
+    return bound(model, adapter_for(model))
 
 
 def adapter_for(model: torch.nn.Module) -> Adapter:
@@ -128,7 +136,7 @@ def probe(model: torch.nn.Module, adapter: StructuralAdapter) -> Verdict:
 def _probe(model: torch.nn.Module, adapter: StructuralAdapter) -> tuple[str, bool, str | None]:
     ids = _random_ids(model, probe_length(model))
     n = ids.shape[1]
-    chunked = Engine(model, adapter.with_mode(stepwise=False, rollback=True))
+    chunked = Engine(bound(model, adapter.with_mode(stepwise=False, rollback=True)))
     whole = _feed(chunked, _empty(chunked), ids)
     if not _same_kv(whole, _feed(chunked, _empty(chunked), ids), n):
         return "refused", False, "two identical forwards from an empty cache disagree: state lives outside the cache"
@@ -138,11 +146,11 @@ def _probe(model: torch.nn.Module, adapter: StructuralAdapter) -> tuple[str, boo
     heads = [_feed(chunked, _empty(chunked), ids[:, :k]) for k in (n // 3, 2 * n // 3)]  # two split points
     engine, mode = chunked, "exact"
     if not _continues(chunked, heads, ids, whole, crash_is_mismatch=True):
-        scanning = Engine(model, adapter.with_mode(stepwise=False, rollback=True, scan=True))
+        scanning = Engine(bound(model, adapter.with_mode(stepwise=False, rollback=True, scan=True)))
         if mixers(model) and _continues(scanning, heads, ids, whole, crash_is_mismatch=True):
             engine, mode = scanning, "exact-scan"  # chunks exact once the scan starts from the cache
         else:
-            engine, mode = Engine(model, adapter.with_mode(stepwise=True, rollback=True)), "stepwise"
+            engine, mode = Engine(bound(model, adapter.with_mode(stepwise=True, rollback=True))), "stepwise"
     if mode == "stepwise" and not _continues(engine, heads, ids, whole):
         return "refused", False, ("continuing from the cache does not reproduce a whole forward, in chunks or "
                                   "one token at a time: the attention is not causal, or state lives outside "
@@ -216,7 +224,7 @@ def _generates_alike(model: torch.nn.Module, engine: Engine, head: State, ids: t
 
     options = resolve(model, {"max_new_tokens": 3, "do_sample": False})
     feed = engine.feed_for(head, ids[:, head.tokens_seen:], torch.ones_like(ids, dtype=torch.bool), {})
-    mine = engine.generate(head, feed, ids, torch.ones_like(ids, dtype=torch.bool), options, _SETTINGS).tokens
+    mine = engine.generate(head, feed, ids, torch.ones_like(ids, dtype=torch.bool), options, _SETTINGS)[2]
     with torch.no_grad():
         plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,  # type: ignore[operator]
                                eos_token_id=None)[:, ids.shape[1]:]
@@ -225,7 +233,7 @@ def _generates_alike(model: torch.nn.Module, engine: Engine, head: State, ids: t
 
 def kv_shapes(model: torch.nn.Module, adapter: StructuralAdapter) -> list[tuple[int, int, int] | None]:
     """Per layer, ``(H, D_k, D_v)`` of what one forward stored (None: no K/V)."""
-    engine = Engine(model, adapter)
+    engine = Engine(bound(model, adapter))
     state = _feed(engine, _empty(engine), _random_ids(model, 2))
     out: list[tuple[int, int, int] | None] = []
     for layer in state.layers:

@@ -69,6 +69,8 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "has_last_logits": state.last_logits is not None, "extras": sorted(state.extras),
         "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "metadata": meta,
         "media": [[m.start, m.end, m.digest, m.kept] for m in state.media],
+        # lossy storage changes K/V bits, so nothing of a compact file is the cold run's (issue 23)
+        "canonical": [0, 0] if compact else [state.canonical, state.canonical_chunk],
         "created_with": created_with(),
     }
     return header, tensors  # the container adds the checksums as it writes
@@ -140,7 +142,20 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
                  next_position=torch.tensor(_list(header, "next_position"), dtype=torch.long).reshape(B),
                  last_logits=last, extras=MappingProxyType(extras),
                  fingerprint=None if fp is None else Fingerprint.from_dict(fp),
-                 metadata=MappingProxyType({str(k): str(v) for k, v in meta.items()}), media=_media(header, T))
+                 metadata=MappingProxyType({str(k): str(v) for k, v in meta.items()}), media=_media(header, T),
+                 **_canonical(header, T))
+
+
+def _canonical(header: dict[str, Any], T: int) -> dict[str, int]:
+    """``canonical`` and ``canonical_chunk``; files written before issue 23 hold no canonical slots."""
+    value = header.get("canonical") or [0, 0]
+    if (not isinstance(value, list) or len(value) != 2 or not all(type(v) is int for v in value)
+            or not 0 <= value[0] <= T or not 0 <= value[1] <= 1 << 20):
+        raise StateFileError("canonical is malformed", expected=f"[slots 0..{T}, chunk 0..2**20]", found=value,
+                             fix="re-save the state")
+    if header.get("storage") != "exact":
+        return {"canonical": 0, "canonical_chunk": 0}
+    return {"canonical": value[0], "canonical_chunk": value[1]}
 
 
 def _media(header: dict[str, Any], T: int) -> tuple[MediaItem, ...]:

@@ -48,6 +48,8 @@ __all__ = ["FolderBackend", "PrefixStore", "RedisBackend", "StoreWarning"]
 class PrefixStore:
     """A prefix cache of state files in a folder (default) or Redis (``redis://...``)."""
 
+    name = "store"  # what ResumePlan.source calls a hit
+
     def __init__(self, location: str | os.PathLike[str], *, chunk_tokens: int = 64, namespace: str = "default",
                  capacity_bytes: int | None = None, write: str | int = "turns") -> None:
         if chunk_tokens < 1 or (capacity_bytes is not None and capacity_bytes < 0):
