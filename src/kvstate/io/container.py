@@ -20,7 +20,8 @@ is memory allocated, once, for the data. The data is read once, straight into th
 file size in memory and time proportional to it. Saving writes a temporary file in the
 target folder (tensors first, hashed meanwhile on kvstate's I/O thread; the header with
 their checksums last), fsyncs it, then renames it over the target, so a crash leaves the
-previous file intact; the replaced file's blocks are freed on the I/O thread.
+previous file intact; the replaced file's blocks are freed on the I/O thread. What a save may
+replace (regular files only; a symlink is written through) is decided in ``paths``.
 """
 
 from __future__ import annotations
