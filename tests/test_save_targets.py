@@ -240,3 +240,31 @@ def test_control_characters_in_a_path_keep_the_error_on_one_line(tmp_path, capsy
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and err.startswith("kvstate: error:"), (name, err)
             assert repr(text)[1:-1] in err, (name, err)  # escaped, not dropped
+
+
+def test_a_model_folder_holds_only_regular_files_of_plausible_size(tmp_path):
+    """transformers reads a folder's configs and tokenizer files whole: refused before it opens them."""
+    from kvstate.io.paths import MAX_MODEL_TEXT_BYTES
+    from kvstate.testing.models import load_model
+
+    def fifo(path):
+        os.mkfifo(path)
+
+    def sparse(path):
+        with open(path, "wb") as f:
+            f.truncate(MAX_MODEL_TEXT_BYTES + 1)
+
+    cases = {
+        "a FIFO as tokenizer.json": ("tokenizer.json", fifo),
+        "a link to /dev/zero as tokenizer_config.json": ("tokenizer_config.json",
+                                                         lambda p: os.symlink("/dev/zero", p)),
+        "an oversized tokenizer.json": ("tokenizer.json", sparse),
+    }
+    for name, (file, make) in cases.items():
+        folder = tmp_path / name.replace(" ", "-").replace("/", "")
+        tiny_model("llama").save_pretrained(folder)
+        make(folder / file)
+        before = listing(folder)
+        with pytest.raises(InputFileError, match="model folder"):
+            load_model(str(folder), need_tokenizer="test")
+        assert listing(folder) == before, name

@@ -26,6 +26,8 @@ from ..errors import InputFileError, SaveTargetError
 
 MAX_INPUT_ENV = "KVSTATE_MAX_INPUT_BYTES"
 DEFAULT_MAX_INPUT_BYTES = 64 * 2**20  # far above any prompt; far below what would exhaust memory
+MAX_MODEL_TEXT_BYTES = 2**30  # a model folder's JSON and vocabulary files (the largest tokenizer.json: ~35 MB)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".onnx")
 
 
 def kind_of(mode: int) -> str:
@@ -208,3 +210,24 @@ def _too_large(path: str | os.PathLike[str], what: str, limit: int, found: str) 
     return InputFileError(f"the {what} is larger than the input cap", expected=f"<= {limit} bytes",
                           found=f"{str(path)!r} has {found}",
                           fix=f"raise the cap with --max-input-bytes or ${MAX_INPUT_ENV}, or pass a smaller file")
+
+
+def check_model_folder(folder: Path) -> None:
+    """Every file of a model folder (symlinks followed) is a regular file, and its non-weight files
+    (configs, tokenizers, read whole by transformers) are of a plausible size: a FIFO or a link to
+    ``/dev/zero`` named ``tokenizer.json`` is refused instead of read forever."""
+    for entry in sorted(folder.iterdir()):
+        try:
+            st = entry.stat()
+        except OSError:
+            continue  # a dangling link: transformers reports it if it needs the file
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise InputFileError("a model folder holds a file that is not a regular file",
+                                 expected="regular files", found=f"{str(entry)!r} is a {kind_of(st.st_mode)}",
+                                 fix="remove it, or replace it with the real file")
+        if st.st_size > MAX_MODEL_TEXT_BYTES and not entry.name.endswith(WEIGHT_SUFFIXES):
+            raise InputFileError("a model folder's config or tokenizer file is implausibly large",
+                                 expected=f"<= {MAX_MODEL_TEXT_BYTES} bytes", found=f"{str(entry)!r} has "
+                                 f"{st.st_size} bytes", fix="check the folder; only weight files are that large")
