@@ -97,7 +97,7 @@ def _check_sticky(target: Path, folder: Path) -> None:
     """In a sticky folder (``/tmp``) only the owner may replace a file: say so now, not after the work."""
     try:
         owner, folder_st = os.stat(target).st_uid, os.stat(folder)
-    except FileNotFoundError:
+    except OSError:  # a new name; or the probe that follows will say what is wrong
         return
     me = os.geteuid()
     if folder_st.st_mode & stat.S_ISVTX and me not in (0, owner, folder_st.st_uid):
