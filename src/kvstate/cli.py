@@ -42,7 +42,7 @@ class UserError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
-        sys.stderr.write(f"kvstate: error: {message} (see `{self.prog} --help`)\n")
+        sys.stderr.write(f"kvstate: error: {one_line(message)} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
 
 
@@ -81,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                    "config), or a local folder for from_pretrained")
     v.add_argument("--prompt", help="prompt text (default: a built-in paragraph)")
     v.add_argument("--prompt-file", type=Path, help="read the prompt text from this file")
+    _max_input_option(v)
     v.add_argument("--new-tokens", type=positive, default=16, help="greedy tokens to compare (default 16)")
     v.add_argument("--backends", type=backends, help=f"comma-separated attention backends, from {BACKENDS} "
                    "(default: the model's own)")
@@ -97,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prefill", help="process a prompt once and save the state to a file")
     p.add_argument("--model", default="default", help="'default' or a local folder with a tokenizer")
     p.add_argument("--prompt-file", type=Path, required=True, help="text file with the prompt")
+    _max_input_option(p)
     p.add_argument("--out", type=Path, required=True, help="state file to write")
     p.add_argument("--chunk-size", type=positive, default=256, help="tokens per forward (progress granularity)")
     g = sub.add_parser("generate", help="continue a saved state, or a store's prefix, with text; prints the answer")
@@ -117,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _max_input_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-input-bytes", type=positive, metavar="N",
+                        help="refuse a --prompt-file larger than N bytes (default: $KVSTATE_MAX_INPUT_BYTES, "
+                        "else 64 MiB); only regular files are read")
+
+
 def _load(spec: str, attn: str | None = None, *, text: str | None = None) -> tuple[Any, Any]:
     """Model and tokenizer; ``text`` names the command when it needs a tokenizer (checked before weights load)."""
     from .testing import models
@@ -124,19 +132,27 @@ def _load(spec: str, attn: str | None = None, *, text: str | None = None) -> tup
     return models.load_model(spec, attn, need_tokenizer=text)
 
 
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, limit: int | None) -> str:
+    """A prompt file's text: a regular file of at most ``limit`` bytes (bounded read), in UTF-8."""
+    from .io.paths import max_input_bytes, read_bounded
+
+    data = read_bounded(path, max_input_bytes(limit), "prompt file")
     try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read prompt file {path}: {exc.strerror if isinstance(exc, OSError) else exc}; "
-                        "pass a readable UTF-8 text file") from exc
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"cannot read prompt file {str(path)!r}: {exc}; pass a UTF-8 text file") from exc
 
 
-def _check_save_path(path: Path) -> None:
-    """Refuse an output path before any work, not after the answer."""
-    from .io.container import check_target
+def _check_save_path(path: Path) -> Path:
+    """Refuse an output path before any work, not after the answer; returns the file it will replace."""
+    from .io.paths import save_target
 
-    check_target(path)
+    return save_target(path)
+
+
+def one_line(text: str) -> str:
+    """``text`` with newlines and other control characters escaped, so an error stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Any, text: str | None) -> Any:
@@ -162,7 +178,8 @@ def _verify(args: argparse.Namespace) -> int:
         print("# any other causal LM: structural adapter after a self-check (docs/coverage.md)", file=sys.stderr)
         return 0
     reports = []
-    prompt = _read_text(args.prompt_file) if args.prompt_file else args.prompt  # before any model loads
+    prompt = _read_text(args.prompt_file, args.max_input_bytes) if args.prompt_file else args.prompt
+    markdown = None if args.markdown in (None, "-") else _check_save_path(Path(args.markdown))  # before any model
     text = None if args.model.startswith("tiny:") else "verify"  # a prompt to encode
     for backend in args.backends or [None]:
         model, tokenizer = _load(args.model, backend, text=text)
@@ -178,7 +195,7 @@ def _verify(args: argparse.Namespace) -> int:
         print("\n\n".join(r.table(colour=sys.stdout.isatty()) for r in reports))
     if args.markdown:
         text = "\n".join(r.markdown() for r in reports)
-        sys.stdout.write(text) if args.markdown == "-" else Path(args.markdown).write_text(text)
+        sys.stdout.write(text) if markdown is None else markdown.write_text(text)
     return 0 if ok else 1
 
 
@@ -216,7 +233,7 @@ def _prefill(args: argparse.Namespace) -> int:
 
     from .session import Session
 
-    text = _read_text(args.prompt_file)
+    text = _read_text(args.prompt_file, args.max_input_bytes)
     _check_save_path(args.out)
     model, tokenizer = _load(args.model, text="prefill")
     ids = tokenizer(text, return_tensors="pt").input_ids
@@ -318,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         name = "" if isinstance(exc, UserError) else f"{type(exc).__name__}: "
-        print(f"kvstate: error: {name}{exc}", file=sys.stderr)
+        print(f"kvstate: error: {one_line(f'{name}{exc}')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvstate: interrupted", file=sys.stderr)
@@ -326,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # not a known mistake: still one line, the traceback with --debug
         if args.debug:
             raise
-        print(f"kvstate: error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr)
+        print(f"kvstate: error: {one_line(f'{type(exc).__name__}: {exc}')} (rerun with --debug for the traceback)",
+              file=sys.stderr)
         return 1
 
 

@@ -21,6 +21,8 @@ def save_state(state: State, path: str | os.PathLike[str], *, metadata: Mapping[
 
     ``compact`` (``"bfloat16"``, ``"float16"`` or ``"int8"``) stores K/V lossily in
     fewer bytes; the header records it and a loaded state notes it in ``metadata``.
+    Only a regular file or a new name is replaced (a symlink to a regular file is written
+    through); a device, FIFO, socket, folder or dangling link raises ``SaveTargetError`` first.
     """
     header, tensors = schema.encode(state, metadata, compact)
     return container.write(path, tensors, header)

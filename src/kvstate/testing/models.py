@@ -50,6 +50,10 @@ def load_model(spec: str, attn: str | None = None, progress: bool = True,
                          "check the path; the folder needs config.json and the weights")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..io.paths import check_model_folder
+
+    check_model_folder(folder)  # before transformers reads anything whole
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, TypeError):  # a folder without tokenizer files
