@@ -20,7 +20,7 @@ _EXPORTS = {
     "ResumePlan": "resume",
     "PrefixStore": "store",
     "save_state": "io", "load_state": "io", "inspect_state": "io",
-    "Fingerprint": "fingerprint", "fingerprint": "fingerprint",
+    "Fingerprint": "identity", "fingerprint": "adapters.fingerprinting",
     "Adapter": "adapters", "Capabilities": "adapters", "register": "adapters", "supported_model_types": "adapters",
     "continue_text": "text",
     "KVStateError": "errors", "InputError": "errors", "RollbackError": "errors", "StateFileError": "errors",
@@ -54,6 +54,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .adapters import Adapter, Capabilities, register, supported_model_types
+    from .adapters.fingerprinting import fingerprint
     from .errors import (
         InputError,
         KVStateError,
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
         UnsupportedError,
         UnsupportedModelError,
     )
-    from .fingerprint import Fingerprint, fingerprint
+    from .identity import Fingerprint
     from .io import inspect_state, load_state, save_state
     from .layers import AttentionLayerState, LayerState
     from .resume import ResumePlan

@@ -18,7 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from .adapters.base import Capabilities
-    from .fingerprint import Fingerprint
+    from .identity import Fingerprint
     from .layers import LayerState
     from .state import State
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from . import resume
+from .adapters.fingerprinting import fingerprint
 from .engine import Engine, FeedSettings, Generated
 from .errors import (
     FingerprintMismatchError,
@@ -36,7 +37,7 @@ from .errors import (
     StoreWarning,
     UnsupportedError,
 )
-from .fingerprint import Fingerprint, fingerprint
+from .identity import Fingerprint
 from .inputs import (
     as_ids,
     check_batch,

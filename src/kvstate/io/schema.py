@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import StateFileError
-from ..fingerprint import Fingerprint
+from ..identity import Fingerprint
 from ..layers import LAYER_KINDS
 from ..state import Checkpoint, MediaItem, State
 from .container import dtype_of
