@@ -102,3 +102,18 @@ def test_the_root_fingerprint_is_the_function_after_the_data_modules_load():
 
     assert callable(kvstate.fingerprint) and kvstate.fingerprint.__module__ == "kvstate.adapters.fingerprinting"
     assert kvstate.Fingerprint.__module__ == "kvstate.identity"
+
+
+def test_one_version_from_the_metadata_with_the_pyproject_as_fallback(tmp_path):
+    import importlib.metadata
+    import tomllib
+
+    import kvstate
+    from kvstate import _version
+    from kvstate.io.schema import created_with
+
+    pyproject = SRC.parent / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["version"]
+    assert kvstate.__version__ == created_with()["kvstate"] == importlib.metadata.version("kvstate") == declared
+    assert _version._from_source_tree(pyproject) == declared  # a source tree without an install
+    assert _version._from_source_tree(tmp_path / "pyproject.toml") == "0+unknown"

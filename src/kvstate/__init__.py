@@ -10,8 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._compat import versions as _versions
+from ._version import __version__ as __version__
 
-__version__ = "0.2.0"
 _versions.check()  # a transformers outside the tested window: one line naming it (docs/versions.md)
 
 _EXPORTS = {
