@@ -117,3 +117,36 @@ def test_one_version_from_the_metadata_with_the_pyproject_as_fallback(tmp_path):
     assert kvstate.__version__ == created_with()["kvstate"] == importlib.metadata.version("kvstate") == declared
     assert _version._from_source_tree(pyproject) == declared  # a source tree without an install
     assert _version._from_source_tree(tmp_path / "pyproject.toml") == "0+unknown"
+
+
+# name formerly at the top level: its home now
+MOVED = {
+    "StoreWarning": "kvstate.errors", "RollbackError": "kvstate.errors", "UnsupportedModelError": "kvstate.errors",
+    "LayerState": "kvstate.layers", "AttentionLayerState": "kvstate.layers", "ResumePlan": "kvstate.resume",
+    "Fingerprint": "kvstate.identity", "fingerprint": "kvstate.adapters.fingerprinting",
+    "Adapter": "kvstate.adapters", "Capabilities": "kvstate.adapters", "register": "kvstate.adapters",
+    "supported_model_types": "kvstate.adapters",
+}
+
+
+def test_the_top_level_is_what_a_user_needs():
+    import kvstate
+
+    assert sorted(kvstate.__all__) == ["InputError", "KVStateError", "PrefixStore", "Session", "State",
+                                       "StateFileError", "UnsupportedError", "continue_text", "inspect_state",
+                                       "load_state", "save_state"]
+    assert all(getattr(kvstate, name) is not None for name in kvstate.__all__)
+    fresh = subprocess.run([sys.executable, "-c", "import kvstate; print(' '.join(dir(kvstate)))"],
+                           capture_output=True, text=True, timeout=300)
+    shown = set(fresh.stdout.split())
+    assert set(kvstate.__all__) <= shown and not set(MOVED) & shown, fresh.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_a_moved_name_still_resolves_at_the_top_level(name):
+    import importlib
+
+    import kvstate
+
+    assert name not in kvstate.__all__
+    assert getattr(kvstate, name) is getattr(importlib.import_module(MOVED[name]), name)
