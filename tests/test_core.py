@@ -142,7 +142,7 @@ def test_sliding_truncate_within_reserve_is_exact(arch):
 
 @pytest.mark.parametrize("arch", SLIDING)
 def test_sliding_rollback_beyond_reserve(arch):
-    from kvstate import RollbackError
+    from kvstate.errors import RollbackError
 
     model = tiny_model(arch)
     ids = prompt(3 * WINDOW)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstate import RollbackError, Session, _compat
+from kvstate import Session, _compat
 from kvstate._compat.scan import available as scan_available
-from kvstate.errors import EmptyStateError
+from kvstate.errors import EmptyStateError, RollbackError
 from kvstate.testing.tiny import IMAGE_TOKEN, QWEN_VL, RECURRENT, image_span, tiny_image
 from tiny import assert_logits_close, prompt, tiny_model
 

@@ -17,8 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstate import AttentionLayerState, Session, State, StateFileError, load_state, save_state
+from kvstate import Session, State, StateFileError, load_state, save_state
 from kvstate.io import container, schema
+from kvstate.layers import AttentionLayerState
 from test_files import assert_states_equal
 from tiny import prompt, tiny_model
 

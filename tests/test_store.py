@@ -136,7 +136,8 @@ def test_compressed_states_are_stored_apart(tmp_path):
 STRESS = r"""
 import random, sys
 import torch
-from kvstate import AttentionLayerState, PrefixStore, State
+from kvstate import PrefixStore, State
+from kvstate.layers import AttentionLayerState
 from kvstate.io import state_from_bytes, state_to_bytes
 location, seed, capacity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 store = PrefixStore(location, capacity_bytes=capacity)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .adapters.fingerprinting import mismatch
 from .errors import (
     BatchMismatchError,
     DeviceMismatchError,
@@ -22,7 +23,7 @@ from .errors import (
     PositionError,
     UnsupportedError,
 )
-from .fingerprint import Fingerprint, mismatch
+from .identity import Fingerprint
 from .state import State
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from transformers.utils import ModelOutput as HFModelOutput
 
     from .adapters.base import Capabilities
-    from .fingerprint import Fingerprint
+    from .identity import Fingerprint
     from .layers import LayerState
     from .state import State
 

@@ -19,7 +19,7 @@ import torch
 from .adapters.binding import Binding
 from .compress.during import Budget, plan_rounds, split_options
 from .errors import UnsupportedError
-from .fingerprint import Fingerprint
+from .identity import Fingerprint
 from .inputs import as_ids, history_mask, refuse_media
 from .options import GenerateOptions, resolve
 from .protocols import PrefixQuery

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from . import resume
+from .adapters.fingerprinting import fingerprint
 from .engine import Engine, FeedSettings, Outcome
 from .errors import FingerprintMismatchError, InputError, RollbackError, StoreWarning
-from .fingerprint import Fingerprint, fingerprint
+from .identity import Fingerprint
 from .inputs import as_ids, check_batch, check_model, check_positions, full_mask, model_inputs
 from .protocols import PrefixCache, PrefixQuery, StateSource
 from .request import IdsLike, Request, check_padding, media_items, validate

@@ -41,14 +41,14 @@ from types import MappingProxyType
 import torch
 
 from .errors import RollbackError
-from .fingerprint import Fingerprint
+from .identity import Fingerprint
 from .layers import LayerState
 
 
 @dataclass(frozen=True)
 class MediaItem:
     """An image or video the state processed: its placeholder slots ``[start, end)`` and the
-    content hash of its pixels and grid (``fingerprint.media_digest``)."""
+    content hash of its pixels and grid (``adapters.fingerprinting.media_digest``)."""
 
     start: int
     end: int

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ..errors import InputError, UnsupportedError
-from ..fingerprint import media_digest
 from .base import Adapter, Capabilities
+from .fingerprinting import media_digest
 from .media import placeholder_runs
 
 

@@ -20,8 +20,8 @@ import torch
 
 from .. import _compat
 from ..errors import InputError, UnsupportedError
-from ..fingerprint import media_digest
 from .base import Adapter, Capabilities
+from .fingerprinting import media_digest
 from .media import placeholder_runs
 
 _IMAGE_INPUTS = ("pixel_values", "image_grid_thw")

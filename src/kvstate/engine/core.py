@@ -46,7 +46,7 @@ from ..state import State, next_position_after
 from .recorder import Forward, Recorder, model_lock
 
 if TYPE_CHECKING:
-    from ..fingerprint import Fingerprint
+    from ..identity import Fingerprint
     from ..protocols import ModelInputs
     from ..request import Request
     from ..resume import ResumePlan

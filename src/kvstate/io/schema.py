@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import StateFileError
-from ..fingerprint import Fingerprint
+from ..identity import Fingerprint
 from ..layers import LAYER_KINDS
 from ..state import Checkpoint, MediaItem, State
 from .container import dtype_of
@@ -330,7 +330,7 @@ def _dtype_name(dtype: torch.dtype | None) -> str | None:
 
 def created_with() -> dict[str, str]:
     """The library versions a file is written with (informative: files load across the tested window)."""
-    from .. import __version__
     from .._compat import versions
+    from .._version import __version__
 
     return {"kvstate": __version__, "transformers": versions.installed(), "torch": torch.__version__.split("+")[0]}

@@ -65,7 +65,7 @@ class Runner:
 
     def __init__(self, model: Any, tokenizer: Any, pool: StatePool, store_for: Callable[[str], Any],
                  metrics: Metrics, max_queue: int = 16, chunk_size: int = 512) -> None:
-        from ..fingerprint import fingerprint
+        from ..adapters.fingerprinting import fingerprint
 
         self.model, self.tokenizer, self.pool, self.store_for = model, tokenizer, pool, store_for
         self.metrics, self.max_queue, self.chunk_size = metrics, max_queue, chunk_size

@@ -35,7 +35,7 @@ class Server:
 
     def __init__(self, model: Any, tokenizer: Any, model_id: str, settings: Settings | None = None, *,
                  image_processor: Any = None) -> None:
-        from .. import __version__
+        from .._version import __version__
         from ..selfcheck import adapter_for
 
         self.settings = settings = settings or Settings()

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError, StateFileError, StoreError, StoreWarning
-from ..fingerprint import Fingerprint
+from ..identity import Fingerprint
 from ..io import state_from_bytes, state_to_bytes
 from ..protocols import PrefixQuery
 from ..state import State
