@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvstate.testing.models
+import kvstate.models
 from kvstate import Session
 from kvstate.cli import main
 from redis_server import free_port
@@ -57,14 +57,14 @@ def mistakes(t) -> dict[str, list[str]]:
 
 
 def test_every_mistake_is_one_line_and_exit_2(files, capsys, monkeypatch):
-    real = kvstate.testing.models.load_model
+    real = kvstate.models.load_model
 
     def only_tiny(spec, *args, **kwargs):  # the default model is never needed to report these
         if spec == "default":
             raise AssertionError("the default model was loaded before the mistake was reported")
         return real(spec, *args, **kwargs)
 
-    monkeypatch.setattr(kvstate.testing.models, "load_model", only_tiny)
+    monkeypatch.setattr(kvstate.models, "load_model", only_tiny)
     for name, argv in mistakes(files).items():
         code = None
         try:
