@@ -53,6 +53,11 @@ def mistakes(t) -> dict[str, list[str]]:
         "a corrupt state for generate": ["generate", "--state", str(t / "text.kvs"), "--prompt", "hi"],
         "prune without --max-bytes": ["store", "prune", "--store", str(t / "st")],
         "an unknown fault": ["verify", "--inject", "bogus"],
+        "--dtype int8": ["verify", "--model", "tiny:llama", "--dtype", "int8"],
+        "--device tpu": ["generate", "--store", str(t / "st"), "--prompt", "hi", "--device", "tpu"],
+        "--cast-state without --state": ["generate", "--store", str(t / "st"), "--prompt", "hi", "--cast-state"],
+        **({} if torch.cuda.is_available() else {
+            "--device cuda without CUDA": ["verify", "--model", "tiny:llama", "--device", "cuda"]}),
     }
 
 
