@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .models.load import DEVICES, DTYPES
 from .verify.faults import FAULTS
 
 EPILOG = """examples:
@@ -32,6 +33,8 @@ models: 'default' (the embedded Gemma-3-270M), 'tiny:<model_type>' (random weigh
 tokenizer; any causal-LM type transformers ships), or a local folder with config.json,
 weights and tokenizer files. kvstate never
 downloads: fetch a hub model with `huggingface-cli download <id> --local-dir <folder>`.
+--dtype auto loads a folder in its checkpoint's dtype (on CUDA where available);
+'default' and tiny models load in float32 on the CPU unless --dtype/--device say otherwise.
 """
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
@@ -64,6 +67,16 @@ def backends(text: str) -> list[str]:
     return names
 
 
+def model_options(parser: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--device``, the same on every command that loads a model."""
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="weights dtype; 'auto' (default) is the checkpoint's own (config.dtype) for a folder, "
+                        "float32 for 'default' and tiny models")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="where the model runs; 'auto' (default) is CUDA where available for a folder, the CPU "
+                        "for 'default' and tiny models; an unavailable device is an error (exit 2)")
+
+
 def _parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog="kvstate", description="Explicit, portable, exact generation state for transformers.",
@@ -79,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default="default",
                    help="'default' (embedded Gemma-3-270M), 'tiny:<model_type>' (random tiny "
                    "config), or a local folder for from_pretrained")
+    model_options(v)
     v.add_argument("--prompt", help="prompt text (default: a built-in paragraph)")
     v.add_argument("--prompt-file", type=Path, help="read the prompt text from this file")
     _max_input_option(v)
@@ -97,17 +111,22 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="JSON (schema: docs/inspect.schema.json)")
     p = sub.add_parser("prefill", help="process a prompt once and save the state to a file")
     p.add_argument("--model", default="default", help="'default' or a local folder with a tokenizer")
+    model_options(p)
     p.add_argument("--prompt-file", type=Path, required=True, help="text file with the prompt")
     _max_input_option(p)
     p.add_argument("--out", type=Path, required=True, help="state file to write")
     p.add_argument("--chunk-size", type=positive, default=256, help="tokens per forward (progress granularity)")
     g = sub.add_parser("generate", help="continue a saved state, or a store's prefix, with text; prints the answer")
     g.add_argument("--model", default="default", help="'default' or a local folder with a tokenizer")
+    model_options(g)
     g.add_argument("--state", type=Path, help="state file from `kvstate prefill`")
     g.add_argument("--store", help="prefix store (folder or redis://...): reuse and save prefixes")
     g.add_argument("--prompt", default="", help="text after the saved text (with --state), or the whole prompt")
     g.add_argument("--max-new-tokens", type=positive, default=64)
     g.add_argument("--save", type=Path, help="also save the continued conversation here")
+    g.add_argument("--cast-state", action="store_true",
+                   help="with --state: cast a state file of another dtype to the model's (lossy when narrowing; "
+                   "recorded in the state's metadata). Without it such a file is refused")
     st = sub.add_parser("store", help="inspect or prune a prefix store")
     st.add_argument("action", choices=["stats", "ls", "prune", "health"])
     st.add_argument("--store", required=True, help="folder or redis://host:port/db")
@@ -115,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     from .serve.cli import add_parser
 
-    add_parser(sub, positive)
+    add_parser(sub, positive, model_options)
     return parser
 
 
@@ -125,11 +144,11 @@ def _max_input_option(parser: argparse.ArgumentParser) -> None:
                         "else 64 MiB); only regular files are read")
 
 
-def _load(spec: str, attn: str | None = None, *, text: str | None = None) -> tuple[Any, Any]:
+def _load(args: argparse.Namespace, attn: str | None = None, *, text: str | None = None) -> tuple[Any, Any]:
     """Model and tokenizer; ``text`` names the command when it needs a tokenizer (checked before weights load)."""
-    from .testing import models
+    from . import models
 
-    return models.load_model(spec, attn, need_tokenizer=text)
+    return models.load_model(args.model, attn, need_tokenizer=text, dtype=args.dtype, device=args.device)
 
 
 def _read_text(path: Path, limit: int | None) -> str:
@@ -156,7 +175,7 @@ def one_line(text: str) -> str:
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Any, text: str | None) -> Any:
-    from .testing.tiny import tiny_prompt
+    from .models.tiny import tiny_prompt
     from .verify import DEFAULT_PROMPT
 
     if tokenizer is None:
@@ -182,11 +201,11 @@ def _verify(args: argparse.Namespace) -> int:
     markdown = None if args.markdown in (None, "-") else _check_save_path(Path(args.markdown))  # before any model
     text = None if args.model.startswith("tiny:") else "verify"  # a prompt to encode
     for backend in args.backends or [None]:
-        model, tokenizer = _load(args.model, backend, text=text)
+        model, tokenizer = _load(args, backend, text=text)
         new_tokens = 4 if args.quick and args.new_tokens == 16 else args.new_tokens
         reports.append(verify(
             model, _prompt_ids(args, tokenizer, prompt), new_tokens=new_tokens, name=args.model,
-            fresh=lambda backend=backend: _load(args.model, backend)[0], spec=args.model,
+            fresh=lambda backend=backend: _load(args, backend)[0], spec=args.model,
             fault=args.inject, quick=args.quick, progress=True))
     ok = all(r.ok for r in reports)
     if args.json:
@@ -211,7 +230,8 @@ def _inspect_table(info: dict[str, Any]) -> str:
     model = info["model"] or {}
     lines = [
         f"state file   {info['path']}",
-        f"format       {info['format']} v{info['version']}, storage {info['storage']}, kv {info['kv_dtype']}",
+        f"format       {info['format']} v{info['version']}, storage {info['storage']}, kv {info['kv_dtype']} "
+        f"on {info.get('device') or 'unrecorded device'}",
         f"model        {model.get('model_type')} {model.get('architectures')}, dtype {model.get('dtype')}, "
         f"config {str(model.get('config_hash'))[:12]}, weights {str(model.get('weights_digest'))[:12]}",
         f"tokens       {info['tokens_seen']} seen, batch {info['batch_size']}, "
@@ -235,7 +255,7 @@ def _prefill(args: argparse.Namespace) -> int:
 
     text = _read_text(args.prompt_file, args.max_input_bytes)
     _check_save_path(args.out)
-    model, tokenizer = _load(args.model, text="prefill")
+    model, tokenizer = _load(args, text="prefill")
     ids = tokenizer(text, return_tensors="pt").input_ids
     session = Session(model, tokenizer=tokenizer, chunk_size=args.chunk_size)
     with tqdm(total=ids.shape[1], desc="prefill", unit="tok", file=sys.stderr) as bar:
@@ -259,6 +279,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError("generate needs exactly one of --state FILE or --store LOCATION")
     if args.store is not None and not args.prompt:
         raise UserError("generate --store needs --prompt: the text to answer")
+    if args.cast_state and args.state is None:
+        raise UserError("--cast-state casts a state file: pass it with --state FILE")
     if args.save:
         _check_save_path(args.save)
     if args.state is not None:
@@ -266,10 +288,10 @@ def _generate(args: argparse.Namespace) -> int:
 
         inspect_state(args.state)  # a missing or broken file is refused before the model loads
     store = _open_store(args.store) if args.store is not None else None
-    model, tokenizer = _load(args.model, text="generate")
+    model, tokenizer = _load(args, text="generate")
     start = time.perf_counter()
     if args.state is not None:
-        session = Session.load(args.state, model, tokenizer=tokenizer)
+        session = Session.load(args.state, model, tokenizer=tokenizer, cast_dtype=args.cast_state)
     else:
         session = Session(model, tokenizer=tokenizer, store=store)
     history = history_ids(tokenizer, session.tokens, args.prompt)  # one tokenization: exact at the boundary

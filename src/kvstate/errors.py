@@ -50,6 +50,10 @@ class DeviceMismatchError(InputError):
     """State tensors live on another device than the model."""
 
 
+class DeviceUnavailableError(InputError):
+    """A model was asked for on a device this machine does not have (``--device cuda`` without CUDA)."""
+
+
 class DtypeMismatchError(InputError):
     """State tensors have another dtype than the model's K/V."""
 

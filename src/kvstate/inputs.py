@@ -147,9 +147,11 @@ def check_model(state: State, fingerprint: Fingerprint, model: torch.nn.Module, 
                                   found=str(state.device), fix="pass state.to(model.device)")
     kv_dtype = state.kv_dtype
     if kv_dtype is not None and kv_dtype != model_dtype:
-        raise DtypeMismatchError("state K/V dtype differs from the model's",
-                                 expected=str(model_dtype), found=str(kv_dtype),
-                                 fix="load the model in the state's dtype, or reset() and re-feed")
+        made, model_name = str(kv_dtype).removeprefix("torch."), str(model_dtype).removeprefix("torch.")
+        raise DtypeMismatchError(
+            f"the state was made in {made} and the model runs in {model_name}", expected=model_name, found=made,
+            fix=f"load the model in {made} (kvstate: --dtype {made}), or cast the state on purpose: "
+            "Session.load(path, model, cast_dtype=True) (kvstate generate: --cast-state), or reset() and re-feed")
     differences = [] if state.fingerprint is None else \
         mismatch(state.fingerprint, model, fingerprint, cast="kvstate.cast" in state.metadata)
     if differences:

@@ -110,7 +110,7 @@ def _describe(path: str | os.PathLike[str], header: dict[str, Any], entries: dic
         "path": str(path), "format": header["format"], "version": header["version"],
         "model": header.get("fingerprint"), "batch_size": header.get("batch_size"),
         "tokens_seen": header.get("tokens_seen"), "next_position": header.get("next_position"),
-        "storage": header.get("storage"), "kv_dtype": header.get("kv_dtype"),
+        "storage": header.get("storage"), "kv_dtype": header.get("kv_dtype"), "device": header.get("device"),
         "file_bytes": size, "tensor_bytes": tensor_bytes, "has_last_logits": header.get("has_last_logits"),
         "extras": {name: entries.get(f"extras.{name}", {}).get("shape") for name in header.get("extras", [])},
         "metadata": header.get("metadata", {}), "layers": layers, "created_with": header.get("created_with"),

@@ -8,8 +8,10 @@ Header fields (format ``kvstate.state``, version 2; documented in docs/state-fil
 positions, or ``"tensor"`` for multimodal positions stored as a tensor),
 ``checkpoints`` (``tokens_seen`` and per-layer ``meta`` of each snapshot),
 ``has_last_logits``, ``extras`` (names), ``storage`` (``exact``, ``bfloat16``,
-``float16`` or ``int8``), ``kv_dtype``, ``metadata`` (str -> str), ``media`` (``[start, end,
+``float16`` or ``int8``), ``kv_dtype``, ``device`` (where the state was made: informative, a
+load moves it to the model's device), ``metadata`` (str -> str), ``media`` (``[start, end,
 digest, kept]`` per processed image or video), ``checksum`` (the algorithm) and ``checksums``.
+The model's dtype is the fingerprint's ``dtype``; ``kv_dtype`` is the state's own.
 Every count is bounded by the one above it (slots <= a layer's
 tokens_seen <= the state's), and the state's by its token list, so a header cannot
 make the loader allocate more than the file holds.
@@ -67,7 +69,8 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "tokens": state.tokens.tolist(), "mask": _mask_runs(state.mask),
         "next_position": state.next_position.tolist(), "layers": layers, "checkpoints": checkpoints,
         "has_last_logits": state.last_logits is not None, "extras": sorted(state.extras),
-        "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "metadata": meta,
+        "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "device": str(state.device),
+        "metadata": meta,
         "media": [[m.start, m.end, m.digest, m.kept] for m in state.media],
         # lossy storage changes K/V bits, so nothing of a compact file is the cold run's (issue 23)
         "canonical": [0, 0] if compact else [state.canonical, state.canonical_chunk],

@@ -90,8 +90,10 @@ class Server:
 
     def health(self) -> dict[str, Any]:
         store = self.store_for("default")
-        return {"status": "ok", "model": self.model_id, "queue": self.runner.pending,
-                "max_queue": self.settings.max_queue, "store": None if store is None else store.health()}
+        weight = next(self.model.parameters())  # what the answers are computed in (issue 23)
+        return {"status": "ok", "model": self.model_id, "dtype": str(weight.dtype).removeprefix("torch."),
+                "device": str(weight.device), "queue": self.runner.pending, "max_queue": self.settings.max_queue,
+                "store": None if store is None else store.health()}
 
     def render_metrics(self) -> str:
         failures = sum(s.failures for s in self._stores.values())

@@ -69,6 +69,8 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=lambda: environment())
+    dtype: str | None = None  # the model's, e.g. "bfloat16"
+    device: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -76,6 +78,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, "model": self.model, "backend": self.backend,
+                "dtype": self.dtype, "device": self.device,
                 "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "tolerance": TOLERANCE,
                 "ok": self.ok, "rows": [{**asdict(r), "verdict": r.verdict} for r in self.rows],
                 "diagnosis": [asdict(f) for f in self.findings], "skipped": self.skipped,
@@ -83,7 +86,8 @@ class Report:
 
     def table(self, colour: bool = False) -> str:
         head = f"{'group':<8} {'check':<46} {'max|Δlogit|':>11} {'cosine':>8} {'top5':>4} {'greedy':>7}  verdict"
-        lines = [f"kvstate verify: {self.model} ({self.backend}), prompt {self.prompt_tokens} tokens, "
+        where = "" if self.dtype is None else f", {self.dtype} on {self.device}"
+        lines = [f"kvstate verify: {self.model} ({self.backend}{where}), prompt {self.prompt_tokens} tokens, "
                  f"{self.new_tokens} new", _environment_line(self.environment), head, "-" * len(head)]
         for r in self.rows:
             verdict = _paint(r.verdict, _COLOURS[r.verdict], colour)

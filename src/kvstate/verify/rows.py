@@ -171,9 +171,9 @@ CHILD = """
 import sys, torch
 from safetensors.torch import load_file, save_file
 from kvstate import Session
-from kvstate.testing.models import load_model
-spec, attn, folder, n = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4])
-model = load_model(spec, attn, progress=False)[0]
+from kvstate.models import load_model
+spec, attn, folder, n, dtype, device = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4]), *sys.argv[5:7]
+model = load_model(spec, attn, progress=False, dtype=dtype, device=device)[0]
 ids = load_file(folder + "/ids.safetensors")["ids"]
 out = Session.load(folder + "/prefix.kvs", model).generate(ids, max_new_tokens=n, do_sample=False,
                                                           return_dict_in_generate=True, output_logits=True)
@@ -189,7 +189,9 @@ def process_row(m: Matrix, path: Path) -> None:
 
     def run() -> Result:
         save_file({"ids": m.ids.contiguous()}, str(path.parent / "ids.safetensors"))
-        subprocess.run([sys.executable, "-c", CHILD, m.spec, m.attn or "", str(path.parent), str(m.n)],
+        weight = next(m.model.parameters())  # the child loads the spec in the parent's dtype, on its device
+        subprocess.run([sys.executable, "-c", CHILD, m.spec, m.attn or "", str(path.parent), str(m.n),
+                        str(weight.dtype).removeprefix("torch."), str(weight.device)],
                        check=True, capture_output=True, timeout=600)
         out = load_file(str(path.parent / "out.safetensors"))
         return out["logits"], out["tokens"]
