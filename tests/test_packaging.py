@@ -160,7 +160,6 @@ def reached(start: Path) -> set[str]:
     return seen
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: Fingerprint split pending")
 def test_state_imports_neither_compat_nor_adapters():
     below = sorted(n for n in reached(SRC / "state.py") if n.startswith(("kvstate._compat", "kvstate.adapters")))
     assert not below

@@ -122,7 +122,13 @@ def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
         return ResumePlan(T, 0, "stored-logits", source)
     target = safe_point(min(shared, L - 1), spans)
     if canonical:  # a cut of the schedule, within the slots the cold run computed the same way
-        target = schedule.last_cut(min(target, state.canonical_for(schedule.chunk)), spans)
+        cut = schedule.last_cut(min(target, state.canonical_for(schedule.chunk)), spans)
+        if media is None and any(cut <= a < T for a, _ in spans):
+            # re-feeding a processed image needs its pixels, which this request did not pass (and a cold
+            # run would need): trust the placeholders and continue, exact to float32 rounding only
+            canonical = False
+        else:
+            target = cut
     if target == T:
         return ResumePlan(T, L - T, "continue", source)
     if not rollback:

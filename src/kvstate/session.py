@@ -89,6 +89,7 @@ class Session:
         self.max_checkpoints, self.checkpoint_every = max_checkpoints, checkpoint_every
         self.store = store
         self.sources: tuple[PrefixCache, ...] = (*(() if store is None else (store,)), *sources)
+        self._names = (*(() if store is None else ("store",)), *(s.name for s in sources))
         self._fingerprint = _fingerprint or fingerprint(model, tokenizer)
         self.last_plan: ResumePlan | None = None
         self._state = self._empty(1) if state is None else self._adopt(state)
@@ -187,19 +188,23 @@ class Session:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: torch.nn.Module, *, cast_dtype: bool = False,
-             tokenizer: object | None = None, chunk_size: int = 512) -> Session:
+             tokenizer: object | None = None, chunk_size: int = 512, canonical_chunk: int | None = None) -> Session:
         """A session on ``model`` continuing the state saved at ``path``.
 
         The state is checked against the model (fingerprint, layers, heads, dtype) and
         moved to the model's device. ``cast_dtype=True`` opts in to casting a state of
-        another dtype; the cast is recorded in ``state.metadata``.
+        another dtype; the cast is recorded in ``state.metadata``. ``canonical_chunk``
+        defaults to the chunk the state was fed with, so its canonical slots stay reusable.
         """
         from .io import load_state
 
         param = next(model.parameters())
         state = load_state(path, map_location=param.device, dtype=param.dtype if cast_dtype else None)
         reserve = max((int(layer.meta().get("reserve") or 0) for layer in state.layers), default=0)
-        return cls(model, tokenizer=tokenizer, chunk_size=chunk_size, sliding_reserve=reserve, state=state)
+        if canonical_chunk is None:
+            canonical_chunk = state.canonical_chunk or DEFAULT_CANONICAL_CHUNK
+        return cls(model, tokenizer=tokenizer, chunk_size=chunk_size, canonical_chunk=canonical_chunk,
+                   sliding_reserve=reserve, state=state)
 
     # ----- feeding tokens --------------------------------------------------------------
     def extend(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None, *,
@@ -277,7 +282,7 @@ class Session:
 
     def _plan(self, request: Request) -> ResumePlan:
         own: list[tuple[str, StateSource]] = [("state", _Own(self._state_for_batch(request.batch_size)))]
-        external = [] if request.query is None else [(s.name, _Guarded(s)) for s in self.sources]
+        external = [] if request.query is None else [(n, _Guarded(s)) for n, s in zip(self._names, self.sources)]
         return resume.choose([*own, *external], request, self._empty(request.batch_size),
                              rollback=self._binding.caps.rollback, schedule=Canonical(self.canonical_chunk),
                              adopt=lambda found: self._adopt(found.to(self.device)))

@@ -10,6 +10,17 @@ from typing import Any
 API_KEY_ENV = "KVSTATE_API_KEY"
 
 
+def _chunk(text: str) -> int:
+    """``--canonical-chunk``: 0 (off) or a positive number of tokens."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, found {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, found {value}")
+    return value
+
+
 def add_parser(sub: Any, positive: Any, model_options: Any) -> None:
     s = sub.add_parser(
         "serve", help="an OpenAI-compatible server whose conversations resume exactly across turns and restarts",
@@ -22,7 +33,11 @@ def add_parser(sub: Any, positive: Any, model_options: Any) -> None:
     model_options(s)
     s.add_argument("--model-name", help="the model id clients send and /v1/models lists (default: from --model)")
     s.add_argument("--store", help="prefix store shared by restarts and workers: a folder or redis://host:port/db")
-    s.add_argument("--store-chunk-tokens", type=positive, default=64, help="store granularity in tokens")
+    s.add_argument("--store-chunk-tokens", type=positive, default=64,
+                   help="store granularity in tokens (a multiple of --canonical-chunk, so every entry is reusable)")
+    s.add_argument("--canonical-chunk", type=_chunk, default=64, metavar="C",
+                   help="prefill in chunks aligned to multiples of C, so a pool or store hit answers bit for bit "
+                   "as a cold run (default 64; 0: off, reuse the longest prefix, exact to float32 rounding only)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append", default=[], help=f"accepted key (repeatable; or ${API_KEY_ENV}, "
@@ -56,7 +71,7 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, min(args.default_max_tokens, args.max_new_tokens))
     settings = Settings(store=args.store, api_keys=keys, limits=limits, max_request_bytes=args.max_request_bytes,
                         max_queue=args.max_queue, pool_bytes=args.pool_bytes,
-                        store_chunk_tokens=args.store_chunk_tokens)
+                        store_chunk_tokens=args.store_chunk_tokens, canonical_chunk=args.canonical_chunk)
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings,
                     image_processor=image_processor(args.model))

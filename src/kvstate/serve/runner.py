@@ -64,11 +64,12 @@ class Runner:
     """Runs ``Job`` s on one model, one at a time; ``store_for(namespace)`` gives each namespace's store."""
 
     def __init__(self, model: Any, tokenizer: Any, pool: StatePool, store_for: Callable[[str], Any],
-                 metrics: Metrics, max_queue: int = 16, chunk_size: int = 512) -> None:
+                 metrics: Metrics, max_queue: int = 16, chunk_size: int = 512, canonical_chunk: int = 64) -> None:
         from ..adapters.fingerprinting import fingerprint
 
         self.model, self.tokenizer, self.pool, self.store_for = model, tokenizer, pool, store_for
         self.metrics, self.max_queue, self.chunk_size = metrics, max_queue, chunk_size
+        self.canonical_chunk = canonical_chunk
         self.fingerprint = fingerprint(model, tokenizer)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstate-model")
         self._pending = 0
@@ -112,7 +113,8 @@ class Runner:
         ids = torch.tensor([job.prompt.ids], dtype=torch.long)
         store = self.store_for(job.namespace)
         sources = [self.pool.source(job.namespace), *(() if store is None else (store,))]
-        session = Session(self.model, sources=sources, chunk_size=self.chunk_size, _fingerprint=self.fingerprint)
+        session = Session(self.model, sources=sources, chunk_size=self.chunk_size,
+                          canonical_chunk=self.canonical_chunk, _fingerprint=self.fingerprint)
         streamer = _Streamer(self.tokenizer, job)
         options = dict(job.request.options)
         if "stop_strings" in options:

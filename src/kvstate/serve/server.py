@@ -28,6 +28,7 @@ class Settings:
     pool_bytes: int = 2 << 30
     store_chunk_tokens: int = 64
     chunk_size: int = 512
+    canonical_chunk: int = 64  # the canonical schedule (kvstate.schedule); 0 turns it off
 
 
 class Server:
@@ -36,13 +37,13 @@ class Server:
     def __init__(self, model: Any, tokenizer: Any, model_id: str, settings: Settings | None = None, *,
                  image_processor: Any = None) -> None:
         from .._version import __version__
-        from ..selfcheck import adapter_for
+        from ..selfcheck import bind
 
         self.settings = settings = settings or Settings()
         self.model, self.tokenizer, self.model_id, self.version = model, tokenizer, model_id, __version__
         self.api_keys, self.limits = settings.api_keys, settings.limits
         self.max_request_bytes = settings.max_request_bytes
-        tokens = adapter_for(model).image_tokens(model)
+        tokens = bind(model).inputs.image_tokens()
         self.images = None if tokens is None or image_processor is None else \
             ImageEncoder(image_processor, tokenizer, tokens)
         self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None)
@@ -52,7 +53,7 @@ class Server:
         if settings.store is not None:
             self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
         self.runner = Runner(model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue,
-                             settings.chunk_size)
+                             settings.chunk_size, settings.canonical_chunk)
         self.started = int(time.time())
 
     def store_for(self, namespace: str) -> PrefixStore | None:

@@ -133,6 +133,8 @@ class PrefixStore:
             n = (i + 1) * self.chunk_tokens
             if self.backend.contains(keys[i]) or state.rollback_limit(n):
                 continue
+            if state.canonical_chunk and n > state.canonical:  # decoded slots: a hit would feed them again
+                continue
             cost = {"kvstate.prefill_seconds_per_token": f"{seconds_per_token:.6g}"}
             self.backend.put(keys[i], state_to_bytes(state.truncated(n), metadata=cost), self.capacity_bytes)
             written += 1
