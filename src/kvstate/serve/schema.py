@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT32 = 2**31 - 1
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]  # lt: the published bound is a float, 2**63 exactly
 TokenId = Annotated[int, Field(ge=0, le=INT32)]
 Count = Annotated[int, Field(ge=1, le=INT32)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
