@@ -52,6 +52,8 @@ def validation_error(errors: Sequence[Any]) -> BadRequest:
     unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
     error = (unknown or list(errors) or [{"type": "", "loc": (), "msg": "invalid request body"}])[0]
     param = _param(error.get("loc", ()))
+    if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):  # the tag field names the error
+        param += "." + str((error.get("ctx") or {}).get("discriminator", "")).strip("'")
     if error.get("type") == "json_invalid":
         return BadRequest("the body is not valid JSON", fix="send a JSON object")
     if unknown:
@@ -63,17 +65,21 @@ def validation_error(errors: Sequence[Any]) -> BadRequest:
 
 
 _TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+_ROLES = frozenset({"system", "developer", "user", "assistant"})
 
 
 def _param(loc: Sequence[Any]) -> str:
-    """``("body", "messages", 0, "content", "str")`` -> ``messages[0].content``: field names and indices,
-    up to the first union branch tag pydantic adds."""
-    out = ""
+    """``("body", "messages", 0, "user", "content", "str")`` -> ``messages[0].content``: field names and
+    indices, without the role tag of a message, up to the first union branch tag pydantic adds."""
+    out, previous = "", None
     for item in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(item, int):
             out += f"[{item}]"
+        elif isinstance(previous, int) and item in _ROLES:
+            pass  # the message kind pydantic chose by its role
         elif isinstance(item, str) and item.isidentifier() and item not in _TAGS:
             out += f".{item}" if out else item
         else:
             break
+        previous = item
     return out

@@ -14,12 +14,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: ``3.0`` is the integer 3 (as JSON Schema's ``integer`` says); ``3.5`` and
+    ``"3"`` stay what they are, and the strict check refuses them."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
 
 INT32 = 2**31 - 1
-Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]  # lt: the published bound is a float, 2**63 exactly
-TokenId = Annotated[int, Field(ge=0, le=INT32)]
-Count = Annotated[int, Field(ge=1, le=INT32)]
+# bounds first, then the validator: so the published schema carries the bounds
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63), BeforeValidator(_integral)]  # lt: 2**63 is an exact float
+TokenId = Annotated[int, Field(ge=0, le=INT32), BeforeValidator(_integral)]
+Count = Annotated[int, Field(ge=1, le=INT32), BeforeValidator(_integral)]
+TopK = Annotated[int, Field(ge=-1, le=INT32), BeforeValidator(_integral)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)]
+BestOf = Annotated[int, Field(ge=1, le=20), BeforeValidator(_integral)]
+Logprobs = Annotated[int, Field(ge=0, le=5), BeforeValidator(_integral)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+_TOKEN_KEY = r"^[0-9]{1,10}$"
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=_TOKEN_KEY)], Bias], WithJsonSchema({
+    "type": "object", "propertyNames": {"pattern": _TOKEN_KEY},
+    "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0}})]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -66,9 +83,22 @@ class ImagePart(_Request):
     image_url: ImageURL
 
 
+Parts = list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+
+
 class Message(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    """A system, developer or user message: its content is required."""
+
+    role: Literal["system", "developer", "user"]
+    content: str | Parts
+    name: str | None = None
+
+
+class AssistantTurn(_Request):
+    """An earlier answer: its content may be null (an empty answer)."""
+
+    role: Literal["assistant"]
+    content: str | Parts | None = None
     name: str | None = None
 
 
@@ -98,11 +128,10 @@ class _Common(_Request):
     seed: Int64 | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
-                     Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     max_tokens: Count | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT32)] | None = None
+    top_k: TopK | None = None
     min_p: Probability | None = None
     repetition_penalty: Annotated[float, Field(ge=0.01, le=100.0)] | None = None
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
@@ -112,10 +141,10 @@ class _Common(_Request):
 
 
 class ChatRequest(_Common):
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Annotated[Message | AssistantTurn, Field(discriminator="role")]], Field(min_length=1)]
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -125,11 +154,14 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    # one prompt: text or token ids, alone or as a batch of one (n=1, one sequence per request)
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)])
     echo: bool | None = None
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1, le=20)] | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    best_of: BestOf | None = None
+    logprobs: Logprobs | None = None
 
 
 # ----- responses (documentation only) --------------------------------------------------------
