@@ -29,7 +29,19 @@ from ..errors import KVStateError
 from .errors import BadRequest, HTTPError, internal_error, validation_error
 from .params import CHAT_FIELDS, COMPLETION_FIELDS, parse
 from .runner import Cancelled, Job, Result
-from .schema import ChatCompletion, ChatRequest, Completion, CompletionRequest, ErrorBody, Health, ModelCard, ModelList
+from .schema import (
+    ChatChunk,
+    ChatCompletion,
+    ChatRequest,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+    ErrorBody,
+    Health,
+    ModelCard,
+    ModelList,
+    event_schema,
+)
 from .server import Server
 
 
@@ -92,21 +104,29 @@ def _responses(ok: type | None, *, auth: bool = False, found: bool = False, body
     success: dict[str, Any] = {"description": "OK"}
     if ok is not None:
         success["model"] = ok
-    if body:
-        success["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+    if body:  # the event schema is filled in by _openapi, where the chunk models are in components
+        success["content"] = {"text/event-stream": {"schema": {}}}
     codes = [500, *([401] if auth else []), *([404] if found or body else []), *([400, 413, 429] if body else [])]
     return {200: success, **{code: {"model": ErrorBody, "description": "An OpenAI error"} for code in codes}}
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema, without the 422 it documents by default: validation failures are a 400 here."""
+    """FastAPI's schema, without the 422 it documents by default (validation failures are a 400 here),
+    and with the streams' events described by their chunk models."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for operations in schema["paths"].values():
             for operation in operations.values():
                 operation.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
+            components.pop(name, None)
+        for path, chunk in (("/v1/chat/completions", ChatChunk), ("/v1/completions", CompletionChunk)):
+            found = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(found.pop("$defs", {}))
+            components[chunk.__name__] = found
+            content = schema["paths"][path]["post"]["responses"]["200"]["content"]
+            content["text/event-stream"] = {"schema": event_schema(chunk)}
         app.openapi_schema = schema
     return app.openapi_schema
 

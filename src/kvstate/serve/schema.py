@@ -241,3 +241,50 @@ class Health(BaseModel):
     queue: int
     max_queue: int
     store: dict[str, Any] | None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None
+    logprobs: None
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None
+
+
+class _Chunk(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str | None
+    usage: Usage | None = None  # only on the last chunk, with stream_options.include_usage
+
+
+class ChatChunk(_Chunk):
+    choices: list[ChatChunkChoice]
+
+
+class CompletionChunk(_Chunk):
+    choices: list[CompletionChunkChoice]
+
+
+def event_schema(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a stream (OpenAPI before 3.2 describes a stream by its events): ``data``
+    is a JSON chunk, an error, or the closing ``[DONE]``."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                         {"$ref": "#/components/schemas/ErrorBody"}]}
+    return {"type": "object", "required": ["data"], "properties": {
+        "event": {"type": "string"}, "id": {"type": "string"},
+        "data": {"anyOf": [{"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json",
+                                                  "contentSchema": payload}]}}}
