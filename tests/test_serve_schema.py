@@ -129,6 +129,17 @@ def test_the_published_schema_is_the_one_enforced(served):
     assert "422" not in json.dumps(schema) and {"200", "400", "401", "404", "413", "429", "500"} <= set(responses)
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-6])
+def test_a_temperature_too_small_to_sample_is_greedy(served, temperature):
+    _, url = served
+    answers = []
+    for t in (temperature, 0):
+        status, answer = post(url, COMPLETE, {"model": MODEL, "prompt": "The cat", "max_tokens": 4, "temperature": t})
+        assert status == 200, answer
+        answers.append(answer["choices"][0]["text"])
+    assert answers[0] == answers[1]
+
+
 class Failing:
     """A forward hook that raises what a bug deep in the model would, with text that must stay private."""
 
