@@ -22,6 +22,8 @@ from tests.serving import live, make_server
 
 from kvstate.serve import Server, Settings
 from kvstate.serve.cli import image_processor, load
+from kvstate.serve.params import CHAT_FIELDS, COMPLETION_FIELDS
+from kvstate.serve.schema import ChatRequest, CompletionRequest
 from tiny import count_forwards
 
 MODEL = "tiny:llama"
@@ -88,6 +90,9 @@ CASES = {  # name -> (route, body fields besides model, the param the 400 names)
     "message content 5": (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     "message part of type audio": (CHAT, {"messages": [{"role": "user", "content": [{"type": "audio"}]}]},
                                    "messages[0].content"),
+    "an assistant turn with a tool call": (CHAT, {"messages": [*HI, {"role": "assistant", "content": None,
+                                                                  "tool_calls": [{"id": "1"}]}]},
+                                           "messages[1].tool_calls"),
     "model 5": (CHAT, {"messages": HI, "model": 5}, "model"),
     "no model": (CHAT, {"messages": HI, "model": None}, "model"),
     "unknown field": (CHAT, {"messages": HI, "frobnicate": 1}, "frobnicate"),
@@ -116,6 +121,21 @@ def test_hostile_bodies_are_openai_400s(served, case):
     assert forwards[0] == 0
 
 
+def test_valid_bodies_of_every_shape_are_answered(served):
+    _, url = served
+    replayed = {"role": "assistant", "content": None, "refusal": None, "tool_calls": []}
+    bodies = [
+        (CHAT, {"messages": [*HI, replayed, {"role": "developer", "content": [{"type": "text", "text": "Be brief"}],
+                                             "name": "x"}], "seed": 2**63 - 1, "metadata": {"k": "v"}, "user": "u",
+                "stream_options": {"include_usage": True}, "max_tokens": 2.0, "top_k": 3.0, "temperature": 1}),
+        (COMPLETE, {"prompt": [[5, 6, 7]], "seed": -(2**63), "max_tokens": 2, "logit_bias": {"0007": -1}}),
+        (COMPLETE, {"prompt": ["x"], "max_tokens": 2, "stream": False, "logprobs": 0, "echo": False}),
+    ]
+    for route, body in bodies:
+        status, answer = post(url, route, {"model": MODEL, **body})
+        assert status == 200, answer
+
+
 def test_the_published_schema_is_the_one_enforced(served):
     _, url = served
     host, port = url.removeprefix("http://").split(":")
@@ -127,6 +147,7 @@ def test_the_published_schema_is_the_one_enforced(served):
     seed = next(s for s in chat["properties"]["seed"]["anyOf"] if s.get("type") == "integer")
     assert (seed["minimum"], seed["exclusiveMaximum"]) == (-(2**63), 2**63)  # an int64
     assert {"type": "boolean"} in chat["properties"]["stream"]["anyOf"]
+    assert set(ChatRequest.model_fields) == CHAT_FIELDS and set(CompletionRequest.model_fields) == COMPLETION_FIELDS
     responses = schema["paths"][CHAT]["post"]["responses"]
     assert "422" not in json.dumps(schema) and {"200", "400", "401", "404", "413", "429", "500"} <= set(responses)
 

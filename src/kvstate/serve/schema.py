@@ -95,11 +95,14 @@ class Message(_Request):
 
 
 class AssistantTurn(_Request):
-    """An earlier answer: its content may be null (an empty answer)."""
+    """An earlier answer: its content may be null (an empty answer). Clients replaying OpenAI's answers send
+    ``refusal: null`` and ``tool_calls: []``; kvstate makes no tool calls, so only those are accepted."""
 
     role: Literal["assistant"]
     content: str | Parts | None = None
     name: str | None = None
+    refusal: None = None
+    tool_calls: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
 
 
 class ResponseFormat(_Request):
