@@ -5,7 +5,9 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or no
 The ``/v1`` routes need ``Authorization: Bearer <key>`` when the server has keys;
 each key's conversations live in their own namespace of the pool and the store,
 so tenants never share (or time) each other's prefixes. Request bodies over
-``max_request_bytes`` are a 413 before they are read in full.
+``max_request_bytes`` are a 413 before they are read in full. Bodies are the strict
+models of ``schema.py``, published at ``/openapi.json``: whatever they refuse is a 400
+in OpenAI's shape. A 500 names only an opaque request id; its details go to the log.
 """
 
 from __future__ import annotations
