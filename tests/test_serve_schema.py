@@ -99,6 +99,10 @@ CASES = {  # name -> (route, body fields besides model, the param the 400 names)
     "unknown field in a message": (CHAT, {"messages": [{"role": "user", "content": "x", "x": 1}]},
                                    "messages[0].x"),
     "a JSON array body": (CHAT, [1, 2], None),
+    "an empty body": (CHAT, b"", None),
+    "NaN temperature": (CHAT, b'{"model": "tiny:llama", "messages": [], "temperature": NaN}', None),
+    "a seed of 5000 digits": (CHAT, b'{"model": "tiny:llama", "seed": ' + b"9" * 5000 + b"}", None),
+    "stop ''": (CHAT, {"messages": HI, "stop": ""}, "stop"),
     "a body nested 100000 deep": (CHAT, b"[" * 100_000 + b"]" * 100_000, None),
     "a body that is not UTF-8": (CHAT, b'{"model": "\xff"}', None),
 }

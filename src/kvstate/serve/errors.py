@@ -59,7 +59,8 @@ def validation_error(errors: Sequence[Any]) -> BadRequest:
     if unknown:
         return BadRequest(f"Unrecognized request argument supplied: {param}", param=param)
     if error.get("type") == "missing":
-        return BadRequest(f"'{param}' is required", param=param)
+        return BadRequest(f"'{param}' is required", param=param) if param else \
+            BadRequest("the body is required: a JSON object", fix="send the request as JSON")
     where = f"'{param}'" if param else "the body"
     return BadRequest(f"{where}: {error.get('msg', 'invalid')}", param=param or None, code="invalid_value")
 

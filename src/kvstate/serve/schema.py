@@ -33,6 +33,7 @@ TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)]
 BestOf = Annotated[int, Field(ge=1, le=20), BeforeValidator(_integral)]
 Logprobs = Annotated[int, Field(ge=0, le=5), BeforeValidator(_integral)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+StopText = Annotated[str, Field(min_length=1)]
 _TOKEN_KEY = r"^[0-9]{1,10}$"
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=_TOKEN_KEY)], Bias], WithJsonSchema({
     "type": "object", "propertyNames": {"pattern": _TOKEN_KEY},
@@ -127,7 +128,7 @@ class _Common(_Request):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Probability | None = None
     n: Count | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
     seed: Int64 | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
