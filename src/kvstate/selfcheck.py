@@ -107,7 +107,7 @@ def cached_verdict(model: torch.nn.Module, adapter: StructuralAdapter) -> Verdic
         try:
             return _verdict(stored)
         except (ValueError, TypeError):
-            pass  # a signed entry of another probe version: probe again and rewrite it
+            pass  # signed, yet not a verdict this version reads: probe again and rewrite it
     verdict = probe(model, adapter)
     if key is not None:
         verdict_cache.write(key, asdict(verdict))
