@@ -21,23 +21,20 @@ with ``UnsupportedModelError`` naming what failed (attention that is not causal,
 outside the cache, a cache the model does not fill). Matching means the project
 tolerance, max |Δ| <= 1e-5 x max |reference| in fp32 (8 ulps of the dtype otherwise).
 
-Verdicts are cached as JSON per architecture and transformers version, under the user
-cache dir (``KVSTATE_SELFCHECK_CACHE`` overrides the folder; ``off`` disables the cache).
+Verdicts are cached as signed JSON per architecture, transformers version and model (its
+weights and in-place module state, ``kvstate.verdict_cache``), under the user cache dir
+(``KVSTATE_SELFCHECK_CACHE`` overrides the folder; ``off`` disables the cache).
 ``kvstate verify`` remains the full proof.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from . import _compat
+from . import _compat, verdict_cache
 from ._compat.scan import mixers
 from .adapters import Adapter
 from .adapters.base import registered
@@ -51,6 +48,7 @@ PROBE_VERSION = 4  # bump when the probe changes, so cached verdicts are redone
 # config fields bounding how far back a token attends (windows, sparse top-k): the probe goes past them
 _WINDOW_FIELDS = ("sliding_window", "attention_window_size", "keep_window_size", "index_topk", "window_size",
                   "local_window_size", "attention_chunk_size")
+_MODES = ("exact", "exact-scan", "stepwise", "refused")
 _SETTINGS = FeedSettings(chunk_size=64, checkpoint_every=None, max_checkpoints=4)
 
 
@@ -110,16 +108,25 @@ def _refusal(model: torch.nn.Module, reason: str | None) -> UnsupportedModelErro
 
 
 def cached_verdict(model: torch.nn.Module, adapter: StructuralAdapter) -> Verdict:
-    """The verdict for this architecture, from the cache or from a fresh probe."""
-    path = _cache_path(model, adapter)
-    if path is not None and path.is_file():
+    """The verdict for this model, from the signed cache (``kvstate.verdict_cache``) or from a fresh probe."""
+    key = _cache_key(model, adapter)
+    stored = verdict_cache.read(key) if key is not None else None
+    if stored is not None:
         try:
-            return Verdict(**json.loads(path.read_text()))
-        except (ValueError, TypeError, OSError):
-            pass  # a damaged entry: probe again and rewrite it
+            return _verdict(stored)
+        except (ValueError, TypeError):
+            pass  # signed, yet not a verdict this version reads: probe again and rewrite it
     verdict = probe(model, adapter)
-    if path is not None:
-        _write(path, json.dumps(asdict(verdict)))
+    if key is not None:
+        verdict_cache.write(key, asdict(verdict))
+    return verdict
+
+
+def _verdict(stored: dict[str, object]) -> Verdict:
+    verdict = Verdict(**stored)  # type: ignore[arg-type]
+    if verdict.mode not in _MODES or not isinstance(verdict.rollback, bool) or \
+            not isinstance(verdict.reason, str | None):
+        raise ValueError(f"not a verdict: {stored!r}")
     return verdict
 
 
@@ -276,30 +283,12 @@ def _close(actual: torch.Tensor | None, reference: torch.Tensor | None) -> bool:
     return bool(torch.isfinite(a).all()) and float((a - b).abs().max()) <= ulps * float(b.abs().max())
 
 
-def _cache_path(model: torch.nn.Module, adapter: StructuralAdapter) -> Path | None:
-    setting = os.environ.get("KVSTATE_SELFCHECK_CACHE")
-    if setting == "off":
+def _cache_key(model: torch.nn.Module, adapter: StructuralAdapter) -> str | None:
+    if verdict_cache.folder() is None:
         return None
-    if setting:
-        folder = Path(setting)
-    else:
-        import platformdirs
-
-        folder = Path(platformdirs.user_cache_dir("kvstate")) / "selfcheck"
     import transformers
 
     layout = [kind for kind, _ in adapter.layer_specs(model)]
-    key = json.dumps([PROBE_VERSION, transformers.__version__, getattr(model.config, "model_type", ""),  # type: ignore[union-attr]
-                      type(model).__name__, layout, str(next(model.parameters()).dtype)])
-    return folder / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-
-
-def _write(path: Path, text: str) -> None:
-    """Best effort: a cache that cannot be written only costs the next probe."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    return verdict_cache.model_key(model, [PROBE_VERSION, transformers.__version__,
+                                           getattr(model.config, "model_type", ""),  # type: ignore[union-attr]
+                                           type(model).__name__, layout, str(next(model.parameters()).dtype)])

@@ -46,7 +46,9 @@ class Server:
         tokens = bind(model).inputs.image_tokens()
         self.images = None if tokens is None or image_processor is None else \
             ImageEncoder(image_processor, tokenizer, tokens)
-        self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None)
+        self.vocab = int(model.get_input_embeddings().num_embeddings)
+        self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None,
+                                 vocab=self.vocab)
         self.metrics = Metrics()
         self.pool = StatePool(settings.pool_bytes)
         self._stores: dict[str, PrefixStore] = {}
@@ -82,9 +84,8 @@ class Server:
             raise BadRequest(f"This model's maximum context length for a request is {limit} tokens; the request has "
                              f"{len(prompt.ids)}.", param="messages", code="context_length_exceeded",
                              fix="shorten the conversation, or start the server with a larger --max-prompt-tokens")
-        vocab = int(self.model.get_input_embeddings().num_embeddings)
-        if any(not 0 <= t < vocab for t in prompt.ids):
-            raise BadRequest(f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
+        if any(not 0 <= t < self.vocab for t in prompt.ids):
+            raise BadRequest(f"token ids must be in [0, {self.vocab})", param="prompt", code="invalid_value")
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "kvstate"}
