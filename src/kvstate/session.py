@@ -282,7 +282,8 @@ class Session:
 
     def _plan(self, request: Request) -> ResumePlan:
         own: list[tuple[str, StateSource]] = [("state", _Own(self._state_for_batch(request.batch_size)))]
-        external = [] if request.query is None else [(n, _Guarded(s)) for n, s in zip(self._names, self.sources)]
+        named = zip(self._names, self.sources, strict=True)
+        external = [] if request.query is None else [(n, _Guarded(s)) for n, s in named]
         return resume.choose([*own, *external], request, self._empty(request.batch_size),
                              rollback=self._binding.caps.rollback, schedule=Canonical(self.canonical_chunk),
                              adopt=lambda found: self._adopt(found.to(self.device)))
