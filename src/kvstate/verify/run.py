@@ -72,4 +72,4 @@ def verify(model: Any, input_ids: torch.Tensor, *, new_tokens: int = 16, name: s
     weight = next(model.parameters())
     return Report(name or type(model).__name__, str(attn), input_ids.shape[1], new_tokens, matrix.rows,
                   diagnose(matrix.rows), matrix.skipped, dtype=str(weight.dtype).removeprefix("torch."),
-                  device=str(weight.device))
+                  device=str(weight.device), floor=matrix.floor)
