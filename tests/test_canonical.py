@@ -210,3 +210,80 @@ def test_programs_of_verbs_stay_bitwise_cold_in_bf16(arch, steps):
     for f in others:  # nothing the program did later leaked into a fork
         extra = torch.cat([f.tokens, torch.tensor([[5, 6, 7]])], 1)
         assert_bitwise(run(f, extra, {}, 2), run(Session(model, canonical_chunk=C), extra, {}, 2), "fork")
+
+
+# ----- the warm paths that cross a process: a state file, Redis, a server restart ---------------------------
+CHILD = r"""
+import sys, torch
+from safetensors.torch import save_file
+from kvstate import Session
+from kvstate.models.tiny import tiny_model
+folder, arch = sys.argv[1], sys.argv[2]
+ids = torch.load(folder + "/ids.pt")
+s = Session.load(folder + "/state.kvs", tiny_model(arch).to(torch.bfloat16))  # a fresh instance, a new process
+out = s.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_logits=True)
+save_file({"tokens": out.sequences.contiguous(), "logits": torch.cat(out.logits).contiguous()},
+          folder + "/child.safetensors")
+"""
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_state_file_in_another_process_equals_the_cold_run_bitwise(arch, tmp_path):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    model = model_in(arch, torch.bfloat16)
+    ids = prompt(29)
+    s = Session(model, canonical_chunk=C)
+    first = run(s, ids, {})
+    s.save(tmp_path / "state.kvs")
+    turn2 = torch.cat([ids, first[0], prompt(6, seed=3)], 1)
+    torch.save(turn2, tmp_path / "ids.pt")
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), arch], check=True, timeout=300,
+                   env={**__import__("os").environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
+    out = load_file(str(tmp_path / "child.safetensors"))
+    assert_bitwise((out["tokens"], out["logits"]), cold(model, turn2, {}), "another process")
+
+
+def test_a_redis_store_hit_equals_the_cold_run_bitwise(tmp_path):
+    from redis_server import redis_server
+
+    model = model_in("gemma3_text", torch.bfloat16)
+    ids = prompt(29)
+    (tmp_path / "redis").mkdir()
+    with redis_server(tmp_path / "redis") as (url, _):
+        writer = Session(model, canonical_chunk=C, store=PrefixStore(url, chunk_tokens=C))
+        first = run(writer, ids, {})
+        turn2 = torch.cat([ids, first[0], prompt(6, seed=3)], 1)
+        reader = Session(model, canonical_chunk=C, store=PrefixStore(url, chunk_tokens=C))
+        assert_bitwise(run(reader, turn2, {}), cold(model, turn2, {}), "Redis store hit")
+        assert reader.last_plan.source == "store" and reader.last_plan.reused >= 3 * C
+
+
+def test_server_pool_hits_and_restarts_answer_as_a_cold_server_in_bf16(tmp_path):
+    """Turn 2 hits the pool of the server that answered turn 1; turn 3 runs on a restarted server and hits
+    the folder store. Each answer equals what a cold server (empty pool, no store) gives the whole chat."""
+    from kvstate.serve.cli import load
+    from serving import chat_turn, client, live, make_server
+
+    model, tokenizer = load("tiny:llama")
+    model = model.to(torch.bfloat16)
+    store = dict(store=str(tmp_path / "store"), store_chunk_tokens=C)
+
+    def cold_answer(messages):
+        with live(make_server(model, tokenizer)) as url:
+            answer, cached = chat_turn(client(url), messages, stream=False, max_tokens=8)
+        assert cached == 0
+        return answer
+
+    messages = [{"role": "user", "content": "Count to three, please."}]
+    with live(make_server(model, tokenizer, **store)) as url:
+        for turn, text in enumerate(["And now to five?", None]):
+            answer, cached = chat_turn(client(url), messages, stream=bool(turn), max_tokens=8)
+            assert answer == cold_answer(messages) and (cached > 0) == (turn > 0), (turn, answer, cached)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": text or "Thanks!"}]
+    with live(make_server(model, tokenizer, **store)) as url:  # a restart: an empty pool, the same store
+        answer, cached = chat_turn(client(url), messages, stream=False, max_tokens=8)
+    assert answer == cold_answer(messages) and cached > 0, (answer, cached)

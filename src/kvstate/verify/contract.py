@@ -131,7 +131,7 @@ def sliding_row(m: Matrix) -> None:
         return greedy(s, long, m.n)
 
     m.row("kvstate: sliding window crossed", "kvstate", f"{long.shape[1]}-token prompt past window {min(windows)}", run,
-          {"instance": "same", "full_mask": True}, ref=ref, cold=m.cold_run(long))
+          {"instance": "same", "full_mask": True}, ref=ref, cold=m.cold_run(long), floor=m.floor_of(long, ref))
 
 
 def padded_row(m: Matrix) -> None:
@@ -155,7 +155,7 @@ def padded_row(m: Matrix) -> None:
         return out.logits[0], out.sequences
 
     m.row("kvstate: left-padded batch", "kvstate", "2 rows of different lengths vs each row alone", run,
-          {"instance": "same", "full_mask": True}, ref=ref, cold=run(warm=False))
+          {"instance": "same", "full_mask": True}, ref=ref, cold=run(warm=False), floor=m.floor_of(batch, ref, mask))
 
 
 def multimodal_rows(m: Matrix) -> None:

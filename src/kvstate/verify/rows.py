@@ -76,6 +76,10 @@ class Matrix:
         """The kvstate cold run on another history: a new Session, nothing processed."""
         return greedy(self.session(), ids, self.n, **inputs)
 
+    def floor_of(self, ids: torch.Tensor, ref: Result, mask: torch.Tensor | None = None) -> Floor:
+        """The noise floor of another (text) history, for a row that runs on it."""
+        return noise_floor(self.model, ids, self.n, ref, self.chunk, mask)
+
     def fresh_model(self) -> Any:
         if self._fresh_model is None and self.fresh is not None:
             self._fresh_model = self.fresh()
@@ -83,7 +87,7 @@ class Matrix:
 
     def row(self, name: str, group: str, description: str, run: Callable[[], Result],
             facts: dict[str, Any] | None = None, ref: Result | None = None, cold: Result | None = None,
-            canonical: bool = True) -> None:
+            canonical: bool = True, floor: Floor | None = None) -> None:
         """Run one path; a crash is recorded as the row's result, never raised. A kvstate row on the
         canonical schedule must equal ``cold`` bitwise (the matrix's cold run when ``ref`` is its own)."""
         ref_logits, ref_tokens = ref or (self.ref_logits, self.ref_tokens)
@@ -96,7 +100,7 @@ class Matrix:
             self.rows.append(crashed(name, group, description, exc, facts))
             return
         self.rows.append(compare(name, group, description, logits, tokens, ref_logits, ref_tokens, facts,
-                                 cold=cold if group == "kvstate" and canonical else None, floor=self.floor))
+                                 cold=cold if group == "kvstate" and canonical else None, floor=floor or self.floor))
 
 
 def canonical_chunk(length: int) -> int:
@@ -109,7 +113,8 @@ def canonical_chunk(length: int) -> int:
     return max(4, 1 << max((length // 4).bit_length() - 1, 0))
 
 
-def noise_floor(model: Any, ids: torch.Tensor, n: int, whole: Result, chunk: int) -> Floor:
+def noise_floor(model: Any, ids: torch.Tensor, n: int, whole: Result, chunk: int,
+                mask: torch.Tensor | None = None) -> Floor:
     """Plain transformers against itself: ``whole`` (``generate`` prefilling the history in one forward)
     against ``generate`` prefilling it in chunks (``prefill_chunk_size``) of a quarter and of three quarters
     of it; the worst of the two. A family whose ``generate`` cannot chunk its prefill has no floor (0)."""
@@ -117,7 +122,8 @@ def noise_floor(model: Any, ids: torch.Tensor, n: int, whole: Result, chunk: int
     splits, worst = [], Floor(0.0, 0.0, n, n, [], chunk)
     for split in sorted({max(1, L // 4), max(1, 3 * L // 4)} - {L}):
         try:
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask, max_new_tokens=n,
+                                 do_sample=False,
                                  return_dict_in_generate=True, output_logits=True, prefill_chunk_size=split)
         except Exception:
             continue
