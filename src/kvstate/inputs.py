@@ -18,6 +18,7 @@ from .errors import (
     EmptyStateError,
     FingerprintMismatchError,
     InputError,
+    LayoutMismatchError,
     MaskError,
     PositionError,
     UnsupportedError,
@@ -49,15 +50,59 @@ def as_ids(input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], de
     return ids
 
 
-def history_mask(ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """The bool mask ``[B, L]`` of a full history (a fresh copy; all ones when None)."""
+def check_model_object(model: object) -> None:
+    """``Session(model)`` needs a loaded transformers model; anything else is a typed error, not an AttributeError."""
+    from transformers import PretrainedConfig
+
+    if not (isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None), PretrainedConfig)):
+        raise InputError("Session needs a loaded transformers model",
+                         expected="a torch.nn.Module with a transformers config",
+                         found=f"class {model.__name__}" if isinstance(model, type) else type(model).__name__,
+                         fix="pass AutoModelForCausalLM.from_pretrained(...) (an instance, not the class)")
+
+
+def history_mask(ids: torch.Tensor, attention_mask: torch.Tensor | None, config: Any = None) -> torch.Tensor:
+    """The bool mask ``[B, L]`` of a full history (a fresh copy).
+
+    With no mask, ``model.generate``'s own default: pad tokens are masked when the
+    generation ``config`` has a pad id that is not an EOS id (``pad_mask``); else all ones.
+    """
     if attention_mask is None:
-        return torch.ones_like(ids, dtype=torch.bool)
+        return check_mask_values(pad_mask(ids, config))
     if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
         raise MaskError("attention_mask must match input_ids", expected=tuple(ids.shape),
                         found=tuple(getattr(attention_mask, "shape", ())) or type(attention_mask).__name__,
                         fix="pass the full-history mask")
-    return attention_mask.to(device=ids.device, dtype=torch.bool, copy=True)
+    return check_mask_values(attention_mask).to(device=ids.device, dtype=torch.bool, copy=True)
+
+
+def pad_mask(ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """The mask ``model.generate`` builds when none is given (``_prepare_attention_mask_for_generation``):
+    ``ids != pad_token_id``, unless there is no pad id or it is also an EOS id (then all ones)."""
+    pad = None if config is None else config.pad_token_id
+    eos = None if config is None else config.eos_token_id
+    eos = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    if pad is None or int(pad) in eos:
+        return torch.ones_like(ids, dtype=torch.bool)
+    return ids != int(pad)
+
+
+def check_mask_values(mask: torch.Tensor) -> torch.Tensor:
+    """A mask ``[B, L]`` holds only 0 and 1 (or bools), and every row attends to something; returns ``mask``."""
+    if mask.is_meta or mask.is_complex():
+        raise MaskError("attention_mask must hold 0 and 1", expected="a bool or int tensor",
+                        found=f"{mask.dtype} tensor on {mask.device}", fix="pass tokenizer(...).attention_mask")
+    odd = mask[(mask != 0) & (mask != 1)] if mask.dtype != torch.bool else mask[:0]
+    if odd.numel():  # transformers would read 0.5 as "attend": a value that is neither is a caller's bug
+        raise MaskError("attention_mask must hold only 0 and 1", expected="0 (padding) or 1 (a token)",
+                        found=f"{mask.dtype} mask with values such as {odd[:4].tolist()}",
+                        fix="pass tokenizer(...).attention_mask, or a bool tensor")
+    empty = torch.nonzero(~mask.bool().any(dim=-1)).flatten() if mask.shape[-1] else mask.new_zeros(0)
+    if empty.numel():
+        raise MaskError("an attention_mask row has no token to attend to", expected="at least one 1 per row",
+                        found=f"all-zero rows {empty[:8].tolist()}",
+                        fix="drop those rows, or give each row at least one real (unmasked) token")
+    return mask
 
 
 # Inputs that carry media (or per-slot media semantics) for transformers' multimodal models.
@@ -112,7 +157,7 @@ def full_mask(state: State, n_total: int, attention_mask: torch.Tensor | None,
                         expected=f"shape ({B}, {n_total}) = processed {T} + new {n_total - T}",
                         found=tuple(getattr(attention_mask, "shape", ())) or type(attention_mask).__name__,
                         fix="pass the full-length mask, as with a transformers cache")
-    mask = attention_mask.to(device=device, dtype=torch.bool, copy=True)
+    mask = check_mask_values(attention_mask).to(device=device, dtype=torch.bool, copy=True)
     if not torch.equal(mask[:, :T], state.mask):
         raise MaskError("attention_mask disagrees with the processed tokens' padding",
                         expected=state.mask.int().tolist(), found=mask[:, :T].int().tolist(),
@@ -138,6 +183,43 @@ def check_positions(state: State, given: torch.Tensor | None, expected: torch.Te
                         found=given.tolist(), fix="omit position_ids, or pass state.next_position + offsets")
 
 
+def logits_width(model: torch.nn.Module) -> int:
+    """The model's output size ``V`` (the LM head's rows; the config's vocab size without one)."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)  # type: ignore[union-attr,operator]
+
+
+def check_contents(state: State, vocab: int, width: int, kv_shapes: list[tuple[int, int, int] | None]) -> None:
+    """What a state holds must mean something on this model: token ids in its vocabulary,
+    ``last_logits`` ``[B, V]`` of its output size, and every K/V (checkpoints included) in its
+    head layout ``(H, D_k, D_v)``. A file can be well-formed and still fail these (issue 24)."""
+    if state.tokens.numel() and (int(state.tokens.min()) < 0 or int(state.tokens.max()) >= vocab):
+        raise LayoutMismatchError("the state's tokens are outside the model's vocabulary",
+                                  expected=f"0 <= id < {vocab}",
+                                  found=f"ids from {int(state.tokens.min())} to {int(state.tokens.max())}",
+                                  fix="load the state into the model it was made with")
+    last = state.last_logits
+    if last is not None and (not last.is_floating_point() or last.shape[-1] != width):
+        raise LayoutMismatchError("the state's last_logits do not fit the model's output",
+                                  expected=f"floating [B, {width}]", found=f"{last.dtype} {tuple(last.shape)}",
+                                  fix="load the state into the model it was made with")
+    layers = [(f"layer {i}", i, layer) for i, layer in enumerate(state.layers)]
+    layers += [(f"checkpoint {k} layer {i}", i, layer) for k, c in enumerate(state.checkpoints)
+               for i, layer in c.layers.items()]
+    for where, i, layer in layers:
+        parts = layer.tensors()
+        if "keys" not in parts or i >= len(kv_shapes) or kv_shapes[i] is None:
+            continue
+        found = (parts["keys"].shape[1], parts["keys"].shape[3], parts["values"].shape[3])
+        if found != kv_shapes[i]:
+            raise LayoutMismatchError(f"{where} K/V head shape differs from the model's",
+                                      expected=f"(kv_heads, key dim, value dim) = {kv_shapes[i]}", found=found,
+                                      fix="load the state into the model it was made with")
+
+
 def check_model(state: State, fingerprint: Fingerprint, model: torch.nn.Module, model_dtype: torch.dtype,
                 device: torch.device) -> None:
     """Refuse a state stored on another device or dtype, or produced by another model."""
@@ -148,7 +230,8 @@ def check_model(state: State, fingerprint: Fingerprint, model: torch.nn.Module, 
     if kv_dtype is not None and kv_dtype != model_dtype:
         raise DtypeMismatchError("state K/V dtype differs from the model's",
                                  expected=str(model_dtype), found=str(kv_dtype),
-                                 fix="load the model in the state's dtype, or reset() and re-feed")
+                                 fix="load the model in the state's dtype, cast the state (Session.load(..., "
+                                 "cast_dtype=True) or load_state(path, dtype=...)), or reset() and re-feed")
     differences = [] if state.fingerprint is None else \
         mismatch(state.fingerprint, model, fingerprint, cast="kvstate.cast" in state.metadata)
     if differences:

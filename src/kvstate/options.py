@@ -59,6 +59,7 @@ class GenerateOptions:
     return_dict: bool
     prefill_chunk_size: int | None
     config: Any = None
+    max_length: int | None = None
 
 
 def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
@@ -87,7 +88,29 @@ def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
     # use_cache=False only makes plain generate recompute every step; the tokens are the same, and the
     # state is the cache, so kvstate keeps it on (whether it came from the call or model.generation_config)
     return GenerateOptions(MappingProxyType({**kwargs, "use_cache": True}), bool(config.return_dict_in_generate),
-                           config.prefill_chunk_size, config)
+                           config.prefill_chunk_size, config, _max_length(model, kwargs, config))
+
+
+def _max_length(model: torch.nn.Module, kwargs: dict[str, Any], config: Any) -> int | None:
+    """The total length ``generate`` will refuse a history to reach (None: no limit). Mirrors
+    transformers' ``_prepare_generated_length`` and ``_validate_generated_length``: ``max_new_tokens``
+    wins; a ``max_length`` nobody set becomes 20 new tokens, capped at ``max_position_embeddings``."""
+    if config.max_new_tokens is not None:
+        return None
+    given = kwargs.get("generation_config")
+    default = (kwargs.get("max_length") is None and (given is None or given.max_length is None)
+               and model.generation_config.max_length is None)  # type: ignore[union-attr]
+    if default:
+        limit = getattr(model.config, "max_position_embeddings", None)
+        return limit if isinstance(limit, int) else None
+    return int(config.max_length)
+
+
+def check_length(options: GenerateOptions, length: int) -> None:
+    """A history of ``length`` tokens must leave room for one new token, as ``model.generate`` requires."""
+    if options.max_length is not None and length >= options.max_length:
+        raise InputError("the history already reaches max_length", expected=f"len(input_ids) < {options.max_length}",
+                         found=f"{length} tokens", fix="set max_new_tokens (preferred) or a larger max_length")
 
 
 def _check_config(config: Any) -> None:

@@ -40,14 +40,17 @@ from .fingerprint import Fingerprint, fingerprint
 from .inputs import (
     as_ids,
     check_batch,
+    check_contents,
     check_model,
+    check_model_object,
     check_positions,
     full_mask,
     history_mask,
+    logits_width,
     model_inputs,
     refuse_media,
 )
-from .options import resolve
+from .options import check_length, resolve
 from .protocols import PrefixCache, PrefixQuery
 from .resume import ResumePlan
 from .selfcheck import adapter_for, vocab_size
@@ -82,6 +85,7 @@ class Session:
                  chunk_size: int = 512, sliding_reserve: int = 64, max_checkpoints: int = 16,
                  checkpoint_every: int | None = None, store: PrefixCache | None = None,
                  state: State | None = None, _fingerprint: Fingerprint | None = None) -> None:
+        check_model_object(model)
         _check_settings(chunk_size=chunk_size, sliding_reserve=sliding_reserve, max_checkpoints=max_checkpoints,
                         checkpoint_every=checkpoint_every)
         _check_inference_mode(model)
@@ -260,7 +264,8 @@ class Session:
         self._check_weights()
         ids = self._ids(input_ids)
         state = self._state_for_batch(ids.shape[0])
-        mask = history_mask(ids, attention_mask)
+        check_length(options, ids.shape[1])
+        mask = history_mask(ids, attention_mask, options.config)
         self._check_padding(mask)
         spans = self._adapter.media_spans(self.model, ids, inputs)
         media = self._media(ids, inputs, spans)
@@ -394,7 +399,9 @@ class Session:
     def _check_padding(self, mask: torch.Tensor) -> None:
         if not self._adapter.caps.padding and not bool(mask.all()):
             raise UnsupportedError(f"padded batches are not supported for {self._adapter.caps.name} models",
-                                   found="attention_mask with padding", fix="run one row per Session")
+                                   found="padding: attention_mask zeros, or pad_token_id in a history given "
+                                   "without a mask (generate masks those)",
+                                   fix="run one row per Session, with no pad ids")
 
     def _adopt(self, state: State) -> State:
         check_model(state, self._fingerprint, self.model, self.dtype, self.device)
@@ -413,6 +420,7 @@ class Session:
                 raise LayoutMismatchError(f"layer {i} K/V head shape differs from the model's",
                                           expected=f"(kv_heads, key dim, value dim) = {shapes[i]}", found=found,
                                           fix="load the state into the model it was made with")
+        check_contents(state, vocab_size(self.model), logits_width(self.model), shapes)
         return state
 
     def _state_for_batch(self, batch_size: int) -> State:
