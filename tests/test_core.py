@@ -236,7 +236,8 @@ def test_multi_turn_chat_reuses_everything(model):
     s = Session(model)
     reply1 = s.generate(turn1, max_new_tokens=8, do_sample=False)
     turn2 = torch.cat([turn1, reply1, prompt(6, seed=21)], 1)
-    reply2 = s.generate(turn2, max_new_tokens=8, do_sample=False)
+    # the reference's mask: every id is a token (without one, generate masks a reply's pad id 0)
+    reply2 = s.generate(turn2, torch.ones_like(turn2), max_new_tokens=8, do_sample=False)
     assert s.last_plan.reused == turn1.shape[1] + 8 - 1 and s.last_plan.fed == 7
     assert torch.equal(reply2, greedy(model, turn2, n=8)[0])
 

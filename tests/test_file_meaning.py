@@ -201,7 +201,7 @@ def test_lossy_save_of_non_finite_kv_is_refused_before_writing(name, files, tmp_
 
 def test_exact_storage_keeps_what_it_is_given(files, tmp_path):
     """Exact storage promises the state's own values, finite or not: it round-trips them bitwise."""
-    model, _, paths = files
+    _, _, paths = files
     state = with_keys(load_state(paths["exact"]), float("inf"))
     save_state(state, tmp_path / "inf.kvs")
     assert_same_state(load_state(tmp_path / "inf.kvs"), state)

@@ -401,7 +401,8 @@ class Session:
             raise UnsupportedError(f"padded batches are not supported for {self._adapter.caps.name} models",
                                    found="padding: attention_mask zeros, or pad_token_id in a history given "
                                    "without a mask (generate masks those)",
-                                   fix="run one row per Session, with no pad ids")
+                                   fix="run one row per Session; to keep pad ids as tokens, pass "
+                                   "attention_mask=torch.ones_like(input_ids)")
 
     def _adopt(self, state: State) -> State:
         check_model(state, self._fingerprint, self.model, self.dtype, self.device)
