@@ -205,3 +205,19 @@ def test_exact_storage_keeps_what_it_is_given(files, tmp_path):
     state = with_keys(load_state(paths["exact"]), float("inf"))
     save_state(state, tmp_path / "inf.kvs")
     assert_same_state(load_state(tmp_path / "inf.kvs"), state)
+
+
+@pytest.mark.parametrize("edit", ["heads", "head dim"])
+def test_a_checkpoint_whose_kv_does_not_fit_is_refused(edit, tmp_path):
+    """Checkpoints hold K/V too (falcon_h1's hybrid layers): a rollback must never restore foreign ones."""
+    model = tiny_model("falcon_h1")
+    saved = Session(model, checkpoint_every=4)
+    saved.extend(prompt(10))
+    assert any("keys" in layer.tensors() for c in saved.state.checkpoints for layer in c.layers.values())
+    saved.save(tmp_path / "s.kvs")
+    cut = (lambda t: t[:, :1]) if edit == "heads" else (lambda t: t[..., :2])
+    forge(tmp_path / "s.kvs", tmp_path / "forged.kvs", both(put("checkpoints.0.layers.0.keys", cut),
+                                                            put("checkpoints.0.layers.0.values", cut)))
+    with pytest.raises(LayoutMismatchError, match="checkpoint 0 layer 0"):
+        Session.load(tmp_path / "forged.kvs", model)
+    assert Session.load(tmp_path / "s.kvs", model).state.tokens_seen == 10  # control: the unforged file loads
