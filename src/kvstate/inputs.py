@@ -81,7 +81,7 @@ def pad_mask(ids: torch.Tensor, config: Any) -> torch.Tensor:
     ``ids != pad_token_id``, unless there is no pad id or it is also an EOS id (then all ones)."""
     pad = None if config is None else config.pad_token_id
     eos = None if config is None else config.eos_token_id
-    eos = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    eos = set() if eos is None else set(torch.as_tensor(eos).flatten().tolist())
     if pad is None or int(pad) in eos:
         return torch.ones_like(ids, dtype=torch.bool)
     return ids != int(pad)
@@ -101,7 +101,8 @@ def check_mask_values(mask: torch.Tensor) -> torch.Tensor:
     if empty.numel():
         raise MaskError("an attention_mask row has no token to attend to", expected="at least one 1 per row",
                         found=f"all-zero rows {empty[:8].tolist()}",
-                        fix="drop those rows, or give each row at least one real (unmasked) token")
+                        fix="give each row a real token (without an attention_mask, ids equal to "
+                        "pad_token_id are padding, as in generate)")
     return mask
 
 
