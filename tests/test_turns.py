@@ -136,3 +136,22 @@ def test_turns_with_pads_sprinkled_in_match_plain_generate(turns):
             plain(model, history, max_new_tokens=2)[0]
         assert torch.equal(ours, reference), (history.tolist(), ours.tolist(), reference.tolist())
         history = torch.cat([history, ours], 1)
+
+
+def test_a_trailing_pad_is_never_reused_at_generate_s_position_but_a_rerotated_state_is():
+    """The position check that catches generate's numbering after a trailing pad (above) leaves a
+    ``ReRotate`` state alone: it renumbers its kept slots on purpose, and continues in that frame."""
+    from kvstate.compress import ReRotate, StreamingLLM
+
+    model = tiny_model("llama")
+    session = Session(model)
+    history = prompt(6).index_fill_(1, torch.tensor([5]), 0)  # ends in a pad id: masked
+    reply = session.generate(history, max_new_tokens=3, do_sample=False)
+    longer = torch.cat([history, reply, prompt(2, seed=6)], 1)
+    assert_same_answer(kv(session, longer, max_new_tokens=3), plain(model, longer, max_new_tokens=3))
+    assert session.last_plan.reused == history.shape[1]  # the reply was numbered from the pad's 0: fed again
+    rotated = Session(model)
+    rotated.extend(prompt(20))
+    rotated.compress(ReRotate(policy=StreamingLLM(0.5, sinks=2)))
+    rotated.generate(torch.cat([prompt(20), prompt(3, seed=3)], 1), max_new_tokens=2, do_sample=False)
+    assert (rotated.last_plan.reused, rotated.last_plan.mode) == (20, "continue")
