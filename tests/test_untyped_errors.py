@@ -51,7 +51,14 @@ CASES = {
         history(), generation_config=GenerationConfig(max_length=T + 3)), InputError),
     "a history as long as max_position_embeddings": ("llama", lambda s: s.generate(
         torch.randint(3, 100, (1, 512))), InputError),
-    # continue_text takes text
+    "max_length as a string": ("llama", lambda s: s.generate(history(), max_length="9"), InputError),
+    "an empty history": ("llama", lambda s: s.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2),
+                         InputError),
+    "a pad id that is not an id": ("llama", lambda s: s.generate(history(), max_new_tokens=2, pad_token_id=1.5),
+                                   InputError),
+    # continue_text takes a session, a tokenizer and text
+    "continue_text(None session)": ("llama", lambda s: continue_text(None, TOKENIZER, "hi"), InputError),
+    "continue_text(no tokenizer)": ("llama", lambda s: continue_text(s, None, "hi"), InputError),
     "continue_text(bytes)": ("llama", lambda s: continue_text(s, TOKENIZER, b"hello", max_new_tokens=2), InputError),
     "continue_text(None)": ("llama", lambda s: continue_text(s, TOKENIZER, None, max_new_tokens=2), InputError),
     "continue_text(int)": ("llama", lambda s: continue_text(s, TOKENIZER, 7, max_new_tokens=2), InputError),

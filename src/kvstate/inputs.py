@@ -6,6 +6,7 @@ expected value, the value found, and the fix. The per-token path never re-checks
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,10 +82,16 @@ def pad_mask(ids: torch.Tensor, config: Any) -> torch.Tensor:
     ``ids != pad_token_id``, unless there is no pad id or it is also an EOS id (then all ones)."""
     pad = None if config is None else config.pad_token_id
     eos = None if config is None else config.eos_token_id
-    eos = set() if eos is None else set(torch.as_tensor(eos).flatten().tolist())
-    if pad is None or int(pad) in eos:
+    try:
+        eos = set() if eos is None else set(torch.as_tensor(eos).flatten().tolist())
+        pad = None if pad is None else operator.index(pad)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InputError("pad_token_id and eos_token_id must be token ids", expected="an int (eos: or a list)",
+                         found=f"pad {pad!r}, eos {config.eos_token_id!r}"[:120],
+                         fix="pass ints, or leave them to model.generation_config") from exc
+    if pad is None or pad in eos:
         return torch.ones_like(ids, dtype=torch.bool)
-    return ids != int(pad)
+    return ids != pad
 
 
 def check_mask_values(mask: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ class GenerateOptions:
     return_dict: bool
     prefill_chunk_size: int | None
     config: Any = None
-    max_length: int | None = None
+    max_length: float | None = None
 
 
 def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
@@ -103,11 +103,18 @@ def _max_length(model: torch.nn.Module, kwargs: dict[str, Any], config: Any) -> 
     if default:
         limit = getattr(model.config, "max_position_embeddings", None)
         return limit if isinstance(limit, int) else None
-    return int(config.max_length)
+    if isinstance(config.max_length, bool) or not isinstance(config.max_length, (int, float)):
+        raise InputError("max_length must be a number", expected="an int", found=repr(config.max_length)[:40],
+                         fix="pass max_new_tokens=N (preferred) or max_length=N")
+    return config.max_length
 
 
 def check_length(options: GenerateOptions, length: int) -> None:
-    """A history of ``length`` tokens must leave room for one new token, as ``model.generate`` requires."""
+    """A history of ``length`` tokens must hold a token to continue, and leave room for one new token
+    (``model.generate``'s rule, typed)."""
+    if length == 0:
+        raise InputError("generate needs a history to continue", expected="input_ids [B, L] with L >= 1",
+                         found="an empty history", fix="pass at least one token (a BOS for an empty prompt)")
     if options.max_length is not None and length >= options.max_length:
         raise InputError("the history already reaches max_length", expected=f"len(input_ids) < {options.max_length}",
                          found=f"{length} tokens", fix="set max_new_tokens (preferred) or a larger max_length")

@@ -40,9 +40,16 @@ def continue_text(session: Any, tokenizer: Any, text: str, **generate_kwargs: An
     answer: the next turn's history is the whole conversation. A final special token (the
     EOS that ended the answer) is left out, as the answer's text leaves it out.
     """
+    from .session import Session
+
     if not isinstance(text, str):
         raise InputError("continue_text takes text", expected="str", found=type(text).__name__,
                          fix="pass a str (decode bytes first: data.decode('utf-8'))")
+    if not isinstance(session, Session) or not callable(tokenizer):
+        raise InputError("continue_text takes a Session and its model's tokenizer",
+                         expected="continue_text(session, tokenizer, text)",
+                         found=f"{type(session).__name__}, {type(tokenizer).__name__}",
+                         fix="pass kvstate.Session(model) and AutoTokenizer.from_pretrained(...)")
     ids = history_ids(tokenizer, session.tokens, text)
     new = session.generate(ids, **generate_kwargs)
     tokens = new if isinstance(new, torch.Tensor) else new.sequences
