@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
 from kvstate import Session, continue_text
-from kvstate.errors import InputError, KVStateError, MaskError, UnsupportedError
+from kvstate.errors import InputError, KVStateError, MaskError, StateFileError, UnsupportedError
 from kvstate.testing.tiny_tokenizer import tiny_tokenizer
 from tiny import assert_same_state, count_forwards, prompt, snapshot, tiny_model
 
@@ -44,6 +44,8 @@ CASES = {
     "Session(None)": ("llama", lambda s: Session(None), InputError),
     "Session of the model class": ("llama", lambda s: Session(LlamaForCausalLM), InputError),
     "Session of a bare torch module": ("llama", lambda s: Session(torch.nn.Linear(2, 2)), InputError),
+    "Session(model, state=object())": ("llama", lambda s: Session(s.model, state=object()), InputError),
+    "Session(model, tokenizer=3)": ("llama", lambda s: Session(s.model, tokenizer=3), InputError),
     # generate's own length rule, typed and before anything runs
     "max_length = len(history)": ("llama", lambda s: s.generate(history(), max_length=T + 3), InputError),
     "max_length < len(history)": ("llama", lambda s: s.generate(history(), max_length=4), InputError),
@@ -121,3 +123,27 @@ def test_max_length_just_past_the_history_still_generates(max_length, sessions):
     new = s.generate(history(), max_length=max_length, do_sample=False)
     plain = s.model.generate(history(), max_length=max_length, do_sample=False)
     assert torch.equal(new, plain[:, T + 3:]) and new.shape[1] == max_length - T - 3
+
+
+FILE_CASES = {
+    "Session.load(path, object())": (lambda s, path: Session.load(path, object()), InputError),
+    "Session.load(path, None)": (lambda s, path: Session.load(path, None), InputError),
+    "Session.load(None, model)": (lambda s, path: Session.load(None, s.model), StateFileError),
+    "Session.load(3, model)": (lambda s, path: Session.load(3, s.model), StateFileError),
+    "save(None)": (lambda s, path: s.save(None), StateFileError),
+    "save(path, metadata=[1])": (lambda s, path: s.save(path, metadata=[1]), StateFileError),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FILE_CASES))
+def test_file_misuse_raises_a_typed_error_and_leaves_the_file(name, sessions, tmp_path):
+    call, error = FILE_CASES[name]
+    session = sessions["llama"]
+    path = tmp_path / "s.kvs"
+    session.save(path)
+    data, before = path.read_bytes(), snapshot(session.state)
+    with pytest.raises(error) as info:
+        call(session, path)
+    assert isinstance(info.value, KVStateError) and "fix:" in str(info.value)
+    assert path.read_bytes() == data and sorted(p.name for p in tmp_path.iterdir()) == ["s.kvs"]
+    assert_same_state(session.state, before)

@@ -51,8 +51,9 @@ def as_ids(input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], de
     return ids
 
 
-def check_model_object(model: object) -> None:
-    """``Session(model)`` needs a loaded transformers model; anything else is a typed error, not an AttributeError."""
+def check_session_args(model: object, tokenizer: object = None, state: object = None) -> None:
+    """``Session(model, tokenizer=, state=)`` takes a loaded transformers model, a tokenizer (or None) and a
+    ``State`` (or None); anything else is a typed error here, not an AttributeError later."""
     from transformers import PretrainedConfig
 
     if not (isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None), PretrainedConfig)):
@@ -60,6 +61,12 @@ def check_model_object(model: object) -> None:
                          expected="a torch.nn.Module with a transformers config",
                          found=f"class {model.__name__}" if isinstance(model, type) else type(model).__name__,
                          fix="pass AutoModelForCausalLM.from_pretrained(...) (an instance, not the class)")
+    if tokenizer is not None and not callable(getattr(tokenizer, "get_vocab", None)):
+        raise InputError("tokenizer must be the model's tokenizer", expected="a transformers tokenizer or None",
+                         found=type(tokenizer).__name__, fix="pass AutoTokenizer.from_pretrained(...), or omit it")
+    if state is not None and not isinstance(state, State):
+        raise InputError("state must be a kvstate State", expected="a State or None", found=type(state).__name__,
+                         fix="pass session.state, or kvstate.load_state(path)")
 
 
 def history_mask(ids: torch.Tensor, attention_mask: torch.Tensor | None, config: Any = None) -> torch.Tensor:

@@ -42,8 +42,8 @@ from .inputs import (
     check_batch,
     check_contents,
     check_model,
-    check_model_object,
     check_positions,
+    check_session_args,
     full_mask,
     history_mask,
     logits_width,
@@ -85,7 +85,7 @@ class Session:
                  chunk_size: int = 512, sliding_reserve: int = 64, max_checkpoints: int = 16,
                  checkpoint_every: int | None = None, store: PrefixCache | None = None,
                  state: State | None = None, _fingerprint: Fingerprint | None = None) -> None:
-        check_model_object(model)
+        check_session_args(model, tokenizer, state)
         _check_settings(chunk_size=chunk_size, sliding_reserve=sliding_reserve, max_checkpoints=max_checkpoints,
                         checkpoint_every=checkpoint_every)
         _check_inference_mode(model)
@@ -204,6 +204,7 @@ class Session:
         """
         from .io import load_state
 
+        check_session_args(model, tokenizer)
         param = next(model.parameters())
         state = load_state(path, map_location=param.device, dtype=param.dtype if cast_dtype else None)
         reserve = max((int(layer.meta().get("reserve") or 0) for layer in state.layers), default=0)

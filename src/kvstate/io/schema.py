@@ -47,6 +47,9 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
     if compact is not None and compact not in COMPACT:
         raise StateFileError("unknown compact storage", expected=COMPACT, found=compact,
                              fix="pass compact=None for exact storage")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise StateFileError("metadata must map str to str", expected="a dict", found=type(metadata).__name__,
+                             fix="pass metadata={'note': 'text'}")
     meta = {**state.metadata, **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise StateFileError("metadata must map str to str", found=meta)
