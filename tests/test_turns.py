@@ -155,3 +155,12 @@ def test_a_trailing_pad_is_never_reused_at_generate_s_position_but_a_rerotated_s
     rotated.compress(ReRotate(policy=StreamingLLM(0.5, sinks=2)))
     rotated.generate(torch.cat([prompt(20), prompt(3, seed=3)], 1), max_new_tokens=2, do_sample=False)
     assert (rotated.last_plan.reused, rotated.last_plan.mode) == (20, "continue")
+
+
+def test_a_model_whose_forward_takes_no_mask_keeps_pad_ids_as_tokens():
+    """xLSTM's forward has no ``attention_mask``, so generate builds none: a pad id is a token there."""
+    model = tiny_model("xlstm")
+    ids = prompt(7).index_fill_(1, torch.tensor([3]), 0)
+    session = Session(model)
+    assert torch.equal(session.generate(ids, max_new_tokens=3, do_sample=False), plain(model, ids, max_new_tokens=3)[0])
+    assert bool(session.state.mask.all())

@@ -6,7 +6,6 @@ expected value, the value found, and the fix. The per-token path never re-checks
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,36 +68,19 @@ def check_session_args(model: object, tokenizer: object = None, state: object = 
                          fix="pass session.state, or kvstate.load_state(path)")
 
 
-def history_mask(ids: torch.Tensor, attention_mask: torch.Tensor | None, config: Any = None) -> torch.Tensor:
+def history_mask(ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_id: int | None = None) -> torch.Tensor:
     """The bool mask ``[B, L]`` of a full history (a fresh copy).
 
-    With no mask, ``model.generate``'s own default: pad tokens are masked when the
-    generation ``config`` has a pad id that is not an EOS id (``pad_mask``); else all ones.
+    With no mask, ``model.generate``'s own default: ids equal to ``pad_id`` are padding
+    (``options.GenerateOptions.pad_id`` says when generate infers that); else all ones.
     """
     if attention_mask is None:
-        return check_mask_values(pad_mask(ids, config))
+        return check_mask_values(torch.ones_like(ids, dtype=torch.bool) if pad_id is None else ids != pad_id)
     if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
         raise MaskError("attention_mask must match input_ids", expected=tuple(ids.shape),
                         found=tuple(getattr(attention_mask, "shape", ())) or type(attention_mask).__name__,
                         fix="pass the full-history mask")
     return check_mask_values(attention_mask).to(device=ids.device, dtype=torch.bool, copy=True)
-
-
-def pad_mask(ids: torch.Tensor, config: Any) -> torch.Tensor:
-    """The mask ``model.generate`` builds when none is given (``_prepare_attention_mask_for_generation``):
-    ``ids != pad_token_id``, unless there is no pad id or it is also an EOS id (then all ones)."""
-    pad = None if config is None else config.pad_token_id
-    eos = None if config is None else config.eos_token_id
-    try:
-        eos = set() if eos is None else set(torch.as_tensor(eos).flatten().tolist())
-        pad = None if pad is None else operator.index(pad)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InputError("pad_token_id and eos_token_id must be token ids", expected="an int (eos: or a list)",
-                         found=f"pad {pad!r}, eos {config.eos_token_id!r}"[:120],
-                         fix="pass ints, or leave them to model.generation_config") from exc
-    if pad is None or pad in eos:
-        return torch.ones_like(ids, dtype=torch.bool)
-    return ids != pad
 
 
 def check_mask_values(mask: torch.Tensor) -> torch.Tensor:

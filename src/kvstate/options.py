@@ -20,6 +20,8 @@ Options are set through keywords, a ``generation_config=``, or the model's own
 
 from __future__ import annotations
 
+import inspect
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -60,6 +62,7 @@ class GenerateOptions:
     prefill_chunk_size: int | None
     config: Any = None
     max_length: float | None = None
+    pad_id: int | None = None
 
 
 def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
@@ -88,7 +91,24 @@ def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
     # use_cache=False only makes plain generate recompute every step; the tokens are the same, and the
     # state is the cache, so kvstate keeps it on (whether it came from the call or model.generation_config)
     return GenerateOptions(MappingProxyType({**kwargs, "use_cache": True}), bool(config.return_dict_in_generate),
-                           config.prefill_chunk_size, config, _max_length(model, kwargs, config))
+                           config.prefill_chunk_size, config, _max_length(model, kwargs, config),
+                           _pad_id(model, config))
+
+
+def _pad_id(model: torch.nn.Module, config: Any) -> int | None:
+    """The id ``generate`` masks in a history given without ``attention_mask`` (None: none). Mirrors
+    transformers' ``_prepare_attention_mask_for_generation``: the pad id, unless it is unset, also an
+    EOS id, or the model's forward takes no mask (xLSTM)."""
+    if "attention_mask" not in inspect.signature(model.forward).parameters:
+        return None
+    try:
+        eos = set() if config.eos_token_id is None else set(torch.as_tensor(config.eos_token_id).flatten().tolist())
+        pad = None if config.pad_token_id is None else operator.index(config.pad_token_id)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InputError("pad_token_id and eos_token_id must be token ids", expected="an int (eos: or a list)",
+                         found=f"pad {config.pad_token_id!r}, eos {config.eos_token_id!r}"[:120],
+                         fix="pass ints, or leave them to model.generation_config") from exc
+    return None if pad is None or pad in eos else pad
 
 
 def _max_length(model: torch.nn.Module, kwargs: dict[str, Any], config: Any) -> int | None:

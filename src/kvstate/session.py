@@ -266,7 +266,7 @@ class Session:
         ids = self._ids(input_ids)
         state = self._state_for_batch(ids.shape[0])
         check_length(options, ids.shape[1])
-        mask = history_mask(ids, attention_mask, options.config)
+        mask = history_mask(ids, attention_mask, options.pad_id)
         self._check_padding(mask)
         spans = self._adapter.media_spans(self.model, ids, inputs)
         media = self._media(ids, inputs, spans)
