@@ -16,7 +16,7 @@ import time
 import torch
 
 from common import write_results
-from kvstate.fingerprint import _tensors, fingerprint
+from kvstate.adapters.fingerprinting import _tensors, fingerprint
 from kvstate.testing import load_default_model
 
 

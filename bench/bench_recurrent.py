@@ -24,8 +24,8 @@ import torch
 from transformers import AutoModelForCausalLM, MambaConfig
 
 from common import median_time, write_results
-from kvstate import Session, register
-from kvstate.adapters import RecurrentAdapter
+from kvstate import Session
+from kvstate.adapters import RecurrentAdapter, register
 from kvstate.adapters.base import registered
 
 

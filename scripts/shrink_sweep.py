@@ -1,4 +1,4 @@
-"""Build-check every causal-LM ``model_type`` with ``kvstate.testing.shrink.tiny_causal_lm``.
+"""Build-check every causal-LM ``model_type`` with ``kvstate.models.shrink.tiny_causal_lm``.
 
 Usage::
 
@@ -33,7 +33,7 @@ def _check(model_type: str) -> tuple[str, list[str]]:
     """Run the build check for one type; return ``("ok" | "error: ...", notes)``."""
     import torch
 
-    from kvstate.testing.shrink import tiny_causal_lm
+    from kvstate.models.shrink import tiny_causal_lm
 
     notes: list[str] = []
     model = tiny_causal_lm(model_type)

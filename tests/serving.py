@@ -11,7 +11,6 @@ from typing import Any
 import openai
 import torch
 
-from kvstate import Session
 from kvstate.serve import Server, Settings, create_app
 from kvstate.serve.chat import FALLBACK_STOP
 
@@ -44,17 +43,19 @@ def client(url: str, key: str = "none") -> openai.OpenAI:
 
 
 def make_server(model: Any, tokenizer: Any, name: str = "tiny:llama", **settings: Any) -> Server:
-    return Server(model, tokenizer, name, Settings(**settings))
+    """A server whose canonical chunks are 8 tokens, so the short chats of the tests hit the pool (issue 23)."""
+    return Server(model, tokenizer, name, Settings(**{"canonical_chunk": 8, **settings}))
 
 
 def reference(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int,
               stop: tuple[str, ...] = FALLBACK_STOP) -> str:
-    """The greedy answer ``Session.generate`` gives on ``ids`` from an empty state, cut at ``stop``
-    (what a fresh single-client server must answer)."""
+    """The greedy answer plain ``model.generate`` gives on ``ids``, cut at ``stop`` by this test's own rule
+    (what any server must answer, cold or warm: an oracle independent of kvstate, issue 22)."""
     options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False}
     if stop:
         options.update(stop_strings=list(stop), tokenizer=tokenizer)
-    new = Session(model).generate(torch.tensor([ids]), **options)
+    history = torch.tensor([ids])
+    new = model.generate(history, attention_mask=torch.ones_like(history), **options)[:, history.shape[1]:]
     text = tokenizer.decode(new[0].tolist(), skip_special_tokens=True)
     cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
     return text[:min(cuts)] if cuts else text

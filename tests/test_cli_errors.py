@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvstate.testing.models
+import kvstate.models
 from kvstate import Session
 from kvstate.cli import main
 from redis_server import free_port
@@ -53,18 +53,23 @@ def mistakes(t) -> dict[str, list[str]]:
         "a corrupt state for generate": ["generate", "--state", str(t / "text.kvs"), "--prompt", "hi"],
         "prune without --max-bytes": ["store", "prune", "--store", str(t / "st")],
         "an unknown fault": ["verify", "--inject", "bogus"],
+        "--dtype int8": ["verify", "--model", "tiny:llama", "--dtype", "int8"],
+        "--device tpu": ["generate", "--store", str(t / "st"), "--prompt", "hi", "--device", "tpu"],
+        "--cast-state without --state": ["generate", "--store", str(t / "st"), "--prompt", "hi", "--cast-state"],
+        **({} if torch.cuda.is_available() else {
+            "--device cuda without CUDA": ["verify", "--model", "tiny:llama", "--device", "cuda"]}),
     }
 
 
 def test_every_mistake_is_one_line_and_exit_2(files, capsys, monkeypatch):
-    real = kvstate.testing.models.load_model
+    real = kvstate.models.load_model
 
     def only_tiny(spec, *args, **kwargs):  # the default model is never needed to report these
         if spec == "default":
             raise AssertionError("the default model was loaded before the mistake was reported")
         return real(spec, *args, **kwargs)
 
-    monkeypatch.setattr(kvstate.testing.models, "load_model", only_tiny)
+    monkeypatch.setattr(kvstate.models, "load_model", only_tiny)
     for name, argv in mistakes(files).items():
         code = None
         try:

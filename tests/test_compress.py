@@ -214,8 +214,9 @@ def test_rerotate_matches_keys_recomputed_at_new_positions(scaling):
     if scaling:  # the scaled model really rotates differently
         assert not torch.allclose(model.model.rotary_emb.inv_freq, tiny_model("llama").model.rotary_emb.inv_freq)
     raw = {}
-    hooks = [layer.self_attn.k_proj.register_forward_hook(lambda m, a, out, i=i: raw.__setitem__(i, out))
-             for i, layer in enumerate(model.model.layers)]
+    hooks = [getattr(layer.self_attn, proj).register_forward_hook(
+                 lambda m, a, out, key=(proj, i): raw.__setitem__(key, out))
+             for i, layer in enumerate(model.model.layers) for proj in ("k_proj", "v_proj")]
     ids = prompt(20)
     s = Session(model)
     s.extend(ids)
@@ -224,15 +225,50 @@ def test_rerotate_matches_keys_recomputed_at_new_positions(scaling):
     s.compress(ReRotate(policy=StreamingLLM(0.5, sinks=2)))
     kept = [0, 1, *range(12, 20)]  # sinks + recent
     new_positions = torch.arange(len(kept))[None]
-    cos, sin = model.model.rotary_emb(raw[0], new_positions)
+    cos, sin = model.model.rotary_emb(raw["k_proj", 0], new_positions)
+    cache = []
     for i, layer in enumerate(s.state.layers):
-        k = raw[i][:, kept].view(1, len(kept), -1, 8).transpose(1, 2)
+        k, v = (raw[proj, i][:, kept].view(1, len(kept), -1, 8).transpose(1, 2) for proj in ("k_proj", "v_proj"))
         _, expected = apply_rotary_pos_emb(k, k, cos, sin)
         delta = (layer.keys - expected).abs().max().item()
         assert delta <= 1e-5 * expected.abs().max().item(), f"layer {i}: {delta}"
         assert layer.positions[0].tolist() == list(range(len(kept)))
+        cache.append((expected, v))
     assert s.state.next_position.item() == len(kept)
-    assert s.extend(prompt(2, seed=3)).isfinite().all()
+    more = prompt(2, seed=3)
+    assert_logits_close(s.extend(more), _plain_continuation(model, cache, more, len(kept)), "rerotated")
+
+
+def _plain_continuation(model, cache, ids, start):
+    """Plain transformers continuing ``ids`` at ``start`` from K/V the test built: ``cache`` is per layer
+    ``(keys, values)`` ``[B, H, S, D]``."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    past = DynamicCache(config=model.config)
+    for i, (keys, values) in enumerate(cache):
+        past.update(keys, values, i)
+    positions = torch.arange(start, start + ids.shape[1])[None]
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 renamed it
+    with torch.no_grad():
+        return model(ids, position_ids=positions, use_cache=True, **{name: past}).logits[:, -1]
+
+
+def test_rerotate_by_a_uniform_shift_matches_the_masked_reference():
+    # RoPE scores depend on distances only: with no sinks every kept slot moves by the same amount,
+    # so continuing the re-rotated state equals the masked forward at the original positions
+    model = tiny_model("llama")
+    T = 3 * WINDOW
+    ids, more = prompt(T), prompt(3, seed=6)
+    s = Session(model)
+    s.extend(ids)
+    unrotated = s.fork()
+    unrotated.compress(StreamingLLM(0.5, sinks=0))
+    s.compress(ReRotate(policy=StreamingLLM(0.5, sinks=0)))
+    assert s.state.next_position.item() == T - T // 2  # really moved
+    reference = masked_reference(model, torch.cat([ids, more], 1), unrotated.state, T)
+    assert_logits_close(s.extend(more), reference, "uniform shift")
 
 
 def _scaled_llama(scaling):

@@ -38,18 +38,31 @@ def arch(request):
     return request.param
 
 
+# 0: the longest-prefix planner (the opt-out); 8: the canonical schedule, whose resumes restart at the last
+# multiple of 8 fed in aligned chunks (issue 23), so reuse is checked against that rule, written apart here
+@pytest.fixture(params=[0, 8], ids=["longest-prefix", "canonical"])
+def chunk(request):
+    return request.param
+
+
+def kept(n, chunk):
+    """Slots a resume keeps of ``n`` reusable ones that were prefilled in aligned chunks."""
+    return n if chunk == 0 else n // chunk * chunk
+
+
 @pytest.fixture
 def model(arch):
     return tiny_model(arch)
 
 
-def test_split_resume_equals_full_run(model):
+def test_split_resume_equals_full_run(model, chunk):
     ids = prompt(3 * WINDOW)  # crosses the sliding window
     ref_tokens, ref_logits = greedy(model, ids)
-    s = Session(model)
+    s = Session(model, canonical_chunk=chunk)
     s.extend(ids[:, :20])
     tokens, logits = session_greedy(s, ids)
-    assert s.last_plan.mode == "continue" and s.last_plan.fed == ids.shape[1] - 20
+    assert s.last_plan.mode == ("continue" if chunk == 0 else "realign")
+    assert s.last_plan.fed == ids.shape[1] - kept(20, chunk)
     assert torch.equal(tokens, ref_tokens)
     assert_logits_close(logits, ref_logits, "first-step logits")
     # the state now holds the history and every generated token but the last
@@ -87,11 +100,11 @@ def test_reset_equals_fresh_instance(arch, model):
     assert_logits_close(logits_b, plain, "after reset vs plain forward")
 
 
-def test_fork_independence(model):
+def test_fork_independence(model, chunk):
     prefix = prompt(20)
     a = torch.cat([prefix, prompt(6, seed=4)], 1)
     b = torch.cat([prefix, prompt(9, seed=5)], 1)
-    s = Session(model)
+    s = Session(model, canonical_chunk=chunk)
     s.extend(prefix)
     f = s.fork()
     tokens_a = s.generate(a, max_new_tokens=N_NEW, do_sample=False)
@@ -99,7 +112,7 @@ def test_fork_independence(model):
     tokens_b = f.generate(b, max_new_tokens=N_NEW, do_sample=False)
     assert torch.equal(tokens_a, greedy(model, a)[0])
     assert torch.equal(tokens_b, greedy(model, b)[0])
-    assert f.last_plan.mode == "continue" and f.last_plan.reused == 20
+    assert f.last_plan.mode == ("continue" if chunk == 0 else "realign") and f.last_plan.reused == kept(20, chunk)
 
 
 def test_chunked_prefill_equals_single(model):
@@ -114,13 +127,13 @@ def test_chunked_prefill_equals_single(model):
     assert_logits_close(single, model(ids).logits[:, -1], "vs plain forward")
 
 
-def test_divergent_history_rolls_back(model):
+def test_divergent_history_rolls_back(model, chunk):
     a = prompt(30)
-    s = Session(model)
+    s = Session(model, canonical_chunk=chunk)
     s.generate(a, max_new_tokens=N_NEW, do_sample=False)
     b = torch.cat([a[:, :24], prompt(5, seed=7)], 1)  # diverges inside the processed part
     tokens = s.generate(b, max_new_tokens=N_NEW, do_sample=False)
-    assert s.last_plan.mode == "rollback" and s.last_plan.reused == 24
+    assert s.last_plan.mode == "rollback" and s.last_plan.reused == kept(24, chunk)
     assert torch.equal(tokens, greedy(model, b)[0])
 
 
@@ -142,7 +155,7 @@ def test_sliding_truncate_within_reserve_is_exact(arch):
 
 @pytest.mark.parametrize("arch", SLIDING)
 def test_sliding_rollback_beyond_reserve(arch):
-    from kvstate import RollbackError
+    from kvstate.errors import RollbackError
 
     model = tiny_model(arch)
     ids = prompt(3 * WINDOW)
@@ -231,14 +244,16 @@ def test_sampling_and_streaming_pass_through(model):
     assert torch.equal(streamed, ref[0]) and streamer.ended  # prompt once, then every token
 
 
-def test_multi_turn_chat_reuses_everything(model):
+def test_multi_turn_chat_reuses_everything(model, chunk):
     turn1 = prompt(20)
-    s = Session(model)
+    s = Session(model, canonical_chunk=chunk)
     reply1 = s.generate(turn1, max_new_tokens=8, do_sample=False)
     turn2 = torch.cat([turn1, reply1, prompt(6, seed=21)], 1)
     # the reference's mask: every id is a token (without one, generate masks a reply's pad id 0)
     reply2 = s.generate(turn2, torch.ones_like(turn2), max_new_tokens=8, do_sample=False)
-    assert s.last_plan.reused == turn1.shape[1] + 8 - 1 and s.last_plan.fed == 7
+    # canonically: only the prompt's aligned chunks are kept; the decoded reply is fed again in chunks
+    reused = turn1.shape[1] + 8 - 1 if chunk == 0 else kept(turn1.shape[1], chunk)
+    assert s.last_plan.reused == reused and s.last_plan.fed == turn2.shape[1] - reused
     assert torch.equal(reply2, greedy(model, turn2, n=8)[0])
 
 

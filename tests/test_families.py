@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstate import RollbackError, Session, _compat
+from kvstate import Session, _compat
 from kvstate._compat.scan import available as scan_available
-from kvstate.errors import EmptyStateError
+from kvstate.errors import EmptyStateError, RollbackError
 from kvstate.testing.tiny import IMAGE_TOKEN, QWEN_VL, RECURRENT, image_span, tiny_image
 from tiny import assert_logits_close, prompt, tiny_model
 
@@ -47,10 +47,11 @@ def arch(request):
 
 
 def test_split_resume_equals_full_run(arch):
+    """The longest-prefix planner (``canonical_chunk=0``); tests/test_canonical.py holds the canonical twin."""
     model = tiny_model(arch)
     ids, inputs = conversation(arch)
     ref_tokens, ref_logits = reference(model, ids, inputs)
-    s = Session(model)
+    s = Session(model, canonical_chunk=0)
     s.extend(ids[:, :-6], **inputs)  # the image, if any, is in the prefix
     tokens, logits = resume(s, ids, inputs)  # pixels passed again: must not be re-processed
     assert s.last_plan.mode == "continue" and s.last_plan.fed == 6
@@ -88,7 +89,7 @@ def test_fork_independence(arch):
     a = torch.cat([ids, prompt(5, seed=11)], 1)
     b = torch.cat([ids, prompt(7, seed=12)], 1)
     model = tiny_model(arch)
-    s = Session(model)
+    s = Session(model, canonical_chunk=8)
     s.extend(ids, **inputs)
     f = s.fork()
     tokens_a = s.generate(a, max_new_tokens=8, do_sample=False)
@@ -101,7 +102,7 @@ def test_fork_independence(arch):
 def test_checkpoints_allow_divergent_history(arch):
     model = tiny_model(arch)
     base = prompt(20)
-    s = Session(model)
+    s = Session(model, canonical_chunk=0)  # call-boundary checkpoints (the canonical ones sit on its cuts)
     s.extend(base)  # checkpoint at 20
     s.generate(base, max_new_tokens=6, do_sample=False)  # checkpoint at 25
     assert [c.tokens_seen for c in s.state.checkpoints] == [20, 25]
@@ -135,9 +136,12 @@ def test_checkpoints_are_capped():
 
 
 def test_checkpoint_every_n_tokens():
-    s = Session(tiny_model("qwen3_next"), checkpoint_every=8)
+    s = Session(tiny_model("qwen3_next"), checkpoint_every=8, canonical_chunk=0)
     s.extend(prompt(20))
     assert [c.tokens_seen for c in s.state.checkpoints] == [8, 16, 20]
+    canonical = Session(tiny_model("qwen3_next"), canonical_chunk=8)  # checkpoints on the schedule's cuts
+    canonical.extend(prompt(20))
+    assert [c.tokens_seen for c in canonical.state.checkpoints] == [8, 16, 20]
 
 
 def test_recurrent_gemma_needs_its_prefix():
@@ -177,17 +181,20 @@ def test_mamba_continues_a_chunk_in_one_forward_from_the_cached_scan_state():
 
     model = tiny_model("mamba")
     ids = prompt(40)
-    single = Session(model).extend(ids)
+    single = Session(model, canonical_chunk=0).extend(ids)
     with torch.no_grad():  # the plain path: a cache-carrying continuation
         cache = getattr(model(ids[:, :13], use_cache=True), _compat.cache_kwarg(model))
         plain = model(ids[:, 13:], **{_compat.cache_kwarg(model): cache}, use_cache=True).logits[:, -1]
     assert (plain - single).abs().max() > 1e-4  # transformers' own path drifts here
-    s = Session(model)
+    s = Session(model, canonical_chunk=0)
     s.extend(ids[:, :13])
     with count_forwards(model) as forwards:
         logits = s.extend(ids[:, 13:])
     assert forwards[0] == 1
-    assert torch.equal(logits, single)  # the same sequential recurrence, the same projections: bitwise
+    # the same sequential recurrence; the projections run on 27 rows instead of 40, which CPU kernels may
+    # round differently (issue 23: only the same shapes are bitwise), so: the project tolerance, 100x under
+    # the drift of transformers' own path above
+    assert_logits_close(logits, single, "27-token chunk from the cached scan state")
 
 
 @pytest.mark.parametrize("arch", QWEN_VL)

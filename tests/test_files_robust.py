@@ -17,8 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstate import AttentionLayerState, Session, State, StateFileError, load_state, save_state
+from kvstate import Session, State, StateFileError, load_state, save_state
 from kvstate.io import container, schema
+from kvstate.layers import AttentionLayerState
 from test_files import assert_states_equal
 from tiny import prompt, tiny_model
 
@@ -137,6 +138,8 @@ def test_sigkill_during_save_never_leaves_a_torn_file(tmp_path):
     save_state(old, path)
     rng = random.Random(99)
     outcomes = {"old": 0, "new": 0}
+    left = 0
+    mine = f".state.kvs.{os.getpid()}."  # this process's own, being freed on its I/O thread right now
     for _ in range(50):
         pid = os.fork()
         if pid == 0:  # child: overwrite the file with the new state, over and over
@@ -152,15 +155,17 @@ def test_sigkill_during_save_never_leaves_a_torn_file(tmp_path):
         which = "old" if loaded.tokens_seen == 3000 else "new"
         assert_states_equal(loaded, old if which == "old" else new)
         outcomes[which] += 1
+        # only abandoned temp files remain, and second names of replaced files whose freeing was cut short:
+        # those are whole earlier states
+        leftovers = [p.name for p in tmp_path.iterdir() if p.name != "state.kvs" and not p.name.startswith(mine)]
+        assert all(name.startswith(f".state.kvs.{pid}.") and name.endswith((".tmp", ".old")) for name in leftovers)
+        for name in (n for n in leftovers if n.endswith(".old")):
+            kept = load_state(tmp_path / name)
+            assert_states_equal(kept, old if kept.tokens_seen == 3000 else new)
+        left += len(leftovers)
         save_state(old, path)  # reset, so the next kill races the old -> new replacement again
+        # ... and that save deletes what the killed writer left: its pid is dead, the names are its own
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".state.kvs.{pid}.")]
     assert outcomes["old"] + outcomes["new"] == 50
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "state.kvs"]
-    # only abandoned temp files remain, and second names of replaced files whose freeing was cut short:
-    # those are whole earlier states
-    assert all(name.endswith((".tmp", ".old")) for name in leftovers)
-    mine = f".state.kvs.{os.getpid()}."  # this process's own, being freed on its I/O thread right now
-    for name in (n for n in leftovers if n.endswith(".old") and not n.startswith(mine)):
-        kept = load_state(tmp_path / name)
-        assert_states_equal(kept, old if kept.tokens_seen == 3000 else new)
-    assert len(leftovers) >= 10, "too few kills landed mid-write for the test to mean anything"
+    assert left >= 10, "too few kills landed mid-write for the test to mean anything"
     assert outcomes["new"] >= 1

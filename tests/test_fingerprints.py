@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvstate import PrefixStore, Session
+from kvstate.adapters.fingerprinting import fingerprint, legacy_weights_digest
 from kvstate.errors import FingerprintMismatchError
-from kvstate.fingerprint import fingerprint, legacy_weights_digest
 from tiny import prompt, tiny_model
 
 

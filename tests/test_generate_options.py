@@ -41,8 +41,11 @@ from tiny import (
 
 ARCHS = ["llama", "gemma3_text", "qwen3_vl", "lfm2", "recurrent_gemma"]
 CONDITIONS = ["fresh", "partial", "processed", "rolled_back", "compressed", "loaded"]
-MODES = {"fresh": {"continue"}, "partial": {"continue"}, "processed": {"stored-logits"},
-         "rolled_back": {"rollback", "checkpoint"}, "compressed": {"continue"}, "loaded": {"continue"}}
+# sessions run the canonical schedule with chunks of 8 (issue 23): a resume that does not end on a multiple
+# of 8 restarts at the last one ("realign"); with 0 every "realign" below would read "continue"
+CHUNK = 8
+MODES = {"fresh": {"continue"}, "partial": {"continue", "realign"}, "processed": {"stored-logits"},
+         "rolled_back": {"rollback", "checkpoint"}, "compressed": {"continue"}, "loaded": {"continue", "realign"}}
 N = 6
 SEED = 1234
 
@@ -145,7 +148,7 @@ class World:
 
     def _build(self, condition: str) -> Session:
         model = self.muted if condition == "compressed" else self.model
-        s = Session(model)
+        s = Session(model, canonical_chunk=CHUNK)
         prefix = self.history[:, :self.split]
         if condition == "processed":
             s.extend(self.history, **self.inputs)

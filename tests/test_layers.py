@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstate import AttentionLayerState, RollbackError, State
+from kvstate import State
+from kvstate.errors import RollbackError
+from kvstate.layers import AttentionLayerState
 
 
 def kv(B=1, H=2, S=5, D=4):

@@ -5,6 +5,7 @@ Each check runs in a fresh interpreter, so what is imported is what a user's pro
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -76,10 +77,89 @@ print(sorted(m for m in ("torch", "transformers", "numpy") if m in sys.modules))
     assert out.strip().endswith("[]")
 
 
-CORE = sorted(p for p in SRC.rglob("*.py") if p.parts[-2] not in ("testing", "verify") and p.name != "cli.py")
+PRODUCTION = sorted(p for p in SRC.rglob("*.py") if "testing" not in p.relative_to(SRC).parts)
 
 
-@pytest.mark.parametrize("module", CORE, ids=lambda p: str(p.relative_to(SRC)))
-def test_the_core_never_imports_the_testing_helpers(module):
-    imports = [line for line in module.read_text().splitlines() if line.lstrip().startswith(("from ", "import "))]
-    assert not [line for line in imports if "testing" in line]
+def imported(path: Path) -> set[str]:
+    """Absolute names the module at ``path`` imports (see ``imports_in``)."""
+    return imports_in(path.read_text(), ("kvstate", *path.relative_to(SRC).parent.parts))
+
+
+def imports_in(source: str, package: tuple[str, ...]) -> set[str]:
+    """Every ``import``/``from`` statement, lazy ones too, relative ones resolved against ``package``; module names
+    as ``import_module`` takes them; and the imports of code in strings a subprocess runs (``verify``'s child)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else ()
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names |= {module, *(f"{module}.{alias.name}" for alias in node.names)}  # `from . import testing`
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names |= _string_imports(node.value.strip(), package)
+    return names
+
+
+def _string_imports(text: str, package: tuple[str, ...]) -> set[str]:
+    if text.startswith("kvstate.") and text.replace(".", "").replace("_", "").isalnum():
+        return {text}  # a module name
+    if "import " not in text:
+        return set()
+    try:
+        return imports_in(text, package)
+    except SyntaxError:  # prose that mentions importing
+        return set()
+
+
+def _is_testing(name: str) -> bool:
+    return name == "kvstate.testing" or name.startswith("kvstate.testing.")
+
+
+CHILD = 'CHILD = """\nimport sys\nfrom kvstate.testing.models import load_model\n"""'
+FORMS = {
+    "absolute": "import kvstate.testing.tiny",
+    "from": "from kvstate.testing import tiny_model",
+    "relative": "from ..testing.tiny import tiny_model",
+    "the package from its parent": "from .. import testing",
+    "lazy, in a function": "def load():\n    from ..testing import models",
+    "by name": "importlib.import_module('kvstate.testing.models')",
+    "code a child process runs": CHILD,
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_import_check_sees_every_form(form):
+    package = ("kvstate", "serve")
+    assert any(map(_is_testing, imports_in(FORMS[form], package)))
+    assert not any(map(_is_testing, imports_in("from ..models import load_model\n'kvstate.testing re-exports it'",
+                                               package)))
+
+
+@pytest.mark.parametrize("module", PRODUCTION, ids=lambda p: str(p.relative_to(SRC)))
+def test_no_module_outside_testing_imports_it(module):
+    assert not sorted(filter(_is_testing, imported(module)))
+
+
+def _file(name: str) -> Path | None:
+    """The file of module ``name`` under src/ (``None``: a name inside a module)."""
+    where = SRC.parent.joinpath(*name.split("."))
+    return next((f for f in (where.with_suffix(".py"), where / "__init__.py") if f.is_file()), None)
+
+
+def reached(start: Path) -> set[str]:
+    """The kvstate modules ``start`` imports, directly or through the modules it imports."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for name in imported(todo.pop()):
+            found = _file(name) if name.split(".")[0] == "kvstate" else None
+            if found is not None and name not in seen:
+                seen.add(name)
+                todo.append(found)
+    return seen
+
+
+def test_state_imports_neither_compat_nor_adapters():
+    below = sorted(n for n in reached(SRC / "state.py") if n.startswith(("kvstate._compat", "kvstate.adapters")))
+    assert not below

@@ -24,8 +24,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstate import RollbackError, Session
+from kvstate import Session
 from kvstate.compress import KNorm, PerLayerBudget
+from kvstate.errors import RollbackError
 from tiny import (
     assert_logits_close,
     assert_same_state,

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstate import AttentionLayerState, State
-from kvstate.layers import RecurrentLayerState
+from kvstate import State
+from kvstate.layers import AttentionLayerState, RecurrentLayerState
 from kvstate.resume import common_prefix, plan, safe_point, start_state
 from kvstate.state import Checkpoint
 from tiny import assert_same_state, snapshot

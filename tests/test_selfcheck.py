@@ -109,15 +109,20 @@ def test_a_planted_architecture_is_refused():
     assert "outside the cache" in str(info.value)
 
 
-def test_the_verdict_is_cached_per_architecture(tmp_path, monkeypatch):
+def test_the_verdict_is_cached_per_model(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSTATE_SELFCHECK_CACHE", str(tmp_path))
     model = build("gpt2")
     with count_forwards(model) as first:
         adapter_for(model)
     assert len(list(tmp_path.glob("*.json"))) == 1
-    with count_forwards(model) as again:
-        adapter_for(build("gpt2", seed=1))  # the same architecture: no probe, only one forward for K/V widths
-    assert first[0] > 5 and again[0] == 0  # the count is on the first model; the second ran one forward
+    fresh = build("gpt2")  # another instance with the same weights: no probe
+    with count_forwards(fresh) as again:
+        adapter_for(fresh)
+    assert first[0] > 5 and again[0] == 2  # one forward for the cache layout, one for the K/V widths
+    other = build("gpt2", seed=1)  # other weights: a verdict of its own
+    with count_forwards(other) as probed:
+        adapter_for(other)
+    assert probed[0] > 5 and len(list(tmp_path.glob("*.json"))) == 2
     verdict = cached_verdict(model, adapter_for(model))
     assert verdict.mode == "exact" and verdict.rollback and verdict.reason is None
     monkeypatch.setenv("KVSTATE_SELFCHECK_CACHE", "off")

@@ -36,7 +36,8 @@ def test_unusable_store_fails_before_the_model_loads(tmp_path):
 def _start(port: int, store: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "kvstate.cli", "serve", "--model", "tiny:llama", "--port",
-                             str(port), "--store", store, "--store-chunk-tokens", "16", "--log-level", "warning"],
+                             str(port), "--store", store, "--store-chunk-tokens", "16", "--canonical-chunk", "16",
+                             "--log-level", "warning"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

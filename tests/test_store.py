@@ -22,7 +22,7 @@ from kvstate.testing.tiny import image_span, tiny_image
 from redis_server import redis_server
 from tiny import prompt, tiny_model
 
-CHUNK = 16
+CHUNK = 16  # store entries and canonical chunks alike: every entry ends on a cut of the schedule (issue 23)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ import json, sys, torch
 from kvstate import PrefixStore, Session
 from kvstate.testing.tiny import tiny_model
 location, arch, ids = sys.argv[1], sys.argv[2], torch.tensor(json.loads(sys.argv[3]))
-session = Session(tiny_model(arch), store=PrefixStore(location, chunk_tokens=16))
+session = Session(tiny_model(arch), store=PrefixStore(location, chunk_tokens=16), canonical_chunk=16)
 out = session.generate(ids, torch.ones_like(ids), max_new_tokens=6, do_sample=False)  # replies may hold pad id 0
 print(json.dumps({"tokens": out.tolist(), "reused": session.last_plan.reused}))
 """
@@ -93,27 +93,28 @@ def test_worker_migration_through_redis(redis_url):
 def test_isolation_by_model_namespace_and_image(tmp_path):
     ids = prompt(40)
     store = PrefixStore(tmp_path / "s", chunk_tokens=CHUNK)
-    a, b = Session(tiny_model("llama", seed=0), store=store), Session(tiny_model("llama", seed=1), store=store)
+    a = Session(tiny_model("llama", seed=0), store=store, canonical_chunk=CHUNK)
+    b = Session(tiny_model("llama", seed=1), store=store, canonical_chunk=CHUNK)
     assert store.keys(a.fingerprint, ids, (), False) != store.keys(b.fingerprint, ids, (), False)
     a.generate(ids, max_new_tokens=2, do_sample=False)
     tokens = b.generate(torch.cat([ids, prompt(3, seed=2)], 1), max_new_tokens=4, do_sample=False)
     assert b.last_plan.reused == 0  # never served the other model's state
     assert tokens.tolist() == tiny_model("llama", seed=1).generate(
         torch.cat([ids, prompt(3, seed=2)], 1), max_new_tokens=4, do_sample=False)[:, 43:].tolist()
-    other_ns = Session(tiny_model("llama", seed=0), store=PrefixStore(tmp_path / "s", chunk_tokens=CHUNK,
-                                                                       namespace="tenant-b"))
+    other_ns = Session(tiny_model("llama", seed=0), canonical_chunk=CHUNK,
+                       store=PrefixStore(tmp_path / "s", chunk_tokens=CHUNK, namespace="tenant-b"))
     other_ns.generate(torch.cat([ids, prompt(3, seed=2)], 1), max_new_tokens=2, do_sample=False)
     assert other_ns.last_plan.reused == 0
-    vl = Session(tiny_model("qwen3_vl"), store=store)
+    vl = Session(tiny_model("qwen3_vl"), store=store, canonical_chunk=CHUNK)
     pix1, grid, n = tiny_image((4, 6), seed=1)
     pix2, _, _ = tiny_image((4, 6), seed=2)
     history = torch.cat([prompt(4), image_span(n), prompt(30, seed=3)], 1)
-    media1 = vl._adapter.media_hashes(vl.model, history, {"pixel_values": pix1, "image_grid_thw": grid})
-    media2 = vl._adapter.media_hashes(vl.model, history, {"pixel_values": pix2, "image_grid_thw": grid})
+    media1 = vl._binding.inputs.hashes(history, {"pixel_values": pix1, "image_grid_thw": grid})
+    media2 = vl._binding.inputs.hashes(history, {"pixel_values": pix2, "image_grid_thw": grid})
     assert store.keys(vl.fingerprint, history, tuple(media1), False) != \
         store.keys(vl.fingerprint, history, tuple(media2), False)
     vl.generate(history, max_new_tokens=2, do_sample=False, pixel_values=pix1, image_grid_thw=grid)
-    again = Session(tiny_model("qwen3_vl"), store=store)
+    again = Session(tiny_model("qwen3_vl"), store=store, canonical_chunk=CHUNK)
     again.generate(torch.cat([history, prompt(2, seed=4)], 1), max_new_tokens=2, do_sample=False,
                    pixel_values=pix2, image_grid_thw=grid)
     assert again.last_plan.reused == 0  # same ids, other pixels: not the same prefix
@@ -123,7 +124,7 @@ def test_compressed_states_are_stored_apart(tmp_path):
     from kvstate.compress import KNorm
 
     store = PrefixStore(tmp_path / "s", chunk_tokens=CHUNK, write="all")
-    s = Session(tiny_model("llama"), store=store)
+    s = Session(tiny_model("llama"), store=store, canonical_chunk=CHUNK)
     ids = prompt(33)
     s.extend(ids)
     plain_keys = store.keys(s.fingerprint, ids, (), False)
@@ -136,7 +137,8 @@ def test_compressed_states_are_stored_apart(tmp_path):
 STRESS = r"""
 import random, sys
 import torch
-from kvstate import AttentionLayerState, PrefixStore, State
+from kvstate import PrefixStore, State
+from kvstate.layers import AttentionLayerState
 from kvstate.io import state_from_bytes, state_to_bytes
 location, seed, capacity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 store = PrefixStore(location, capacity_bytes=capacity)
@@ -209,8 +211,9 @@ def test_cli_store_commands(tmp_path, capsys):
     from kvstate.cli import main
 
     location = str(tmp_path / "s")
-    Session(tiny_model("llama"), store=PrefixStore(location, chunk_tokens=CHUNK, write="all")).generate(
-        prompt(50), max_new_tokens=2, do_sample=False)
+    writer = Session(tiny_model("llama"), canonical_chunk=CHUNK,
+                     store=PrefixStore(location, chunk_tokens=CHUNK, write="all"))
+    writer.generate(prompt(50), max_new_tokens=2, do_sample=False)
     assert main(["store", "stats", "--store", location, "--json"]) == 0
     import json
 
@@ -223,16 +226,16 @@ def test_cli_store_commands(tmp_path, capsys):
 
 
 def test_turns_serve_the_same_prompt_and_a_longer_one(tmp_path):
-    """An aligned prompt is stored at its full length (for longer requests) and one chunk shorter
-    (the same request again must feed at least one token)."""
+    """An aligned prompt is stored at its full length (for longer requests, and with its canonical last
+    logits for the same request again: nothing to feed) and one chunk shorter."""
     model = tiny_model("llama")
     store = PrefixStore(tmp_path / "s", chunk_tokens=CHUNK)
     ids = prompt(2 * CHUNK)
-    Session(model, store=store).generate(ids, max_new_tokens=1)
-    again = Session(model, store=store)
+    Session(model, store=store, canonical_chunk=CHUNK).generate(ids, max_new_tokens=1)
+    again = Session(model, store=store, canonical_chunk=CHUNK)
     again.generate(ids, max_new_tokens=1)
-    assert (again.last_plan.source, again.last_plan.reused) == ("store", CHUNK)
-    longer = Session(model, store=store)
+    assert (again.last_plan.source, again.last_plan.reused, again.last_plan.fed) == ("store", 2 * CHUNK, 0)
+    longer = Session(model, store=store, canonical_chunk=CHUNK)
     more = torch.cat([ids, prompt(5, seed=3)], 1)
     tokens = longer.generate(more, max_new_tokens=3, do_sample=False)
     assert (longer.last_plan.source, longer.last_plan.reused) == ("store", 2 * CHUNK)

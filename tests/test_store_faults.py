@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
-from kvstate import PrefixStore, Session, StoreWarning
-from kvstate.errors import StoreError
+from kvstate import PrefixStore, Session
+from kvstate.errors import StoreError, StoreWarning
 from kvstate.io import state_from_bytes
 from redis_server import redis_server
 from tiny import prompt, tiny_model

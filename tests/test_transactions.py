@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import kvstate.resume
-from kvstate import PrefixStore, Session, StoreWarning
-from kvstate.errors import MaskError
+from kvstate import PrefixStore, Session
+from kvstate.errors import MaskError, StoreWarning
 from kvstate.testing.tiny import IMAGE_TOKEN, image_span, tiny_image
 from tiny import Echo, assert_same_state, count_forwards, prompt, snapshot, tiny_model
 

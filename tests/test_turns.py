@@ -54,10 +54,11 @@ STOPS = {
 }
 
 
+@pytest.mark.parametrize("chunk", [0, 64], ids=["longest-prefix", "canonical"])
 @pytest.mark.parametrize("stop", sorted(STOPS))
-def test_continue_text_turns_equal_a_fresh_run_on_the_whole_text(model, stop):
+def test_continue_text_turns_equal_a_fresh_run_on_the_whole_text(model, stop, chunk):
     options = {**STOPS[stop], "do_sample": False}
-    session = Session(model, tokenizer=TOKENIZER)
+    session = Session(model, tokenizer=TOKENIZER, canonical_chunk=chunk)
     texts, said = ["Once upon a time", ", said the fox", ". Then"], ""
     for turn, text in enumerate(texts):
         answer = continue_text(session, TOKENIZER, text, **options)
@@ -65,7 +66,7 @@ def test_continue_text_turns_equal_a_fresh_run_on_the_whole_text(model, stop):
         fresh = model.generate(ids, **options)[0, ids.shape[1]:]
         assert answer == TOKENIZER.decode(fresh, skip_special_tokens=True), (turn, answer)
         said += text + answer
-        if turn:  # nothing of the earlier turns is fed again: only the new text
+        if turn and not chunk:  # longest-prefix reuse feeds only the new text: nothing of the earlier turns
             assert session.last_plan.fed == len(TOKENIZER(text, add_special_tokens=False).input_ids), turn
         # every token the user has seen is in the history, and nothing else (an ending EOS is not)
         assert TOKENIZER.decode(session.tokens[0], skip_special_tokens=False) == "<bos>" + said
@@ -144,13 +145,13 @@ def test_a_trailing_pad_is_never_reused_at_generate_s_position_but_a_rerotated_s
     from kvstate.compress import ReRotate, StreamingLLM
 
     model = tiny_model("llama")
-    session = Session(model)
+    session = Session(model, canonical_chunk=0)  # longest-prefix reuse: the plan shows the position check
     history = prompt(6).index_fill_(1, torch.tensor([5]), 0)  # ends in a pad id: masked
     reply = session.generate(history, max_new_tokens=3, do_sample=False)
     longer = torch.cat([history, reply, prompt(2, seed=6)], 1)
     assert_same_answer(kv(session, longer, max_new_tokens=3), plain(model, longer, max_new_tokens=3))
     assert session.last_plan.reused == history.shape[1]  # the reply was numbered from the pad's 0: fed again
-    rotated = Session(model)
+    rotated = Session(model, canonical_chunk=0)
     rotated.extend(prompt(20))
     rotated.compress(ReRotate(policy=StreamingLLM(0.5, sinks=2)))
     rotated.generate(torch.cat([prompt(20), prompt(3, seed=3)], 1), max_new_tokens=2, do_sample=False)

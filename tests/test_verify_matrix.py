@@ -9,8 +9,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from kvstate import supported_model_types
 from kvstate._compat.scan import available as scan_available
+from kvstate.adapters import supported_model_types
 from kvstate.cli import main
 from kvstate.errors import InputError
 from kvstate.testing.tiny import QWEN_VL, RECURRENT

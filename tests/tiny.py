@@ -83,7 +83,9 @@ def count_forwards(model):
     @contextlib.contextmanager
     def counting():
         calls = [0]
-        handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        # a global hook, so the model's own hook tables (part of its self-check key) stay as they were
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda module, _: calls.__setitem__(0, calls[0] + (module is model)))
         try:
             yield calls
         finally:

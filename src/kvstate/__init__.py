@@ -1,5 +1,7 @@
 """kvstate: explicit, portable, provably exact generation state for transformers models.
 
+The top level holds what a user needs (``__all__``); everything else lives in its
+subpackage (``kvstate.errors``, ``kvstate.layers``, ``kvstate.adapters``, ``kvstate.compress``).
 Names are imported on first use (PEP 562), so ``import kvstate`` and ``kvstate --help``
 do not load torch or transformers.
 """
@@ -10,63 +12,41 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._compat import versions as _versions
+from ._version import __version__ as __version__
 
-__version__ = "0.2.0"
 _versions.check()  # a transformers outside the tested window: one line naming it (docs/versions.md)
 
-_EXPORTS = {
-    "Session": "session", "StoreWarning": "errors",
-    "State": "state", "LayerState": "layers", "AttentionLayerState": "layers",
-    "ResumePlan": "resume",
-    "PrefixStore": "store",
-    "save_state": "io", "load_state": "io", "inspect_state": "io",
-    "Fingerprint": "fingerprint", "fingerprint": "fingerprint",
-    "Adapter": "adapters", "Capabilities": "adapters", "register": "adapters", "supported_model_types": "adapters",
-    "continue_text": "text",
-    "KVStateError": "errors", "InputError": "errors", "RollbackError": "errors", "StateFileError": "errors",
-    "UnsupportedError": "errors", "UnsupportedModelError": "errors",
+# The public surface: what a user needs to run, keep and move generation state.
+_PUBLIC = {
+    "Session": "session", "State": "state", "PrefixStore": "store",
+    "save_state": "io", "load_state": "io", "inspect_state": "io", "continue_text": "text",
+    "KVStateError": "errors", "InputError": "errors", "UnsupportedError": "errors", "StateFileError": "errors",
 }
+# Names the top level exported before issue 22, still resolved for old code; each has its home in a subpackage.
+_COMPATIBLE = {
+    "StoreWarning": "errors", "RollbackError": "errors", "UnsupportedModelError": "errors",
+    "LayerState": "layers", "AttentionLayerState": "layers", "ResumePlan": "resume",
+    "Fingerprint": "identity", "fingerprint": "adapters.fingerprinting",
+    "Adapter": "adapters", "Capabilities": "adapters", "register": "adapters", "supported_model_types": "adapters",
+}
+_EXPORTS = {**_PUBLIC, **_COMPATIBLE}
 __all__ = [
-    "Adapter",
-    "AttentionLayerState",
-    "Capabilities",
-    "Fingerprint",
     "InputError",
     "KVStateError",
-    "LayerState",
     "PrefixStore",
-    "ResumePlan",
-    "RollbackError",
     "Session",
     "State",
     "StateFileError",
-    "StoreWarning",
     "UnsupportedError",
-    "UnsupportedModelError",
     "continue_text",
-    "fingerprint",
     "inspect_state",
     "load_state",
-    "register",
     "save_state",
-    "supported_model_types",
 ]
 
 if TYPE_CHECKING:
-    from .adapters import Adapter, Capabilities, register, supported_model_types
-    from .errors import (
-        InputError,
-        KVStateError,
-        RollbackError,
-        StateFileError,
-        StoreWarning,
-        UnsupportedError,
-        UnsupportedModelError,
-    )
-    from .fingerprint import Fingerprint, fingerprint
+    from .errors import InputError, KVStateError, StateFileError, UnsupportedError
     from .io import inspect_state, load_state, save_state
-    from .layers import AttentionLayerState, LayerState
-    from .resume import ResumePlan
     from .session import Session
     from .state import State
     from .store import PrefixStore
@@ -83,4 +63,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted([*globals(), *__all__])

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .models.load import DEVICES, DTYPES
 from .verify.faults import FAULTS
 
 EPILOG = """examples:
@@ -32,6 +33,8 @@ models: 'default' (the embedded Gemma-3-270M), 'tiny:<model_type>' (random weigh
 tokenizer; any causal-LM type transformers ships), or a local folder with config.json,
 weights and tokenizer files. kvstate never
 downloads: fetch a hub model with `huggingface-cli download <id> --local-dir <folder>`.
+--dtype auto loads a folder in its checkpoint's dtype (on CUDA where available);
+'default' and tiny models load in float32 on the CPU unless --dtype/--device say otherwise.
 """
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
@@ -42,7 +45,7 @@ class UserError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
-        sys.stderr.write(f"kvstate: error: {message} (see `{self.prog} --help`)\n")
+        sys.stderr.write(f"kvstate: error: {one_line(message)} (see `{self.prog} --help`)\n")
         raise SystemExit(2)
 
 
@@ -64,6 +67,16 @@ def backends(text: str) -> list[str]:
     return names
 
 
+def model_options(parser: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--device``, the same on every command that loads a model."""
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="weights dtype; 'auto' (default) is the checkpoint's own (config.dtype) for a folder, "
+                        "float32 for 'default' and tiny models")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="where the model runs; 'auto' (default) is CUDA where available for a folder, the CPU "
+                        "for 'default' and tiny models; an unavailable device is an error (exit 2)")
+
+
 def _parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog="kvstate", description="Explicit, portable, exact generation state for transformers.",
@@ -79,8 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default="default",
                    help="'default' (embedded Gemma-3-270M), 'tiny:<model_type>' (random tiny "
                    "config), or a local folder for from_pretrained")
+    model_options(v)
     v.add_argument("--prompt", help="prompt text (default: a built-in paragraph)")
     v.add_argument("--prompt-file", type=Path, help="read the prompt text from this file")
+    _max_input_option(v)
     v.add_argument("--new-tokens", type=positive, default=16, help="greedy tokens to compare (default 16)")
     v.add_argument("--backends", type=backends, help=f"comma-separated attention backends, from {BACKENDS} "
                    "(default: the model's own)")
@@ -96,16 +111,22 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="JSON (schema: docs/inspect.schema.json)")
     p = sub.add_parser("prefill", help="process a prompt once and save the state to a file")
     p.add_argument("--model", default="default", help="'default' or a local folder with a tokenizer")
+    model_options(p)
     p.add_argument("--prompt-file", type=Path, required=True, help="text file with the prompt")
+    _max_input_option(p)
     p.add_argument("--out", type=Path, required=True, help="state file to write")
     p.add_argument("--chunk-size", type=positive, default=256, help="tokens per forward (progress granularity)")
     g = sub.add_parser("generate", help="continue a saved state, or a store's prefix, with text; prints the answer")
     g.add_argument("--model", default="default", help="'default' or a local folder with a tokenizer")
+    model_options(g)
     g.add_argument("--state", type=Path, help="state file from `kvstate prefill`")
     g.add_argument("--store", help="prefix store (folder or redis://...): reuse and save prefixes")
     g.add_argument("--prompt", default="", help="text after the saved text (with --state), or the whole prompt")
     g.add_argument("--max-new-tokens", type=positive, default=64)
     g.add_argument("--save", type=Path, help="also save the continued conversation here")
+    g.add_argument("--cast-state", action="store_true",
+                   help="with --state: cast a state file of another dtype to the model's (lossy when narrowing; "
+                   "recorded in the state's metadata). Without it such a file is refused")
     st = sub.add_parser("store", help="inspect or prune a prefix store")
     st.add_argument("action", choices=["stats", "ls", "prune", "health"])
     st.add_argument("--store", required=True, help="folder or redis://host:port/db")
@@ -113,34 +134,48 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     from .serve.cli import add_parser
 
-    add_parser(sub, positive)
+    add_parser(sub, positive, model_options)
     return parser
 
 
-def _load(spec: str, attn: str | None = None, *, text: str | None = None) -> tuple[Any, Any]:
+def _max_input_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-input-bytes", type=positive, metavar="N",
+                        help="refuse a --prompt-file larger than N bytes (default: $KVSTATE_MAX_INPUT_BYTES, "
+                        "else 64 MiB); only regular files are read")
+
+
+def _load(args: argparse.Namespace, attn: str | None = None, *, text: str | None = None) -> tuple[Any, Any]:
     """Model and tokenizer; ``text`` names the command when it needs a tokenizer (checked before weights load)."""
-    from .testing import models
+    from . import models
 
-    return models.load_model(spec, attn, need_tokenizer=text)
+    return models.load_model(args.model, attn, need_tokenizer=text, dtype=args.dtype, device=args.device)
 
 
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, limit: int | None) -> str:
+    """A prompt file's text: a regular file of at most ``limit`` bytes (bounded read), in UTF-8."""
+    from .io.paths import max_input_bytes, read_bounded
+
+    data = read_bounded(path, max_input_bytes(limit), "prompt file")
     try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read prompt file {path}: {exc.strerror if isinstance(exc, OSError) else exc}; "
-                        "pass a readable UTF-8 text file") from exc
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"cannot read prompt file {str(path)!r}: {exc}; pass a UTF-8 text file") from exc
 
 
-def _check_save_path(path: Path) -> None:
-    """Refuse an output path before any work, not after the answer."""
-    from .io.container import check_target
+def _check_save_path(path: Path) -> Path:
+    """Refuse an output path before any work, not after the answer; returns the file it will replace."""
+    from .io.paths import save_target
 
-    check_target(path)
+    return save_target(path)
+
+
+def one_line(text: str) -> str:
+    """``text`` with newlines and other control characters escaped, so an error stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Any, text: str | None) -> Any:
-    from .testing.tiny import tiny_prompt
+    from .models.tiny import tiny_prompt
     from .verify import DEFAULT_PROMPT
 
     if tokenizer is None:
@@ -162,14 +197,15 @@ def _verify(args: argparse.Namespace) -> int:
         print("# any other causal LM: structural adapter after a self-check (docs/coverage.md)", file=sys.stderr)
         return 0
     reports = []
-    prompt = _read_text(args.prompt_file) if args.prompt_file else args.prompt  # before any model loads
+    prompt = _read_text(args.prompt_file, args.max_input_bytes) if args.prompt_file else args.prompt
+    markdown = None if args.markdown in (None, "-") else _check_save_path(Path(args.markdown))  # before any model
     text = None if args.model.startswith("tiny:") else "verify"  # a prompt to encode
     for backend in args.backends or [None]:
-        model, tokenizer = _load(args.model, backend, text=text)
+        model, tokenizer = _load(args, backend, text=text)
         new_tokens = 4 if args.quick and args.new_tokens == 16 else args.new_tokens
         reports.append(verify(
             model, _prompt_ids(args, tokenizer, prompt), new_tokens=new_tokens, name=args.model,
-            fresh=lambda backend=backend: _load(args.model, backend)[0], spec=args.model,
+            fresh=lambda backend=backend: _load(args, backend)[0], spec=args.model,
             fault=args.inject, quick=args.quick, progress=True))
     ok = all(r.ok for r in reports)
     if args.json:
@@ -178,7 +214,7 @@ def _verify(args: argparse.Namespace) -> int:
         print("\n\n".join(r.table(colour=sys.stdout.isatty()) for r in reports))
     if args.markdown:
         text = "\n".join(r.markdown() for r in reports)
-        sys.stdout.write(text) if args.markdown == "-" else Path(args.markdown).write_text(text)
+        sys.stdout.write(text) if markdown is None else markdown.write_text(text)
     return 0 if ok else 1
 
 
@@ -194,7 +230,8 @@ def _inspect_table(info: dict[str, Any]) -> str:
     model = info["model"] or {}
     lines = [
         f"state file   {info['path']}",
-        f"format       {info['format']} v{info['version']}, storage {info['storage']}, kv {info['kv_dtype']}",
+        f"format       {info['format']} v{info['version']}, storage {info['storage']}, kv {info['kv_dtype']} "
+        f"on {info.get('device') or 'unrecorded device'}",
         f"model        {model.get('model_type')} {model.get('architectures')}, dtype {model.get('dtype')}, "
         f"config {str(model.get('config_hash'))[:12]}, weights {str(model.get('weights_digest'))[:12]}",
         f"tokens       {info['tokens_seen']} seen, batch {info['batch_size']}, "
@@ -216,9 +253,9 @@ def _prefill(args: argparse.Namespace) -> int:
 
     from .session import Session
 
-    text = _read_text(args.prompt_file)
+    text = _read_text(args.prompt_file, args.max_input_bytes)
     _check_save_path(args.out)
-    model, tokenizer = _load(args.model, text="prefill")
+    model, tokenizer = _load(args, text="prefill")
     ids = tokenizer(text, return_tensors="pt").input_ids
     session = Session(model, tokenizer=tokenizer, chunk_size=args.chunk_size)
     with tqdm(total=ids.shape[1], desc="prefill", unit="tok", file=sys.stderr) as bar:
@@ -242,6 +279,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError("generate needs exactly one of --state FILE or --store LOCATION")
     if args.store is not None and not args.prompt:
         raise UserError("generate --store needs --prompt: the text to answer")
+    if args.cast_state and args.state is None:
+        raise UserError("--cast-state casts a state file: pass it with --state FILE")
     if args.save:
         _check_save_path(args.save)
     if args.state is not None:
@@ -249,10 +288,10 @@ def _generate(args: argparse.Namespace) -> int:
 
         inspect_state(args.state)  # a missing or broken file is refused before the model loads
     store = _open_store(args.store) if args.store is not None else None
-    model, tokenizer = _load(args.model, text="generate")
+    model, tokenizer = _load(args, text="generate")
     start = time.perf_counter()
     if args.state is not None:
-        session = Session.load(args.state, model, tokenizer=tokenizer)
+        session = Session.load(args.state, model, tokenizer=tokenizer, cast_dtype=args.cast_state)
     else:
         session = Session(model, tokenizer=tokenizer, store=store)
     # one tokenization (exact at the boundary); the answer's last token is processed too, so a --save
@@ -319,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         name = "" if isinstance(exc, UserError) else f"{type(exc).__name__}: "
-        print(f"kvstate: error: {name}{exc}", file=sys.stderr)
+        print(f"kvstate: error: {one_line(f'{name}{exc}')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvstate: interrupted", file=sys.stderr)
@@ -327,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # not a known mistake: still one line, the traceback with --debug
         if args.debug:
             raise
-        print(f"kvstate: error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr)
+        print(f"kvstate: error: {one_line(f'{type(exc).__name__}: {exc}')} (rerun with --debug for the traceback)",
+              file=sys.stderr)
         return 1
 
 

@@ -50,6 +50,10 @@ class DeviceMismatchError(InputError):
     """State tensors live on another device than the model."""
 
 
+class DeviceUnavailableError(InputError):
+    """A model was asked for on a device this machine does not have (``--device cuda`` without CUDA)."""
+
+
 class DtypeMismatchError(InputError):
     """State tensors have another dtype than the model's K/V."""
 
@@ -96,3 +100,12 @@ class StoreWarning(UserWarning):
 
 class TransformersVersionError(KVStateError, ImportError):
     """The installed transformers is outside the window kvstate is tested with (``import kvstate``)."""
+
+
+class SaveTargetError(StateFileError):
+    """A save path kvstate must not replace (a device, FIFO, socket, folder or dangling symlink),
+    or one it cannot write; raised before any work is done."""
+
+
+class InputFileError(KVStateError):
+    """A file to read (a prompt file) is not a regular file, is over the size cap, or cannot be read."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .adapters.fingerprinting import mismatch
 from .errors import (
     BatchMismatchError,
     DeviceMismatchError,
@@ -23,7 +24,7 @@ from .errors import (
     PositionError,
     UnsupportedError,
 )
-from .fingerprint import Fingerprint, mismatch
+from .identity import Fingerprint
 from .state import State
 
 
@@ -50,16 +51,9 @@ def as_ids(input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], de
     return ids
 
 
-def check_session_args(model: object, tokenizer: object = None, state: object = None) -> None:
-    """``Session(model, tokenizer=, state=)`` takes a loaded transformers model, a tokenizer (or None) and a
-    ``State`` (or None); anything else is a typed error here, not an AttributeError later."""
-    from transformers import PretrainedConfig
-
-    if not (isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None), PretrainedConfig)):
-        raise InputError("Session needs a loaded transformers model",
-                         expected="a torch.nn.Module with a transformers config",
-                         found=f"class {model.__name__}" if isinstance(model, type) else type(model).__name__,
-                         fix="pass AutoModelForCausalLM.from_pretrained(...) (an instance, not the class)")
+def check_session_args(tokenizer: object = None, state: object = None) -> None:
+    """``Session(model, tokenizer=, state=)`` takes a tokenizer (or None) and a ``State`` (or None);
+    anything else is a typed error here, not an AttributeError later."""
     if tokenizer is not None and not callable(getattr(tokenizer, "get_vocab", None)):
         raise InputError("tokenizer must be the model's tokenizer", expected="a transformers tokenizer or None",
                          found=type(tokenizer).__name__, fix="pass AutoTokenizer.from_pretrained(...), or omit it")
@@ -189,10 +183,11 @@ def logits_width(model: torch.nn.Module) -> int:
     return int(model.config.get_text_config().vocab_size)  # type: ignore[union-attr,operator]
 
 
-def check_contents(state: State, vocab: int, width: int, kv_shapes: list[tuple[int, int, int] | None]) -> None:
+def check_contents(state: State, vocab: int, width: int, layout: Any) -> None:
     """What a state holds must mean something on this model: token ids in its vocabulary,
-    ``last_logits`` ``[B, V]`` of its output size, and every K/V (checkpoints included) in its
-    head layout ``(H, D_k, D_v)``. A file can be well-formed and still fail these (issue 24)."""
+    ``last_logits`` ``[B, V]`` of its output size, and every checkpoint's K/V in its head layout
+    ``layout.kv_shapes()`` ``(H, D_k, D_v)`` (``Layout.check`` covers the layers). A file can be
+    well-formed and still fail these (issue 24)."""
     if state.tokens.numel() and (int(state.tokens.min()) < 0 or int(state.tokens.max()) >= vocab):
         raise LayoutMismatchError("the state's tokens are outside the model's vocabulary",
                                   expected=f"0 <= id < {vocab}",
@@ -203,17 +198,14 @@ def check_contents(state: State, vocab: int, width: int, kv_shapes: list[tuple[i
         raise LayoutMismatchError("the state's last_logits do not fit the model's output",
                                   expected=f"floating [B, {width}]", found=f"{last.dtype} {tuple(last.shape)}",
                                   fix="load the state into the model it was made with")
-    layers = [(f"layer {i}", i, layer) for i, layer in enumerate(state.layers)]
-    layers += [(f"checkpoint {k} layer {i}", i, layer) for k, c in enumerate(state.checkpoints)
-               for i, layer in c.layers.items()]
-    for where, i, layer in layers:
-        parts = layer.tensors()
-        if "keys" not in parts or i >= len(kv_shapes) or kv_shapes[i] is None:
-            continue
+    keyed = [(f"checkpoint {k} layer {i}", i, layer.tensors()) for k, c in enumerate(state.checkpoints)
+             for i, layer in c.layers.items() if "keys" in layer.tensors()]
+    shapes = layout.kv_shapes() if keyed else []
+    for where, i, parts in keyed:
         found = (parts["keys"].shape[1], parts["keys"].shape[3], parts["values"].shape[3])
-        if found != kv_shapes[i]:
+        if i < len(shapes) and shapes[i] is not None and found != shapes[i]:
             raise LayoutMismatchError(f"{where} K/V head shape differs from the model's",
-                                      expected=f"(kv_heads, key dim, value dim) = {kv_shapes[i]}", found=found,
+                                      expected=f"(kv_heads, key dim, value dim) = {shapes[i]}", found=found,
                                       fix="load the state into the model it was made with")
 
 
@@ -225,10 +217,11 @@ def check_model(state: State, fingerprint: Fingerprint, model: torch.nn.Module, 
                                   found=str(state.device), fix="pass state.to(model.device)")
     kv_dtype = state.kv_dtype
     if kv_dtype is not None and kv_dtype != model_dtype:
-        raise DtypeMismatchError("state K/V dtype differs from the model's",
-                                 expected=str(model_dtype), found=str(kv_dtype),
-                                 fix="load the model in the state's dtype, cast the state (Session.load(..., "
-                                 "cast_dtype=True) or load_state(path, dtype=...)), or reset() and re-feed")
+        made, model_name = str(kv_dtype).removeprefix("torch."), str(model_dtype).removeprefix("torch.")
+        raise DtypeMismatchError(
+            f"the state was made in {made} and the model runs in {model_name}", expected=model_name, found=made,
+            fix=f"load the model in {made} (kvstate: --dtype {made}), or cast the state on purpose: "
+            "Session.load(path, model, cast_dtype=True) (kvstate generate: --cast-state), or reset() and re-feed")
     differences = [] if state.fingerprint is None else \
         mismatch(state.fingerprint, model, fingerprint, cast="kvstate.cast" in state.metadata)
     if differences:

@@ -35,9 +35,16 @@ STATELESS = "stateless"
 
 
 class LayerState(ABC):
-    """The protocol every per-layer state implements."""
+    """The protocol every per-layer state implements; it owns the two counters.
+
+    ``tokens_seen`` is fixed at construction (a verb returns a new layer); ``slots`` is
+    0 here, and a kind that stores slots counts them from its own tensors.
+    """
 
     checkpointed: bool = False  # True: cannot roll back, so State snapshots it at boundaries
+
+    def __init__(self, tokens_seen: int) -> None:
+        self._tokens_seen = tokens_seen
 
     @property
     @abstractmethod
@@ -45,14 +52,14 @@ class LayerState(ABC):
         """Layer kind, e.g. ``full_attention`` or ``sliding_attention``."""
 
     @property
-    @abstractmethod
     def tokens_seen(self) -> int:
         """Token slots processed by this layer, padding included."""
+        return self._tokens_seen
 
     @property
-    @abstractmethod
     def slots(self) -> int:
         """Slots currently stored (``S``)."""
+        return 0
 
     @abstractmethod
     def rollback_limit(self, n_tokens: int) -> str | None:
@@ -102,10 +109,10 @@ class AttentionLayerState(LayerState):
     def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None,
                  positions: torch.Tensor | None, tokens_seen: int,
                  window: int | None = None, reserve: int = 0, compressed_at: int | None = None) -> None:
+        super().__init__(tokens_seen)
         self.keys = keys
         self.values = values
         self.positions = positions
-        self._tokens_seen = tokens_seen
         self.window = window
         self.reserve = reserve
         self.compressed_at = compressed_at
@@ -117,10 +124,6 @@ class AttentionLayerState(LayerState):
     @classmethod
     def empty(cls, window: int | None = None, reserve: int = 0) -> AttentionLayerState:
         return cls(None, None, None, 0, window, reserve)
-
-    @property
-    def tokens_seen(self) -> int:
-        return self._tokens_seen
 
     @property
     def slots(self) -> int:
@@ -227,21 +230,13 @@ class RecurrentLayerState(LayerState):
 
     def __init__(self, conv: dict[int, torch.Tensor], recurrent: dict[int, torch.Tensor],
                  tokens_seen: int) -> None:
+        super().__init__(tokens_seen)
         self.conv = dict(conv)
         self.recurrent = dict(recurrent)
-        self._tokens_seen = tokens_seen
 
     @property
     def kind(self) -> str:
         return RECURRENT
-
-    @property
-    def tokens_seen(self) -> int:
-        return self._tokens_seen
-
-    @property
-    def slots(self) -> int:
-        return 0
 
     def rollback_limit(self, n_tokens: int) -> str | None:
         if n_tokens == self.tokens_seen:
@@ -298,16 +293,13 @@ class HybridLayerState(_WithAttention):
     checkpointed = True
 
     def __init__(self, attention: AttentionLayerState, recurrent: RecurrentLayerState) -> None:
+        super().__init__(recurrent.tokens_seen)
         self.attention = attention
         self.recurrent = recurrent
 
     @property
     def kind(self) -> str:
         return HYBRID
-
-    @property
-    def tokens_seen(self) -> int:
-        return self.recurrent.tokens_seen
 
     def rollback_limit(self, n_tokens: int) -> str | None:
         return self.recurrent.rollback_limit(n_tokens) or self.attention.rollback_limit(n_tokens)
@@ -334,6 +326,7 @@ class IndexedLayerState(_WithAttention):
 
     def __init__(self, attention: AttentionLayerState, indexer_keys: torch.Tensor | None,
                  indexer_positions: torch.Tensor | None = None) -> None:
+        super().__init__(attention.tokens_seen)
         self.attention = attention
         self.indexer_keys = indexer_keys
         self.indexer_positions = indexer_positions
@@ -341,10 +334,6 @@ class IndexedLayerState(_WithAttention):
     @property
     def kind(self) -> str:
         return INDEXED
-
-    @property
-    def tokens_seen(self) -> int:
-        return self.attention.tokens_seen
 
     def rollback_limit(self, n_tokens: int) -> str | None:
         return self.attention.rollback_limit(n_tokens)
@@ -378,20 +367,9 @@ class IndexedLayerState(_WithAttention):
 class StatelessLayerState(LayerState):
     """A layer that stores nothing (an MLP-only block, or one that reads another layer's K/V)."""
 
-    def __init__(self, tokens_seen: int) -> None:
-        self._tokens_seen = tokens_seen
-
     @property
     def kind(self) -> str:
         return STATELESS
-
-    @property
-    def tokens_seen(self) -> int:
-        return self._tokens_seen
-
-    @property
-    def slots(self) -> int:
-        return 0
 
     def rollback_limit(self, n_tokens: int) -> str | None:
         return None if n_tokens <= self.tokens_seen else f"cannot roll forward to {n_tokens} tokens"

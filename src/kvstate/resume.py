@@ -12,21 +12,34 @@ no model and changes nothing, so it is tested on toy states. The rules:
   nothing (``stored-logits``: the first forward of ``generate`` is memoized);
 * otherwise feed at least one token: cut the state back where every layer allows
   (``rollback``), else to the latest checkpoint that fits (``checkpoint``), else
-  start over (``recompute``). A token is never processed twice.
+  start over (``recompute``). A token is never processed twice;
+* under the canonical schedule (``kvstate.schedule``, issue 23) the kept prefix also
+  ends at a cut of the schedule within the state's canonical slots, so every slot fed
+  from there is computed as the cold run computes it (``realign`` when that is the only
+  reason to cut back); the stored logits are used only when they are canonical.
 
+``choose`` asks each source in turn (the session's own state first, then the
+server's pool and the prefix store) and keeps the plan that reuses most.
 ``start_state`` applies a plan (a pure ``State`` operation).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
+from .schedule import Canonical
 from .state import MediaItem, State
 
-MODES = ("continue", "rollback", "checkpoint", "recompute", "stored-logits")
+if TYPE_CHECKING:
+    from .protocols import StateSource
+    from .request import Request
+
+MODES = ("continue", "realign", "rollback", "checkpoint", "recompute", "stored-logits")
+_OFF = Canonical(0)
 
 
 @dataclass(frozen=True)
@@ -35,13 +48,15 @@ class ResumePlan:
 
     ``reused`` slots come from the state (``source`` ``"state"``, or ``"store"`` for a
     prefix loaded from a ``PrefixStore``); ``fed`` slots go through the model before
-    the first new token; ``mode`` is one of ``MODES``.
+    the first new token; ``mode`` is one of ``MODES``. ``start`` is the state the engine
+    starts from (the source's state cut to ``reused``; set by ``choose``).
     """
 
     reused: int
     fed: int
     mode: str
     source: str = "state"
+    start: State | None = field(default=None, repr=False, compare=False)
 
 
 def common_prefix(state: State, ids: torch.Tensor, mask: torch.Tensor) -> int:
@@ -51,6 +66,8 @@ def common_prefix(state: State, ids: torch.Tensor, mask: torch.Tensor) -> int:
     such a slot is processed at a position no fresh run of a longer history gives it. A state
     renumbered by ``ReRotate`` (evicted slots at -1) continues its own frame, unchecked."""
     n = min(state.tokens_seen, ids.shape[1])
+    if state.batch_size != ids.shape[0]:
+        return 0
     same_mask = state.mask[:, :n] == mask[:, :n]
     same_tok = (state.tokens[:, :n] == ids[:, :n]) | ~mask[:, :n]
     if state.positions.dim() == 2 and not bool((state.positions[:, :n] < 0).any()):
@@ -59,6 +76,18 @@ def common_prefix(state: State, ids: torch.Tensor, mask: torch.Tensor) -> int:
     agree = (same_mask & same_tok).all(dim=0)
     bad = (~agree).nonzero()
     return int(bad[0]) if bad.numel() else n
+
+
+def shared_prefix(state: State, tokens: torch.Tensor, media: Sequence[tuple[int, str]]) -> int:
+    """Slots a single-row, unpadded history ``tokens`` ``[1, L]`` shares with ``state``: the common
+    prefix, ending before the first media item (``(start, content hash)``) the state holds other
+    content for. How a pool ranks its states (``kvstate.serve.pool``)."""
+    n = common_prefix(state, tokens.to(state.device), torch.ones_like(tokens, dtype=torch.bool, device=state.device))
+    held = {(m.start, m.digest) for m in state.media}
+    for start, digest in sorted(media):
+        if start < n and (start, digest) not in held:
+            return start
+    return n
 
 
 def media_prefix(state: State, media: Sequence[MediaItem] | None) -> int:
@@ -84,31 +113,68 @@ def safe_point(n: int, spans: Sequence[tuple[int, int]]) -> int:
 
 def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
          spans: Sequence[tuple[int, int]] = (), source: str = "state", rollback: bool = True,
-         media: Sequence[MediaItem] | None = None) -> ResumePlan:
+         media: Sequence[MediaItem] | None = None, schedule: Canonical = _OFF) -> ResumePlan:
     """How to continue the history ``ids`` ``[B, L]`` from ``state`` (see the module docstring).
 
     ``rollback=False`` (a model whose state is not all in the cache): only continuing or
     re-feeding from scratch is allowed. ``media``: the history's media items with their
-    content hashes, when the caller passed every item's pixels.
+    content hashes, when the caller passed every item's pixels. ``schedule``: the canonical
+    schedule (off by default here; ``Session`` turns it on).
     """
     T, L = state.tokens_seen, ids.shape[1]
     spans = (*spans, *((m.start, m.end) for m in state.media))  # what the state processed as one item
     shared = safe_point(min(common_prefix(state, ids, mask), media_prefix(state, media)), spans)
-    if shared == T == L and state.last_logits is not None:
+    canonical = schedule.enabled and not state.is_compressed
+    if shared == T == L and state.last_logits is not None and (not canonical or state.canonical_logits):
         return ResumePlan(T, 0, "stored-logits", source)
     target = safe_point(min(shared, L - 1), spans)
+    if canonical:  # a cut of the schedule, within the slots the cold run computed the same way
+        cut = schedule.last_cut(min(target, state.canonical_for(schedule.chunk)), spans)
+        if media is None and any(cut <= a < T for a, _ in spans):
+            # re-feeding a processed image needs its pixels, which this request did not pass (and a cold
+            # run would need): trust the placeholders and continue, exact to float32 rounding only
+            canonical = False
+        else:
+            target = cut
     if target == T:
         return ResumePlan(T, L - T, "continue", source)
     if not rollback:
         return ResumePlan(0, L, "recompute", source)
     if not state.rollback_limit(target):
         uses_checkpoint = any(layer.rollback_limit(target) for layer in state.layers)
-        return ResumePlan(target, L - target, "checkpoint" if uses_checkpoint else "rollback", source)
+        cut_only_for_schedule = canonical and min(shared, L - 1) >= T
+        mode = "checkpoint" if uses_checkpoint else "realign" if cut_only_for_schedule else "rollback"
+        return ResumePlan(target, L - target, mode, source)
     for checkpoint in reversed(state.checkpoints):
         n = checkpoint.tokens_seen
-        if n <= target and safe_point(n, spans) == n and not state.rollback_limit(n):
+        on_cut = not canonical or schedule.last_cut(n, spans) == n
+        if n <= target and on_cut and safe_point(n, spans) == n and not state.rollback_limit(n):
             return ResumePlan(n, L - n, "checkpoint", source)
     return ResumePlan(0, L, "recompute", source)
+
+
+def choose(sources: Sequence[tuple[str, StateSource]], request: Request, empty: State, *, rollback: bool,
+           schedule: Canonical, adopt: Callable[[State], State]) -> ResumePlan:
+    """The plan that reuses most over ``sources`` (the session's own state first: it wins ties).
+
+    Each source after the first is asked only for a state longer than the best plan so far
+    reuses; ``adopt`` checks (and moves) a state a source hands out. The chosen plan carries
+    its ``start`` state: the source's state cut to the plan, or ``empty`` to start over.
+    """
+    best_plan, best_state = None, empty
+    at_most = request.ids.shape[1]
+    for name, source in sources:
+        longer_than = -1 if best_plan is None else best_plan.reused
+        found = source.lookup(request.query, longer_than=longer_than, at_most=at_most)  # type: ignore[arg-type]
+        if found is None:
+            continue
+        state = found if best_plan is None else adopt(found)
+        candidate = plan(state, request.ids, request.mask, request.spans, name, rollback, request.media, schedule)
+        if best_plan is None or (candidate.reused, candidate.mode == "stored-logits") > (
+                best_plan.reused, best_plan.mode == "stored-logits"):
+            best_plan, best_state = candidate, state
+    assert best_plan is not None, "the session's own state always answers"
+    return replace(best_plan, start=start_state(best_state, best_plan, empty))
 
 
 def best(plans: Sequence[ResumePlan]) -> ResumePlan:

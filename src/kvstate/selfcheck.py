@@ -21,26 +21,24 @@ with ``UnsupportedModelError`` naming what failed (attention that is not causal,
 outside the cache, a cache the model does not fill). Matching means the project
 tolerance, max |Δ| <= 1e-5 x max |reference| in fp32 (8 ulps of the dtype otherwise).
 
-Verdicts are cached as JSON per architecture and transformers version, under the user
-cache dir (``KVSTATE_SELFCHECK_CACHE`` overrides the folder; ``off`` disables the cache).
+Verdicts are cached as signed JSON per architecture, transformers version and model (its
+weights and in-place module state, ``kvstate.verdict_cache``), under the user cache dir
+(``KVSTATE_SELFCHECK_CACHE`` overrides the folder; ``off`` disables the cache).
 ``kvstate verify`` remains the full proof.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from . import _compat
+from . import _compat, verdict_cache
 from ._compat.scan import mixers
 from .adapters import Adapter
 from .adapters.base import registered
+from .adapters.binding import Binding, bound
 from .adapters.structural import StructuralAdapter, structural_caps
 from .engine import Engine, FeedSettings
 from .errors import UnsupportedError, UnsupportedModelError
@@ -50,6 +48,7 @@ PROBE_VERSION = 4  # bump when the probe changes, so cached verdicts are redone
 # config fields bounding how far back a token attends (windows, sparse top-k): the probe goes past them
 _WINDOW_FIELDS = ("sliding_window", "attention_window_size", "keep_window_size", "index_topk", "window_size",
                   "local_window_size", "attention_chunk_size")
+_MODES = ("exact", "exact-scan", "stepwise", "refused")
 _SETTINGS = FeedSettings(chunk_size=64, checkpoint_every=None, max_checkpoints=4)
 
 
@@ -61,6 +60,13 @@ class Verdict:
     rollback: bool
     reason: str | None
     seconds: float
+
+
+def bind(model: torch.nn.Module) -> Binding:
+    """The model bound to its family's adapter (``adapter_for``): the one entry every session,
+    server and verify run takes to a model. It lives beside the self-check because an
+    unregistered model earns its adapter by running the engine."""
+    return bound(model, adapter_for(model))
 
 
 def adapter_for(model: torch.nn.Module) -> Adapter:
@@ -102,16 +108,25 @@ def _refusal(model: torch.nn.Module, reason: str | None) -> UnsupportedModelErro
 
 
 def cached_verdict(model: torch.nn.Module, adapter: StructuralAdapter) -> Verdict:
-    """The verdict for this architecture, from the cache or from a fresh probe."""
-    path = _cache_path(model, adapter)
-    if path is not None and path.is_file():
+    """The verdict for this model, from the signed cache (``kvstate.verdict_cache``) or from a fresh probe."""
+    key = _cache_key(model, adapter)
+    stored = verdict_cache.read(key) if key is not None else None
+    if stored is not None:
         try:
-            return Verdict(**json.loads(path.read_text()))
-        except (ValueError, TypeError, OSError):
-            pass  # a damaged entry: probe again and rewrite it
+            return _verdict(stored)
+        except (ValueError, TypeError):
+            pass  # signed, yet not a verdict this version reads: probe again and rewrite it
     verdict = probe(model, adapter)
-    if path is not None:
-        _write(path, json.dumps(asdict(verdict)))
+    if key is not None:
+        verdict_cache.write(key, asdict(verdict))
+    return verdict
+
+
+def _verdict(stored: dict[str, object]) -> Verdict:
+    verdict = Verdict(**stored)  # type: ignore[arg-type]
+    if verdict.mode not in _MODES or not isinstance(verdict.rollback, bool) or \
+            not isinstance(verdict.reason, str | None):
+        raise ValueError(f"not a verdict: {stored!r}")
     return verdict
 
 
@@ -128,7 +143,7 @@ def probe(model: torch.nn.Module, adapter: StructuralAdapter) -> Verdict:
 def _probe(model: torch.nn.Module, adapter: StructuralAdapter) -> tuple[str, bool, str | None]:
     ids = _random_ids(model, probe_length(model))
     n = ids.shape[1]
-    chunked = Engine(model, adapter.with_mode(stepwise=False, rollback=True))
+    chunked = Engine(bound(model, adapter.with_mode(stepwise=False, rollback=True)))
     whole = _feed(chunked, _empty(chunked), ids)
     if not _same_kv(whole, _feed(chunked, _empty(chunked), ids), n):
         return "refused", False, "two identical forwards from an empty cache disagree: state lives outside the cache"
@@ -138,11 +153,11 @@ def _probe(model: torch.nn.Module, adapter: StructuralAdapter) -> tuple[str, boo
     heads = [_feed(chunked, _empty(chunked), ids[:, :k]) for k in (n // 3, 2 * n // 3)]  # two split points
     engine, mode = chunked, "exact"
     if not _continues(chunked, heads, ids, whole, crash_is_mismatch=True):
-        scanning = Engine(model, adapter.with_mode(stepwise=False, rollback=True, scan=True))
+        scanning = Engine(bound(model, adapter.with_mode(stepwise=False, rollback=True, scan=True)))
         if mixers(model) and _continues(scanning, heads, ids, whole, crash_is_mismatch=True):
             engine, mode = scanning, "exact-scan"  # chunks exact once the scan starts from the cache
         else:
-            engine, mode = Engine(model, adapter.with_mode(stepwise=True, rollback=True)), "stepwise"
+            engine, mode = Engine(bound(model, adapter.with_mode(stepwise=True, rollback=True))), "stepwise"
     if mode == "stepwise" and not _continues(engine, heads, ids, whole):
         return "refused", False, ("continuing from the cache does not reproduce a whole forward, in chunks or "
                                   "one token at a time: the attention is not causal, or state lives outside "
@@ -216,7 +231,7 @@ def _generates_alike(model: torch.nn.Module, engine: Engine, head: State, ids: t
 
     options = resolve(model, {"max_new_tokens": 3, "do_sample": False})
     feed = engine.feed_for(head, ids[:, head.tokens_seen:], torch.ones_like(ids, dtype=torch.bool), {})
-    mine = engine.generate(head, feed, ids, torch.ones_like(ids, dtype=torch.bool), options, _SETTINGS).tokens
+    mine = engine.generate(head, feed, ids, torch.ones_like(ids, dtype=torch.bool), options, _SETTINGS)[2]
     with torch.no_grad():
         plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,  # type: ignore[operator]
                                eos_token_id=None)[:, ids.shape[1]:]
@@ -225,7 +240,7 @@ def _generates_alike(model: torch.nn.Module, engine: Engine, head: State, ids: t
 
 def kv_shapes(model: torch.nn.Module, adapter: StructuralAdapter) -> list[tuple[int, int, int] | None]:
     """Per layer, ``(H, D_k, D_v)`` of what one forward stored (None: no K/V)."""
-    engine = Engine(model, adapter)
+    engine = Engine(bound(model, adapter))
     state = _feed(engine, _empty(engine), _random_ids(model, 2))
     out: list[tuple[int, int, int] | None] = []
     for layer in state.layers:
@@ -268,30 +283,12 @@ def _close(actual: torch.Tensor | None, reference: torch.Tensor | None) -> bool:
     return bool(torch.isfinite(a).all()) and float((a - b).abs().max()) <= ulps * float(b.abs().max())
 
 
-def _cache_path(model: torch.nn.Module, adapter: StructuralAdapter) -> Path | None:
-    setting = os.environ.get("KVSTATE_SELFCHECK_CACHE")
-    if setting == "off":
+def _cache_key(model: torch.nn.Module, adapter: StructuralAdapter) -> str | None:
+    if verdict_cache.folder() is None:
         return None
-    if setting:
-        folder = Path(setting)
-    else:
-        import platformdirs
-
-        folder = Path(platformdirs.user_cache_dir("kvstate")) / "selfcheck"
     import transformers
 
     layout = [kind for kind, _ in adapter.layer_specs(model)]
-    key = json.dumps([PROBE_VERSION, transformers.__version__, getattr(model.config, "model_type", ""),  # type: ignore[union-attr]
-                      type(model).__name__, layout, str(next(model.parameters()).dtype)])
-    return folder / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-
-
-def _write(path: Path, text: str) -> None:
-    """Best effort: a cache that cannot be written only costs the next probe."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    return verdict_cache.model_key(model, [PROBE_VERSION, transformers.__version__,
+                                           getattr(model.config, "model_type", ""),  # type: ignore[union-attr]
+                                           type(model).__name__, layout, str(next(model.parameters()).dtype)])

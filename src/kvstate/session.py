@@ -2,16 +2,19 @@
 
 Every verb takes the same walk (``docs/architecture.md``):
 
-1. **validate** the caller's ids, masks, options and media, copying what it keeps;
-2. **plan** with pure code (``kvstate.resume``): which prefix of the state to keep;
+1. **validate** the caller's ids, masks, options and media (``kvstate.request``);
+2. **plan** with pure code (``kvstate.resume``): which source's state to start from
+   (the session's own first, then the server's pool or a prefix store) and which
+   prefix of it to keep;
 3. **run** the model through the ``Engine``, which returns a new ``State``;
-4. **commit** that state with one assignment.
+4. **commit** that state with one assignment, after offering it to the sinks.
 
 States are immutable and the engine never changes the one it is given, so an
 exception at any step, ``KeyboardInterrupt`` included, leaves ``session.state``
-exactly as it was. A prefix store is read before planning and offered the new
-state just before the commit; a store that fails costs a warning, never the answer. ``fork`` is O(1):
-forks share tensors until one of them moves on, and nothing writes in place.
+exactly as it was. A source or sink that fails costs a warning, never the answer.
+``fork`` is O(1): forks share tensors until one of them moves on, and nothing writes
+in place. Under the canonical schedule (the default, ``kvstate.schedule``) every
+warm answer equals the cold answer bit for bit.
 """
 
 from __future__ import annotations
@@ -27,16 +30,10 @@ from typing import Any
 import torch
 
 from . import resume
-from .engine import Engine, FeedSettings, Generated
-from .errors import (
-    FingerprintMismatchError,
-    InputError,
-    LayoutMismatchError,
-    RollbackError,
-    StoreWarning,
-    UnsupportedError,
-)
-from .fingerprint import Fingerprint, fingerprint
+from .adapters.fingerprinting import fingerprint
+from .engine import Engine, FeedSettings, Outcome
+from .errors import FingerprintMismatchError, InputError, RollbackError, StoreWarning
+from .identity import Fingerprint
 from .inputs import (
     as_ids,
     check_batch,
@@ -45,18 +42,17 @@ from .inputs import (
     check_positions,
     check_session_args,
     full_mask,
-    history_mask,
     logits_width,
     model_inputs,
-    refuse_media,
 )
-from .options import check_length, resolve
-from .protocols import PrefixCache, PrefixQuery
+from .protocols import PrefixCache, PrefixQuery, StateSource
+from .request import IdsLike, Request, check_padding, media_items, validate
 from .resume import ResumePlan
-from .selfcheck import adapter_for, vocab_size
+from .schedule import Canonical
+from .selfcheck import bind, vocab_size
 from .state import MediaItem, State
 
-IdsLike = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
+DEFAULT_CANONICAL_CHUNK = 64  # tokens per canonical prefill chunk (bench/bench_canonical.py measures it)
 
 
 class Session:
@@ -65,16 +61,21 @@ class Session:
     Args:
         model: a transformers causal LM whose family kvstate supports.
         tokenizer: optional; only hashed into the state's fingerprint.
-        chunk_size: longest run of tokens fed in one forward.
+        chunk_size: longest run of tokens fed in one forward when the canonical schedule is off.
+        canonical_chunk: ``C``, tokens per canonical prefill chunk (``kvstate.schedule``): feeds are cut
+            at multiples of ``C``, and a resume restarts from the last such cut it holds, so a warm
+            answer is the cold answer bit for bit in every dtype. 0 turns it off (a resume then keeps
+            the longest common prefix: exact within float32 rounding, not bitwise).
         sliding_reserve: extra slots each sliding-window layer keeps beyond its
             window, so the state can roll back that many tokens (memory: reserve x
             sliding layers x K/V bytes per token).
         max_checkpoints: snapshots of non-croppable (recurrent) layers kept for rollback;
-            the oldest is evicted first. Taken at the end of every call.
+            the oldest is evicted first. Taken at the end of every call and at canonical cuts.
         checkpoint_every: also checkpoint every N tokens inside long feeds.
-        store: a ``kvstate.PrefixStore`` (any ``kvstate.protocols.PrefixCache``);
-            ``generate`` starts from the longest stored prefix of its history and
-            writes prefixes back.
+        store: a ``kvstate.PrefixStore``: ``generate`` starts from the longest stored prefix of
+            its history and writes prefixes back (the same as ``sources=[store]``).
+        sources: more prefix caches after the session's own state and ``store`` (``PrefixCache``:
+            the server's pool, another store); each is asked for prefixes and offered new states.
         state: start from this state instead of an empty one (checked against the model).
 
     A session is used by one thread at a time; sessions that share a model may run
@@ -82,24 +83,27 @@ class Session:
     """
 
     def __init__(self, model: torch.nn.Module, *, tokenizer: object | None = None,
-                 chunk_size: int = 512, sliding_reserve: int = 64, max_checkpoints: int = 16,
-                 checkpoint_every: int | None = None, store: PrefixCache | None = None,
-                 state: State | None = None, _fingerprint: Fingerprint | None = None) -> None:
-        check_session_args(model, tokenizer, state)
-        _check_settings(chunk_size=chunk_size, sliding_reserve=sliding_reserve, max_checkpoints=max_checkpoints,
-                        checkpoint_every=checkpoint_every)
-        _check_inference_mode(model)
+                 chunk_size: int = 512, canonical_chunk: int = DEFAULT_CANONICAL_CHUNK, sliding_reserve: int = 64,
+                 max_checkpoints: int = 16, checkpoint_every: int | None = None, store: PrefixCache | None = None,
+                 sources: Sequence[PrefixCache] = (), state: State | None = None,
+                 _fingerprint: Fingerprint | None = None) -> None:
+        _check_settings(chunk_size=chunk_size, canonical_chunk=canonical_chunk, sliding_reserve=sliding_reserve,
+                        max_checkpoints=max_checkpoints, checkpoint_every=checkpoint_every)
+        _check_model(model)
+        check_session_args(tokenizer, state)
         self.model = model
-        self._adapter = adapter_for(model)
-        self._engine = Engine(model, self._adapter)
+        self._binding = bind(model)
+        self._engine = Engine(self._binding)
         self.chunk_size, self.sliding_reserve = chunk_size, sliding_reserve
+        # families that continue one token per forward cannot run the schedule (docs/exactness.md)
+        self.canonical_chunk = 0 if self._binding.caps.stepwise else canonical_chunk
         self.max_checkpoints, self.checkpoint_every = max_checkpoints, checkpoint_every
         self.store = store
+        self.sources: tuple[PrefixCache, ...] = (*(() if store is None else (store,)), *sources)
+        self._names = (*(() if store is None else ("store",)), *(s.name for s in sources))
         self._fingerprint = _fingerprint or fingerprint(model, tokenizer)
         self.last_plan: ResumePlan | None = None
         self._state = self._empty(1) if state is None else self._adopt(state)
-        if store is not None and checkpoint_every is None and any(x.checkpointed for x in self._state.layers):
-            self.checkpoint_every = store.chunk_tokens  # stored prefixes of recurrent families need checkpoints
 
     # ----- read-only views -------------------------------------------------------------
     @property
@@ -152,8 +156,8 @@ class Session:
         if n is None or isinstance(n_tokens, bool):
             raise InputError("truncate takes a token count", expected="int", found=repr(n_tokens),
                              fix="pass an int between 0 and state.tokens_seen")
-        if not self._adapter.caps.rollback and n != self._state.tokens_seen:
-            raise RollbackError(f"{self._adapter.caps.name} models cannot roll back exactly",
+        if not self._binding.caps.rollback and n != self._state.tokens_seen:
+            raise RollbackError(f"{self._binding.caps.name} models cannot roll back exactly",
                                 expected="a model whose state is all in the cache",
                                 found="the self-check found state outside the cache", fix="reset() and re-feed")
         self._commit(self._state.truncated(n))
@@ -195,20 +199,24 @@ class Session:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: torch.nn.Module, *, cast_dtype: bool = False,
-             tokenizer: object | None = None, chunk_size: int = 512) -> Session:
+             tokenizer: object | None = None, chunk_size: int = 512, canonical_chunk: int | None = None) -> Session:
         """A session on ``model`` continuing the state saved at ``path``.
 
         The state is checked against the model (fingerprint, layers, heads, dtype) and
         moved to the model's device. ``cast_dtype=True`` opts in to casting a state of
-        another dtype; the cast is recorded in ``state.metadata``.
+        another dtype; the cast is recorded in ``state.metadata``. ``canonical_chunk``
+        defaults to the chunk the state was fed with, so its canonical slots stay reusable.
         """
         from .io import load_state
 
-        check_session_args(model, tokenizer)
+        _check_model(model)
         param = next(model.parameters())
         state = load_state(path, map_location=param.device, dtype=param.dtype if cast_dtype else None)
         reserve = max((int(layer.meta().get("reserve") or 0) for layer in state.layers), default=0)
-        return cls(model, tokenizer=tokenizer, chunk_size=chunk_size, sliding_reserve=reserve, state=state)
+        if canonical_chunk is None:
+            canonical_chunk = state.canonical_chunk or DEFAULT_CANONICAL_CHUNK
+        return cls(model, tokenizer=tokenizer, chunk_size=chunk_size, canonical_chunk=canonical_chunk,
+                   sliding_reserve=reserve, state=state)
 
     # ----- feeding tokens --------------------------------------------------------------
     def extend(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None, *,
@@ -222,21 +230,26 @@ class Session:
             position_ids: optional ``[B, Q]``; must equal the positions that continue
                 the state (checked), since kvstate assigns them itself.
             inputs: the family's media inputs for these tokens (e.g. ``pixel_values``).
+
+        Under the canonical schedule the new slots are canonical when the state ends at a cut
+        (``generate`` then reuses them); otherwise they are fed in chunks of ``chunk_size``.
         """
-        inputs = model_inputs(inputs, self._adapter.caps.input_keys, self._adapter.caps.name)
+        binding = self._binding
+        inputs = model_inputs(inputs, binding.inputs.keys, binding.caps.name)
         self._check_weights()
         ids = self._ids(input_ids)
         state = self._state_for_batch(ids.shape[0])
         if ids.shape[1] == 0:
             raise InputError("extend needs at least one new token", expected="Q >= 1", found=0)
         mask = full_mask(state, state.tokens_seen + ids.shape[1], attention_mask, self.device)
-        self._check_padding(mask)
-        self._adapter.check_inputs(self.model, ids, inputs, 0)
-        feed = self._engine.feed_for(state, ids, mask, inputs)
-        new_mask = mask[:, state.tokens_seen:]
-        check_positions(state, position_ids, self._adapter.model_positions(feed.positions), new_mask)
+        check_padding(binding, mask)
+        binding.inputs.check(ids, inputs, 0)
+        spans = tuple((a + state.tokens_seen, b + state.tokens_seen) for a, b in binding.inputs.spans(ids, inputs))
+        feed = self._engine.feed_for(state, ids, mask, inputs, spans)
+        check_positions(state, position_ids, binding.inputs.model_positions(feed.positions),
+                        mask[:, state.tokens_seen:])
         new = self._engine.feed(state, feed, self._settings()).with_checkpoint(self.max_checkpoints)
-        media = self._media(ids, inputs, self._adapter.media_spans(self.model, ids, inputs), offset=state.tokens_seen)
+        media = media_items(binding, ids, inputs, binding.inputs.spans(ids, inputs), offset=state.tokens_seen)
         self._commit(_with_media(new, state, media))
         return new.last_logits.clone()  # type: ignore[union-attr]
 
@@ -246,78 +259,64 @@ class Session:
 
         Every generation option behaves as in ``model.generate(input_ids, **options)``
         (see ``kvstate.options`` for the few that are refused, before anything runs).
-        Reuses the longest processed prefix, rolls back where the layers allow (else
-        resumes from a checkpoint, else re-feeds from scratch), feeds only the
-        unprocessed suffix, and returns the new token ids ``[B, N]``. With
+        Reuses the longest processed prefix the canonical schedule allows, rolls back where
+        the layers allow (else resumes from a checkpoint, else re-feeds from scratch), feeds
+        only the rest, and returns the new token ids ``[B, N]``. With
         ``return_dict_in_generate=True`` the transformers output object is returned,
         its ``sequences`` holding only the new tokens (the state holds the cache).
 
         ``compress=policy, budget=B, every=N`` decodes on at most ``B`` slots per attention
         layer: every ``N`` new tokens the state is compressed to ``B - N`` slots
-        (``kvstate.compress.during``); the prompt is fed whole first.
+        (``kvstate.engine.budgeted``); the prompt is fed whole first.
         """
-        from .compress.during import split_options
+        return self.run(input_ids, attention_mask, **generate_kwargs).output
 
-        budgeted = split_options(generate_kwargs)
-        inputs = {k: generate_kwargs.pop(k) for k in self._adapter.caps.input_keys if k in generate_kwargs}
-        refuse_media(generate_kwargs, self._adapter.caps.input_keys, self._adapter.caps.name)
-        options = resolve(self.model, generate_kwargs)
-        self._check_weights()
-        ids = self._ids(input_ids)
-        state = self._state_for_batch(ids.shape[0])
-        check_length(options, ids.shape[1])
-        mask = history_mask(ids, attention_mask, options.pad_id)
-        self._check_padding(mask)
-        spans = self._adapter.media_spans(self.model, ids, inputs)
-        media = self._media(ids, inputs, spans)
-        query = self._query(ids, mask, media)
-        plan, base = self._plan(state, ids, mask, spans, query, media)
-        self._adapter.check_inputs(self.model, ids, inputs, plan.reused)
-        start = resume.start_state(base, plan, self._empty(ids.shape[0]))
-        feed = None
-        if plan.fed:
-            T = start.tokens_seen
-            feed = self._engine.feed_for(start, ids[:, T:], mask,
-                                         self._adapter.select_inputs(self.model, ids, T, inputs))
-        if budgeted is not None:
-            return self._generate_within(start, feed, ids, mask, options, budgeted, media)
-        generated = self._engine.generate(start, feed, ids, mask, options, self._settings())
-        new = _with_media(generated.state.with_checkpoint(self.max_checkpoints), start, media)
-        if query is not None:  # before the commit: a Ctrl-C while writing leaves the session as it was
-            # the prompt (what a repeated request can reuse) and the conversation (what the next turn can)
-            self._offer((_with_media(generated.prefilled, start, media), new), query)
-        self._commit(new, plan)
-        return _answer(generated, options.return_dict)
+    def run(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None,
+            **generate_kwargs: Any) -> Outcome:
+        """``generate``, returning the whole ``Outcome``: new tokens, output, the slots reused and
+        each row's ``finish_reason``."""
+        request = self._validate(input_ids, attention_mask, generate_kwargs)
+        plan = self._plan(request)
+        outcome = self._engine.run(plan, request, self._settings())
+        outcome = self._recorded(outcome, plan.start, request)  # type: ignore[arg-type]
+        self._offer(outcome, request)
+        self._commit(outcome.state, plan)
+        return outcome
 
     # ----- internals ---------------------------------------------------------------------
-    def _generate_within(self, start: State, feed: Any, ids: torch.Tensor, mask: torch.Tensor, options: Any,
-                         budgeted: tuple[Any, int, int], media: tuple[MediaItem, ...] | None) -> torch.Tensor:
-        """``generate`` in rounds under a slot budget (``kvstate.compress.during``); one commit at the end.
-        The prefix store is not offered the result: a compressed state is not the prompt's cache."""
-        from .compress.apply import compress_state
-        from .compress.during import generate_within, plan_rounds
+    def _validate(self, input_ids: IdsLike, attention_mask: torch.Tensor | None,
+                  kwargs: dict[str, Any]) -> Request:
+        self._check_weights()
+        request = validate(self._binding, self._fingerprint, input_ids, attention_mask, kwargs,
+                           device=self.device, vocab_size=vocab_size(self.model))
+        self._state_for_batch(request.batch_size)
+        return request
 
-        policy, budget, every = budgeted
-        total, ends = plan_rounds(options, ids.shape[1])
-        if ids.shape[0] != 1 or not bool(mask.all()):
-            raise UnsupportedError("generate(compress=...) decodes one row without padding",
-                                   found=f"batch of {ids.shape[0]}, padding: {not bool(mask.all())}",
-                                   fix="run one row per Session, unpadded")
-        settings = self._settings()
-        prefilled = start if feed is None else self._engine.feed(start, feed, settings)
+    def _plan(self, request: Request) -> ResumePlan:
+        own: list[tuple[str, StateSource]] = [("state", _Own(self._state_for_batch(request.batch_size)))]
+        named = zip(self._names, self.sources, strict=True)
+        external = [] if request.query is None else [(n, _Guarded(s)) for n, s in named]
+        return resume.choose([*own, *external], request, self._empty(request.batch_size),
+                             rollback=self._binding.caps.rollback, schedule=Canonical(self.canonical_chunk),
+                             adopt=lambda found: self._adopt(found.to(self.device)))
 
-        def one_more(state: State, token: torch.Tensor) -> State:
-            ones = torch.ones(1, state.tokens_seen + 1, dtype=torch.bool, device=self.device)
-            return self._engine.feed(state, self._engine.feed_for(state, token, ones, {}), settings)
+    def _recorded(self, outcome: Outcome, start: State, request: Request) -> Outcome:
+        """``outcome`` whose states record the media items they processed and a checkpoint at the end."""
+        final = _with_media(outcome.state.with_checkpoint(self.max_checkpoints), start, request.media)
+        return replace(outcome, state=final, prefilled=_with_media(outcome.prefilled, start, request.media))
 
-        state, new = generate_within(
-            prefilled, ids, options, budget=budget, every=every, total=total, ends=ends,
-            compress=lambda st, b: compress_state(self._engine, self.model, st, policy, budget=b),
-            generate=lambda st, h, o: self._engine.generate(st, None, h, torch.ones_like(h, dtype=torch.bool), o,
-                                                            settings),
-            feed=one_more)
-        self._commit(_with_media(state.with_checkpoint(self.max_checkpoints), start, media))
-        return new
+    def _offer(self, outcome: Outcome, request: Request) -> None:
+        """Offer the prompt (what a repeated request can reuse) and the conversation (what the next turn
+        can) to every sink, before the commit: a Ctrl-C while writing leaves the session as it was.
+        A compressed (budgeted) state is not the prompt's cache and is not offered."""
+        if request.query is None or request.budget is not None:
+            return
+        for sink in self.sources:
+            try:
+                sink.offer((outcome.prefilled, outcome.state), request.query, self._engine.seconds_per_token)
+            except Exception as exc:  # the answer is already computed; never lose it to a cache
+                warnings.warn(f"kvstate: prefix store write failed: {type(exc).__name__}: {exc}", StoreWarning,
+                              stacklevel=3)
 
     def _commit(self, state: State, plan: ResumePlan | None = None) -> None:
         """The only place the session's state changes."""
@@ -342,87 +341,18 @@ class Session:
         self._fingerprint = current
 
     def _settings(self) -> FeedSettings:
-        return FeedSettings(self.chunk_size, self.checkpoint_every, self.max_checkpoints)
+        return FeedSettings(self.chunk_size, self.checkpoint_every, self.max_checkpoints, self.canonical_chunk)
 
     def _ids(self, input_ids: IdsLike) -> torch.Tensor:
         return as_ids(input_ids, self.device, vocab_size(self.model))
 
-    def _plan(self, state: State, ids: torch.Tensor, mask: torch.Tensor, spans: Any,
-              query: PrefixQuery | None, media: tuple[MediaItem, ...] | None) -> tuple[ResumePlan, State]:
-        """The best plan over the session's state and, if it helps, the longest stored prefix."""
-        rollback = self._adapter.caps.rollback
-        own = resume.plan(state, ids, mask, spans, rollback=rollback, media=media)
-        stored = None if query is None else self._lookup(query, longer_than=own.reused, at_most=ids.shape[1] - 1)
-        if stored is None:
-            return own, state
-        theirs = resume.plan(stored, ids, mask, spans, source="store", rollback=rollback, media=media)
-        chosen = resume.best([own, theirs])
-        return chosen, stored if chosen is theirs else state
-
-    def _media(self, ids: torch.Tensor, inputs: dict[str, Any], spans: Sequence[tuple[int, int]],
-               offset: int = 0) -> tuple[MediaItem, ...] | None:
-        """The media items of ``ids`` ``[1, Q]`` (their ``spans``; slots shifted by ``offset``) with their
-        content hashes; None for batches, or when the pixels given do not cover every item."""
-        if ids.shape[0] != 1:
-            return None
-        hashes = self._adapter.media_hashes(self.model, ids, inputs)
-        if hashes is None:
-            return None
-        ends = dict(spans)
-        return tuple(MediaItem(offset + start, offset + ends[start], digest) for start, digest in hashes)
-
-    def _query(self, ids: torch.Tensor, mask: torch.Tensor,
-               media: tuple[MediaItem, ...] | None) -> PrefixQuery | None:
-        """What the store keys this history by; None without a store, or for batches and padding."""
-        if self.store is None or ids.shape[0] != 1 or not bool(mask.all()) or media is None:
-            return None
-        return PrefixQuery(self._fingerprint, ids.cpu(), tuple((m.start, m.digest) for m in media))
-
-    def _lookup(self, query: PrefixQuery, *, longer_than: int, at_most: int) -> State | None:
-        try:
-            stored = self.store.lookup(query, longer_than=longer_than, at_most=at_most)
-            return None if stored is None else self._adopt(stored.to(self.device))
-        except Exception as exc:  # a store is a cache: failing to read it is a miss
-            warnings.warn(f"kvstate: prefix store read failed, continuing without it: {type(exc).__name__}: {exc}",
-                          StoreWarning, stacklevel=3)
-            return None
-
-    def _offer(self, states: tuple[State, ...], query: PrefixQuery) -> None:
-        try:
-            self.store.offer(states, query, self._engine.seconds_per_token)
-        except Exception as exc:  # the answer is already committed; never lose it to a cache
-            warnings.warn(f"kvstate: prefix store write failed: {type(exc).__name__}: {exc}", StoreWarning,
-                          stacklevel=3)
-
     def _empty(self, batch_size: int) -> State:
         return self._engine.empty(batch_size, self.sliding_reserve, self._fingerprint)
 
-    def _check_padding(self, mask: torch.Tensor) -> None:
-        if not self._adapter.caps.padding and not bool(mask.all()):
-            raise UnsupportedError(f"padded batches are not supported for {self._adapter.caps.name} models",
-                                   found="padding: attention_mask zeros, or pad_token_id in a history given "
-                                   "without a mask (generate masks those)",
-                                   fix="run one row per Session; to keep pad ids as tokens, pass "
-                                   "attention_mask=torch.ones_like(input_ids)")
-
     def _adopt(self, state: State) -> State:
         check_model(state, self._fingerprint, self.model, self.dtype, self.device)
-        expected = [(layer.kind, layer.meta().get("window")) for layer in self._empty(1).layers]
-        found = [(layer.kind, layer.meta().get("window")) for layer in state.layers]
-        if found != expected:
-            raise LayoutMismatchError("state layers do not match the model's layers",
-                                      expected=f"{len(expected)} layers {expected}",
-                                      found=f"{len(found)} layers {found}",
-                                      fix="load the state into the model it was made with")
-        keyed = [(i, layer.tensors()) for i, layer in enumerate(state.layers) if "keys" in layer.tensors()]
-        shapes = self._adapter.kv_shapes(self.model) if keyed else []
-        for i, tensors in keyed:
-            found = (tensors["keys"].shape[1], tensors["keys"].shape[3], tensors["values"].shape[3])
-            if shapes[i] is not None and found != shapes[i]:
-                raise LayoutMismatchError(f"layer {i} K/V head shape differs from the model's",
-                                          expected=f"(kv_heads, key dim, value dim) = {shapes[i]}", found=found,
-                                          fix="load the state into the model it was made with")
-        check_contents(state, vocab_size(self.model), logits_width(self.model), shapes)
+        self._binding.layout.check(state)
+        check_contents(state, vocab_size(self.model), logits_width(self.model), self._binding.layout)
         return state
 
     def _state_for_batch(self, batch_size: int) -> State:
@@ -433,26 +363,51 @@ class Session:
         return state
 
 
+class _Own:
+    """The session's own state, as source 0."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    def lookup(self, query: PrefixQuery | None, *, longer_than: int, at_most: int) -> State | None:
+        return self.state
+
+
+class _Guarded:
+    """A source whose failure is a miss with a ``StoreWarning`` (a cache that cannot be read is a miss)."""
+
+    def __init__(self, source: StateSource) -> None:
+        self.source = source
+
+    def lookup(self, query: PrefixQuery, *, longer_than: int, at_most: int) -> State | None:
+        try:
+            return self.source.lookup(query, longer_than=longer_than, at_most=at_most)
+        except Exception as exc:
+            warnings.warn(f"kvstate: prefix store read failed, continuing without it: {type(exc).__name__}: {exc}",
+                          StoreWarning, stacklevel=4)
+            return None
+
+
 def _with_media(state: State, start: State, media: tuple[MediaItem, ...] | None) -> State:
     """``state`` (which continued ``start``) recording the items of ``media`` it processed."""
     new = tuple(m for m in media or () if m.start >= start.tokens_seen and m.end <= state.tokens_seen)
     return replace(state, media=(*start.media, *new)) if new else state
 
 
-def _answer(generated: Generated, return_dict: bool) -> Any:
-    """What ``generate`` returns: new ids ``[B, N]``, or the output object holding them."""
-    return generated.output if return_dict else generated.tokens
-
-
-def _check_inference_mode(model: torch.nn.Module) -> None:
-    """Dropout that is active makes every forward random: no state can continue it exactly."""
+def _check_model(model: torch.nn.Module) -> None:
+    """A transformers model, not in training mode with dropout (every forward would be random)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise InputError("Session takes a loaded transformers model", expected="a PreTrainedModel (torch.nn.Module "
+                         "with a config)", found=type(model).__name__,
+                         fix="pass AutoModelForCausalLM.from_pretrained(...) or kvstate.testing.tiny_model(...)")
     if model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
         raise InputError("the model is in training mode, with dropout active", expected="model.eval()",
                          found="model.training = True and dropout p > 0", fix="call model.eval() first")
 
 
 def _check_settings(**settings: int | None) -> None:
-    rules = {"chunk_size": 1, "sliding_reserve": 0, "max_checkpoints": 0, "checkpoint_every": 1}
+    rules = {"chunk_size": 1, "canonical_chunk": 0, "sliding_reserve": 0, "max_checkpoints": 0,
+             "checkpoint_every": 1}
     for name, value in settings.items():
         if value is None and name == "checkpoint_every":
             continue

@@ -16,7 +16,11 @@ Shapes (``B`` batch rows, ``T`` token slots processed, ``V`` vocabulary):
   storage or dtype casts applied on load;
 * ``media`` - one ``MediaItem`` (slot span and content hash) per image or video whose
   slots the state holds, so a history with the same placeholders but other pixels is
-  never continued on stale K/V (issue 13).
+  never continued on stale K/V (issue 13);
+* ``canonical`` / ``canonical_chunk`` - slots ``[0, canonical)`` were computed by the
+  canonical schedule with chunks of ``canonical_chunk`` tokens (``kvstate.schedule``): a
+  resume keeps them up to the schedule's last cut, so a warm answer equals the cold one
+  bit for bit (issue 23). Decoded, compressed or cast slots are not canonical.
 
 ``T`` is *tokens seen*; each layer separately reports *slots stored*. States are
 never modified: operations return new states that share unchanged tensors. The
@@ -37,14 +41,14 @@ from types import MappingProxyType
 import torch
 
 from .errors import RollbackError
-from .fingerprint import Fingerprint
+from .identity import Fingerprint
 from .layers import LayerState
 
 
 @dataclass(frozen=True)
 class MediaItem:
     """An image or video the state processed: its placeholder slots ``[start, end)`` and the
-    content hash of its pixels and grid (``fingerprint.media_digest``)."""
+    content hash of its pixels and grid (``adapters.fingerprinting.media_digest``)."""
 
     start: int
     end: int
@@ -97,6 +101,8 @@ class State:
     metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     checkpoints: tuple[Checkpoint, ...] = ()
     media: tuple[MediaItem, ...] = ()
+    canonical: int = 0
+    canonical_chunk: int = 0
 
     @classmethod
     def empty(cls, layers: tuple[LayerState, ...], fingerprint: Fingerprint | None = None,
@@ -124,6 +130,11 @@ class State:
         return self.tokens_seen == 0
 
     @property
+    def is_compressed(self) -> bool:
+        """Some layer evicted slots (``kvstate.compress``): its slots are no longer the history's tail."""
+        return any(getattr(layer, "compressed", False) for layer in self.layers)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of all layer tensors (K/V and positions)."""
         return sum(layer.nbytes for layer in self.layers)
@@ -141,6 +152,15 @@ class State:
     @property
     def device(self) -> torch.device:
         return self.tokens.device
+
+    def canonical_for(self, chunk: int) -> int:
+        """Leading slots computed by the canonical schedule of ``chunk`` tokens (0 for another chunk)."""
+        return self.canonical if chunk > 0 and chunk == self.canonical_chunk else 0
+
+    @property
+    def canonical_logits(self) -> bool:
+        """``last_logits`` are the cold run's for exactly this history: every slot is canonical."""
+        return self.last_logits is not None and self.canonical_chunk > 0 and self.canonical == self.tokens_seen
 
     def checkpoint_at(self, n_tokens: int) -> Checkpoint | None:
         return next((c for c in self.checkpoints if c.tokens_seen == n_tokens), None)
@@ -188,7 +208,8 @@ class State:
                                                          self.mask[:, :n_tokens], start),
                        last_logits=None,
                        checkpoints=tuple(c for c in self.checkpoints if c.tokens_seen <= n_tokens),
-                       media=tuple(m for m in self.media if m.end <= n_tokens))
+                       media=tuple(m for m in self.media if m.end <= n_tokens),
+                       canonical=min(self.canonical, n_tokens))
 
     def with_checkpoint(self, keep: int) -> State:
         """This state plus a snapshot of its non-croppable layers; keeps the newest ``keep``."""
@@ -232,6 +253,7 @@ class State:
             "checkpoint_nbytes": sum(c.nbytes for c in self.checkpoints),
             "extras": sorted(self.extras),
             "media": [[m.start, m.end, m.digest, m.kept] for m in self.media],
+            "canonical": [self.canonical, self.canonical_chunk],
             "fingerprint": None if self.fingerprint is None else self.fingerprint.to_dict(),
         }
 

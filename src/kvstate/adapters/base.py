@@ -118,6 +118,12 @@ class Adapter:
         """The extra model inputs that belong to tokens after ``processed`` slots."""
         return inputs
 
+    def inputs_until(self, model: torch.nn.Module, ids: torch.Tensor, end: int,
+                     inputs: dict[str, Any]) -> dict[str, Any]:
+        """Of ``inputs`` (which belong to ``ids`` ``[B, L]``), those of the media items starting before
+        slot ``end``: a canonical chunk ends there, after whole items only (issue 23)."""
+        return inputs
+
     def check_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any], fed_from: int) -> None:
         """Raise a typed error unless ``inputs`` fit ``ids`` ``[B, L]``, of which slots from ``fed_from`` on
         go through the model (the media they hold must be given)."""

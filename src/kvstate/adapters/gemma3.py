@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ..errors import InputError, UnsupportedError
-from ..fingerprint import media_digest
 from .base import Adapter, Capabilities
+from .fingerprinting import media_digest
 from .media import placeholder_runs
 
 
@@ -33,6 +33,14 @@ class Gemma3Adapter(Adapter):
             return {}
         done = sum(1 for start, _ in _runs(model, ids[0]) if start < processed)
         return {"pixel_values": pixels[done:]} if done < pixels.shape[0] else {}
+
+    def inputs_until(self, model: torch.nn.Module, ids: torch.Tensor, end: int,
+                     inputs: dict[str, Any]) -> dict[str, Any]:
+        pixels = inputs.get("pixel_values")
+        if pixels is None:
+            return inputs
+        keep = sum(1 for start, _ in _runs(model, ids[0]) if start < end)
+        return {"pixel_values": pixels[:keep]} if keep else {}
 
     def forward_inputs(self, model: torch.nn.Module, before: torch.Tensor, ids: torch.Tensor,
                        inputs: dict[str, Any]) -> dict[str, Any]:

@@ -20,8 +20,8 @@ import torch
 
 from .. import _compat
 from ..errors import InputError, UnsupportedError
-from ..fingerprint import media_digest
 from .base import Adapter, Capabilities
+from .fingerprinting import media_digest
 from .media import placeholder_runs
 
 _IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
@@ -87,6 +87,24 @@ class QwenVLAdapter(Adapter):
                 rest[grid_key] = grid[done:]
                 if kind == _VIDEO and inputs.get("second_per_grid_ts") is not None:
                     rest["second_per_grid_ts"] = inputs["second_per_grid_ts"][done:]
+        return rest
+
+    def inputs_until(self, model: torch.nn.Module, ids: torch.Tensor, end: int,
+                     inputs: dict[str, Any]) -> dict[str, Any]:
+        """The pixels, grids and timings of the images and videos that start before ``end``."""
+        rest = {k: v for k, v in inputs.items() if k not in (*_IMAGE_INPUTS, *_VIDEO_INPUTS)}
+        if "mm_token_type_ids" in rest:
+            rest["mm_token_type_ids"] = rest["mm_token_type_ids"][:, :end]
+        items = self._items(model, ids[0], inputs)
+        for kind, (pixels_key, grid_key) in ((_IMAGE, _IMAGE_INPUTS), (_VIDEO, _VIDEO_INPUTS[:2])):
+            grid = inputs.get(grid_key)
+            keep = sum(1 for item in items if item.kind == kind and item.span[0] < end)
+            if grid is None or keep == 0:
+                continue
+            rest[pixels_key] = inputs[pixels_key][:int(grid[:keep].prod(-1).sum())]
+            rest[grid_key] = grid[:keep]
+            if kind == _VIDEO and inputs.get("second_per_grid_ts") is not None:
+                rest["second_per_grid_ts"] = inputs["second_per_grid_ts"][:keep]
         return rest
 
     def check_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any], fed_from: int) -> None:

@@ -13,6 +13,7 @@ from .policies import (
     ScoreInput,
     SnapKV,
     StreamingLLM,
+    Wrapper,
 )
 from .scoring import KVZIP_PROMPT, ExpectedAttention, KVzip, kvzip_prompt
 
@@ -31,6 +32,7 @@ __all__ = [
     "ScoreInput",
     "SnapKV",
     "StreamingLLM",
+    "Wrapper",
     "decode_with_budget",
     "kvzip_prompt",
 ]

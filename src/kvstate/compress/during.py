@@ -1,25 +1,17 @@
-"""Compression during ``generate``: a long decode that never holds more than a slot budget (issue 16).
+"""Compression during ``generate``: the options ``compress=policy, budget=B, every=N`` (issue 16).
 
-``Session.generate(history, compress=policy, budget=B, every=N, ...)`` decodes in
-rounds of ``N`` tokens through the ordinary ``generate`` engine run: before each
-round the state is compressed to ``B - N`` slots per attention layer, so the round's
-``N`` tokens fit within ``B``. The prompt is fed whole first. Each round starts from
-stored logits, so the tokens are exactly those of ``decode_with_budget`` (the manual
-reference), and every round's options, processors and stopping criteria are
-``model.generate``'s own. Nothing is committed until the last round ends.
+This module validates them into a ``Budget`` before anything runs, refusing options
+whose meaning spans rounds; the engine's budgeted schedule (``kvstate.engine.budgeted``)
+runs the rounds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
-
-import torch
 
 from ..errors import InputError, UnsupportedError
 from ..options import GenerateOptions
-from ..state import State
 from .apply import check_budget
 from .policies import Policy
 
@@ -39,8 +31,21 @@ _REFUSED_FIELDS = {
 COMPRESS_KEYS = ("compress", "budget", "every")
 
 
-def split_options(kwargs: dict[str, Any]) -> tuple[Policy, int, int] | None:
-    """Remove and check ``compress=``, ``budget=``, ``every=`` from ``generate`` keywords; None if absent."""
+@dataclass(frozen=True)
+class Budget:
+    """A budgeted decode: ``policy`` compresses to ``budget - every`` slots before each round of ``every``
+    tokens; ``total`` tokens at most, ending early on an id of ``ends``."""
+
+    policy: Policy
+    budget: int
+    every: int
+    total: int = 0
+    ends: frozenset[int] = frozenset()
+
+
+def split_options(kwargs: dict[str, Any]) -> Budget | None:
+    """Remove and check ``compress=``, ``budget=``, ``every=`` from ``generate`` keywords; None if absent.
+    ``total`` and ``ends`` are filled in by ``plan_rounds`` once the options are resolved."""
     given = {k: kwargs.pop(k) for k in COMPRESS_KEYS if k in kwargs}
     if not given:
         return None
@@ -50,11 +55,11 @@ def split_options(kwargs: dict[str, Any]) -> tuple[Policy, int, int] | None:
                          "every=32", found=type(policy).__name__, fix="pass compress, budget and every together")
     budget, every = given.get("budget"), given.get("every", 32)
     check_budget(budget, every, policy)
-    return policy, budget, every  # type: ignore[return-value]
+    return Budget(policy, budget, every)  # type: ignore[arg-type]
 
 
-def plan_rounds(options: GenerateOptions, prompt_length: int) -> tuple[int, set[int]]:
-    """How many tokens the whole call may generate and which ids end it, from the config
+def plan_rounds(budget: Budget, options: GenerateOptions, prompt_length: int) -> Budget:
+    """``budget`` with how many tokens the whole call may generate and which ids end it, from the config
     ``generate`` resolved; options that rounds cannot keep are refused here, before anything runs."""
     config = options.config
     found = [k for k in _REFUSED_ARGS if options.kwargs.get(k) is not None]
@@ -64,32 +69,7 @@ def plan_rounds(options: GenerateOptions, prompt_length: int) -> tuple[int, set[
         raise UnsupportedError(f"not supported with compress=: {why}", found=found,
                                fix="drop these options, or generate without compress")
     eos = config.eos_token_id
-    ends = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-    if config.max_new_tokens is not None:
-        return int(config.max_new_tokens), ends
-    return max(int(config.max_length) - prompt_length, 0), ends
-
-
-def generate_within(state: State, history: torch.Tensor, options: GenerateOptions, *, budget: int, every: int,
-                    total: int, ends: set[int], compress: Callable[[State, int], State], generate: Callable[..., Any],
-                    feed: Callable[[State, torch.Tensor], State]) -> tuple[State, torch.Tensor]:
-    """Rounds of ``generate`` on ``state`` (which has processed ``history`` ``[1, L]`` and holds its
-    last logits); returns the state after the last round and the new tokens ``[1, N]``."""
-    out: list[torch.Tensor] = []
-    left = total
-    while left > 0:
-        state = compress(state, budget - every)
-        n = min(every, left)
-        kwargs = {k: v for k, v in options.kwargs.items() if k != "max_length"}
-        round_options = replace(options, kwargs={**kwargs, "max_new_tokens": n})
-        done = generate(state, history, round_options)
-        tokens = done.tokens
-        out.append(tokens)
-        history = torch.cat([history, tokens], dim=1)
-        left -= tokens.shape[1]
-        state = done.state
-        if tokens.shape[1] < n or left == 0 or int(tokens[0, -1]) in ends:  # done, or an end-of-sequence id
-            break
-        state = feed(state, tokens[:, -1:])
-    new = torch.cat(out, dim=1) if out else history[:, :0]
-    return state, new
+    ends = frozenset() if eos is None else frozenset(int(e) for e in (eos if isinstance(eos, (list, tuple))
+                                                                      else [eos]))
+    total = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_length
+    return replace(budget, total=max(int(total), 0), ends=ends)

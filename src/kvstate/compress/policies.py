@@ -12,10 +12,15 @@ kvstate, so every policy resumes exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import InputError
+
+if TYPE_CHECKING:
+    from ..protocols import AttentionObserver
+    from ..state import State
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,12 @@ class Policy:
 
     def ratio_for(self, layer: int, n_layers: int) -> float:
         return self.ratio
+
+    def compress_to(self, observer: AttentionObserver, model: torch.nn.Module, state: State, budget: int) -> State:
+        """``state`` with at most ``budget`` slots per attention layer (the budgeted schedule's step)."""
+        from .apply import compress_state  # apply builds on the policies; the engine reaches it through here
+
+        return compress_state(observer, model, state, self, budget=budget)
 
     def scores(self, x: ScoreInput) -> torch.Tensor:
         """``[B, S]`` keep-scores; higher survives."""
@@ -180,20 +191,11 @@ class SnapKV(Policy):
 
 
 @dataclass(frozen=True)
-class PerLayerBudget(Policy):
-    """PyramidKV-style budgets: lower layers keep more (Cai et al. 2024, arXiv:2406.02069).
-
-    ``ratios`` gives each layer's eviction ratio explicitly; otherwise they grow
-    linearly with depth from ``ratio / 2`` to ``3 ratio / 2`` (mean ``ratio``).
-    """
+class Wrapper(Policy):
+    """Base of the policies that wrap another (kvpress's composition): they watch, ratio and score as
+    ``policy`` does, and override only what they change."""
 
     policy: Policy = field(default_factory=KNorm)
-    ratios: tuple[float, ...] | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.ratios is not None and not all(0.0 <= r < 1.0 for r in self.ratios):
-            raise InputError("per-layer ratios out of range", expected="each 0 <= r < 1", found=self.ratios)
 
     @property
     def observation_window(self) -> int:
@@ -201,6 +203,28 @@ class PerLayerBudget(Policy):
 
     def needs(self) -> Needs:
         return self.policy.needs()
+
+    def ratio_for(self, layer: int, n_layers: int) -> float:
+        return self.policy.ratio_for(layer, n_layers)
+
+    def scores(self, x: ScoreInput) -> torch.Tensor:
+        return self.policy.scores(x)
+
+
+@dataclass(frozen=True)
+class PerLayerBudget(Wrapper):
+    """PyramidKV-style budgets: lower layers keep more (Cai et al. 2024, arXiv:2406.02069).
+
+    ``ratios`` gives each layer's eviction ratio explicitly; otherwise they grow
+    linearly with depth from ``ratio / 2`` to ``3 ratio / 2`` (mean ``ratio``).
+    """
+
+    ratios: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ratios is not None and not all(0.0 <= r < 1.0 for r in self.ratios):
+            raise InputError("per-layer ratios out of range", expected="each 0 <= r < 1", found=self.ratios)
 
     def ratio_for(self, layer: int, n_layers: int) -> float:
         if self.ratios is not None:
@@ -210,12 +234,9 @@ class PerLayerBudget(Policy):
         depth = layer / max(n_layers - 1, 1)
         return min(self.ratio * (0.5 + depth), 0.95)
 
-    def scores(self, x: ScoreInput) -> torch.Tensor:
-        return self.policy.scores(x)
-
 
 @dataclass(frozen=True)
-class ReRotate(Policy):
+class ReRotate(Wrapper):
     """Move retained keys to contiguous positions by re-applying RoPE by the position delta.
 
     Opt-in: the new tokens then continue at position ``S`` (the retained count), as in
@@ -224,22 +245,9 @@ class ReRotate(Policy):
 
     policy: Policy = field(default_factory=StreamingLLM)
 
-    @property
-    def observation_window(self) -> int:
-        return self.policy.observation_window
-
-    def needs(self) -> Needs:
-        return self.policy.needs()
-
-    def ratio_for(self, layer: int, n_layers: int) -> float:
-        return self.policy.ratio_for(layer, n_layers)
-
-    def scores(self, x: ScoreInput) -> torch.Tensor:
-        return self.policy.scores(x)
-
 
 @dataclass(frozen=True)
-class MediaSpans(Policy):
+class MediaSpans(Wrapper):
     """Images and videos kept or dropped whole (issue 13), the rest scored by ``policy``.
 
     ``keep=True``: no media slot is evicted; ``policy`` evicts its ratio from the other slots (a
@@ -248,18 +256,7 @@ class MediaSpans(Policy):
     to tokens (not compressed before): ``state.media`` then records which items survived.
     """
 
-    policy: Policy = field(default_factory=KNorm)
     keep: bool = True
-
-    @property
-    def observation_window(self) -> int:
-        return self.policy.observation_window
-
-    def needs(self) -> Needs:
-        return self.policy.needs()
-
-    def ratio_for(self, layer: int, n_layers: int) -> float:
-        return self.policy.ratio_for(layer, n_layers)
 
     def keep_count(self, x: ScoreInput) -> int:
         media = int(_media(x, self).sum())

@@ -1,5 +1,6 @@
 """State files: ``container`` (the safetensors layout, checksums, atomic writes),
-``schema`` (``State`` <-> header + named tensors) and ``api`` (save, load, inspect).
+``schema`` (``State`` <-> header + named tensors), ``paths`` (what a save may replace, bounded
+input reads) and ``api`` (save, load, inspect).
 
 Arrows point one way: ``api -> schema -> container``, and ``schema -> state``; the
 ``State`` type knows nothing about files.

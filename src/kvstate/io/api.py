@@ -21,6 +21,8 @@ def save_state(state: State, path: str | os.PathLike[str], *, metadata: Mapping[
 
     ``compact`` (``"bfloat16"``, ``"float16"`` or ``"int8"``) stores K/V lossily in
     fewer bytes; the header records it and a loaded state notes it in ``metadata``.
+    Only a regular file or a new name is replaced (a symlink to a regular file is written
+    through); a device, FIFO, socket, folder or dangling link raises ``SaveTargetError`` first.
     """
     header, tensors = schema.encode(state, metadata, compact)
     return container.write(_path(path), tensors, header)
@@ -72,7 +74,7 @@ def _cast(state: State, dtype: torch.dtype) -> State:
     fingerprint = None if state.fingerprint is None else replace(state.fingerprint, dtype=target)
     return replace(state, layers=layers, checkpoints=checkpoints, extras=MappingProxyType(extras),
                    last_logits=None if state.last_logits is None else state.last_logits.to(dtype),
-                   fingerprint=fingerprint,
+                   fingerprint=fingerprint, canonical=0,  # cast K/V are not what this dtype computes (issue 23)
                    metadata=MappingProxyType({**state.metadata, "kvstate.cast": f"{source} -> {target}"}))
 
 
@@ -116,7 +118,7 @@ def _describe(path: str | os.PathLike[str], header: dict[str, Any], entries: dic
         "path": str(path), "format": header["format"], "version": header["version"],
         "model": header.get("fingerprint"), "batch_size": header.get("batch_size"),
         "tokens_seen": header.get("tokens_seen"), "next_position": header.get("next_position"),
-        "storage": header.get("storage"), "kv_dtype": header.get("kv_dtype"),
+        "storage": header.get("storage"), "kv_dtype": header.get("kv_dtype"), "device": header.get("device"),
         "file_bytes": size, "tensor_bytes": tensor_bytes, "has_last_logits": header.get("has_last_logits"),
         "extras": {name: entries.get(f"extras.{name}", {}).get("shape") for name in header.get("extras", [])},
         "metadata": header.get("metadata", {}), "layers": layers, "created_with": header.get("created_with"),

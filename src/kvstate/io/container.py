@@ -20,7 +20,8 @@ is memory allocated, once, for the data. The data is read once, straight into th
 file size in memory and time proportional to it. Saving writes a temporary file in the
 target folder (tensors first, hashed meanwhile on kvstate's I/O thread; the header with
 their checksums last), fsyncs it, then renames it over the target, so a crash leaves the
-previous file intact; the replaced file's blocks are freed on the I/O thread.
+previous file intact; the replaced file's blocks are freed on the I/O thread. What a save may
+replace (regular files only; a symlink is written through) is decided in ``paths``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import json
 import os
 import stat
 import struct
-import uuid
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,6 +41,7 @@ import torch
 from ..errors import StateFileError
 from .checksum import CHECKSUMS, new_hasher, run_beside, tensor_bytes
 from .memory import check_memory, prefer_huge_pages
+from .paths import clean_leftovers, recheck, save_target, temp_name
 
 MAX_HEADER_BYTES = 64 * 2**20  # generous for token lists; bounds what a hostile file can make us parse
 CHUNK = 2**20  # read and hash in pieces that stay in the core's cache (2 MiB L2 here)
@@ -90,16 +91,15 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], hea
     kvstate's I/O thread while this one writes (a hex digest has a fixed width, so the header's
     size is known before its digests are), and the header goes in last, before the fsync.
     """
-    path = Path(path)
-    check_target(path)
+    path = save_target(path)  # a symlink's regular target; devices, FIFOs and folders are refused
     ordered, blobs = _blobs(tensors)
     given = "checksums" in header  # tests and old-format writers bring their own
     planned = header if given else {**header, "checksum": "xxh3-64", "checksums": dict.fromkeys(ordered, "0" * 16)}
     raw = _header_bytes(ordered, blobs, planned)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = temp_name(path, "tmp")
     old = None
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:  # a fresh name: never follows a link planted there
             sums = None if given else run_beside(_digests, ordered, blobs)
             f.seek(len(raw))
             for blob in blobs:
@@ -110,6 +110,7 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], hea
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())
+        recheck(path)
         old = _keep_replaced(path)
         os.replace(tmp, path)
     except BaseException as exc:
@@ -121,6 +122,7 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], hea
                                  fix="check the free space and the folder's permissions") from exc
         raise
     _fsync_dir(path.parent)
+    clean_leftovers(path)  # what killed saves to this file left behind
     if old is not None:
         run_beside(_discard, old)
     return len(raw) + sum(blob.nbytes for blob in blobs)
@@ -138,7 +140,7 @@ def _keep_replaced(path: Path) -> Path | None:
     thread. A crash in between leaves a ``.<name>.<pid>.<id>.old`` file beside it."""
     if not path.is_file():
         return None
-    old = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.old")
+    old = temp_name(path, "old")
     try:
         os.link(path, old)
     except OSError:  # no hard links here: the rename frees the blocks itself
@@ -153,16 +155,6 @@ def _discard(path: Path) -> None:
 
 def _digests(ordered: Mapping[str, torch.Tensor], blobs: list[memoryview]) -> dict[str, str]:
     return {name: _digest_of(t, blob) for (name, t), blob in zip(ordered.items(), blobs, strict=True)}
-
-
-def check_target(path: Path) -> None:
-    """Refuse a save path that cannot become a file, before any work is done."""
-    if path.is_dir():
-        raise StateFileError("cannot save a state over a folder", expected="a file path", found=f"{path} is a folder",
-                             fix="pass a file name inside the folder, e.g. folder/chat.kvs")
-    if not path.parent.is_dir():
-        raise StateFileError("the folder to save into does not exist", expected="an existing folder",
-                             found=str(path.parent), fix=f"create it first: mkdir -p {path.parent}")
 
 
 def to_bytes(tensors: Mapping[str, torch.Tensor], header: dict) -> bytes:

@@ -8,8 +8,10 @@ Header fields (format ``kvstate.state``, version 2; documented in docs/state-fil
 positions, or ``"tensor"`` for multimodal positions stored as a tensor),
 ``checkpoints`` (``tokens_seen`` and per-layer ``meta`` of each snapshot),
 ``has_last_logits``, ``extras`` (names), ``storage`` (``exact``, ``bfloat16``,
-``float16`` or ``int8``), ``kv_dtype``, ``metadata`` (str -> str), ``media`` (``[start, end,
+``float16`` or ``int8``), ``kv_dtype``, ``device`` (where the state was made: informative, a
+load moves it to the model's device), ``metadata`` (str -> str), ``media`` (``[start, end,
 digest, kept]`` per processed image or video), ``checksum`` (the algorithm) and ``checksums``.
+The model's dtype is the fingerprint's ``dtype``; ``kv_dtype`` is the state's own.
 Every count is bounded by the one above it (slots <= a layer's
 tokens_seen <= the state's), and the state's by its token list, so a header cannot
 make the loader allocate more than the file holds.
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import StateFileError
-from ..fingerprint import Fingerprint
+from ..identity import Fingerprint
 from ..layers import LAYER_KINDS
 from ..state import Checkpoint, MediaItem, State
 from .container import dtype_of
@@ -70,8 +72,11 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "tokens": state.tokens.tolist(), "mask": _mask_runs(state.mask),
         "next_position": state.next_position.tolist(), "layers": layers, "checkpoints": checkpoints,
         "has_last_logits": state.last_logits is not None, "extras": sorted(state.extras),
-        "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "metadata": meta,
+        "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "device": str(state.device),
+        "metadata": meta,
         "media": [[m.start, m.end, m.digest, m.kept] for m in state.media],
+        # lossy storage changes K/V bits, so nothing of a compact file is the cold run's (issue 23)
+        "canonical": [0, 0] if compact else [state.canonical, state.canonical_chunk],
         "created_with": created_with(),
     }
     return header, tensors  # the container adds the checksums as it writes
@@ -144,7 +149,20 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
                  next_position=torch.tensor(_list(header, "next_position"), dtype=torch.long).reshape(B),
                  last_logits=last, extras=MappingProxyType(extras),
                  fingerprint=None if fp is None else Fingerprint.from_dict(fp),
-                 metadata=MappingProxyType({str(k): str(v) for k, v in meta.items()}), media=_media(header, T))
+                 metadata=MappingProxyType({str(k): str(v) for k, v in meta.items()}), media=_media(header, T),
+                 **_canonical(header, T))
+
+
+def _canonical(header: dict[str, Any], T: int) -> dict[str, int]:
+    """``canonical`` and ``canonical_chunk``; files written before issue 23 hold no canonical slots."""
+    value = header.get("canonical") or [0, 0]
+    if (not isinstance(value, list) or len(value) != 2 or not all(type(v) is int for v in value)
+            or not 0 <= value[0] <= T or not 0 <= value[1] <= 1 << 20):
+        raise StateFileError("canonical is malformed", expected=f"[slots 0..{T}, chunk 0..2**20]", found=value,
+                             fix="re-save the state")
+    if header.get("storage") != "exact":
+        return {"canonical": 0, "canonical_chunk": 0}
+    return {"canonical": value[0], "canonical_chunk": value[1]}
 
 
 def _media(header: dict[str, Any], T: int) -> tuple[MediaItem, ...]:
@@ -356,7 +374,7 @@ def _dtype_name(dtype: torch.dtype | None) -> str | None:
 
 def created_with() -> dict[str, str]:
     """The library versions a file is written with (informative: files load across the tested window)."""
-    from .. import __version__
     from .._compat import versions
+    from .._version import __version__
 
     return {"kvstate": __version__, "transformers": versions.installed(), "torch": torch.__version__.split("+")[0]}

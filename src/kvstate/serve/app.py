@@ -5,7 +5,9 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or no
 The ``/v1`` routes need ``Authorization: Bearer <key>`` when the server has keys;
 each key's conversations live in their own namespace of the pool and the store,
 so tenants never share (or time) each other's prefixes. Request bodies over
-``max_request_bytes`` are a 413 before they are read in full.
+``max_request_bytes`` are a 413 before they are read in full. Bodies are the strict
+models of ``schema.py``, published at ``/openapi.json``: whatever they refuse is a 400
+in OpenAI's shape. A 500 names only an opaque request id; its details go to the log.
 """
 
 from __future__ import annotations
@@ -17,16 +19,31 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import KVStateError
-from .errors import BadRequest, HTTPError
+from .errors import BadRequest, HTTPError, internal_error, validation_error
 from .params import CHAT_FIELDS, COMPLETION_FIELDS, parse
 from .runner import Cancelled, Job, Result
+from .schema import (
+    ChatChunk,
+    ChatCompletion,
+    ChatRequest,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+    ErrorBody,
+    Health,
+    ModelCard,
+    ModelList,
+    event_schema,
+)
 from .server import Server
 
 
@@ -34,49 +51,114 @@ def create_app(server: Server) -> FastAPI:
     """The FastAPI app serving ``server``'s model."""
     app = FastAPI(title="kvstate serve", version=server.version, docs_url=None, redoc_url=None)
     app.state.server = server
+    app.add_middleware(_BodyLimit, limit=server.max_request_bytes)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
         server.metrics.request(_route(request), exc.status)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await _http_error(request, validation_error(exc.errors()))
+
     @app.exception_handler(Exception)
-    async def _server_error(request: Request, exc: Exception) -> JSONResponse:  # never a bare traceback
-        return await _http_error(request, HTTPError(f"internal error: {type(exc).__name__}: {exc}", status=500))
+    async def _server_error(request: Request, exc: Exception) -> JSONResponse:  # never a traceback, nor its text
+        return await _http_error(request, internal_error(exc, f"{request.method} {_route(request)}"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error = HTTPError(f"{request.method} {request.url.path[:200]}: {exc.detail}", status=exc.status_code)
         return await _http_error(request, error)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses=_responses(Health))
     async def health() -> dict[str, Any]:
         return server.health()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_responses(None))
     async def metrics() -> Response:
         return PlainTextResponse(server.render_metrics(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        _namespace(server, request)
+    @app.get("/v1/models", response_model=None, responses=_responses(ModelList, auth=True))
+    async def models(namespace: Caller) -> dict[str, Any]:
         return {"object": "list", "data": [server.model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(request: Request, model_id: str) -> dict[str, Any]:
-        _namespace(server, request)
+    @app.get("/v1/models/{model_id:path}", response_model=None, responses=_responses(ModelCard, auth=True, found=True))
+    async def model(namespace: Caller, model_id: str) -> dict[str, Any]:
         _check_model(server, model_id)
         return server.model_card()
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await _complete(server, request, chat=True)
+    @app.post("/v1/chat/completions", response_model=None, responses=_responses(ChatCompletion, auth=True, body=True))
+    async def chat(request: Request, namespace: Caller, body: ChatRequest) -> Response:
+        return await _complete(server, request, namespace, body.model_dump(exclude_unset=True), chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _complete(server, request, chat=False)
+    @app.post("/v1/completions", response_model=None, responses=_responses(Completion, auth=True, body=True))
+    async def completions(request: Request, namespace: Caller, body: CompletionRequest) -> Response:
+        return await _complete(server, request, namespace, body.model_dump(exclude_unset=True), chat=False)
 
     return app
+
+
+def _responses(ok: type | None, *, auth: bool = False, found: bool = False, body: bool = False) -> dict[Any, Any]:
+    """The statuses a route answers, for ``/openapi.json``: 200 (server-sent events too for a body), the
+    OpenAI error shape otherwise."""
+    success: dict[str, Any] = {"description": "OK"}
+    if ok is not None:
+        success["model"] = ok
+    if body:  # the event schema is filled in by _openapi, where the chunk models are in components
+        success["content"] = {"text/event-stream": {"schema": {}}}
+    codes = [500, *([401] if auth else []), *([404] if found or body else []), *([400, 413, 429] if body else [])]
+    return {200: success, **{code: {"model": ErrorBody, "description": "An OpenAI error"} for code in codes}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, without the 422 it documents by default (validation failures are a 400 here),
+    and with the streams' events described by their chunk models."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for path, chunk in (("/v1/chat/completions", ChatChunk), ("/v1/completions", CompletionChunk)):
+            found = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(found.pop("$defs", {}))
+            components[chunk.__name__] = found
+            content = schema["paths"][path]["post"]["responses"]["200"]["content"]
+            content["text/event-stream"] = {"schema": event_schema(chunk)}
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+class _BodyLimit:
+    """Counts a request body as it arrives: over ``limit`` bytes (declared or sent) is a 413 before the
+    rest is read."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        size = 0
+
+        async def limited() -> dict[str, Any]:
+            nonlocal size
+            if declared.isdigit() and int(declared) > self.limit:
+                raise StarletteHTTPException(413, f"request body of {int(declared)} bytes is over the limit of "
+                                                  f"{self.limit}")
+            message = await receive()
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                raise StarletteHTTPException(413, f"request body is over the limit of {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
 
 
 def _route(request: Request) -> str:
@@ -85,8 +167,10 @@ def _route(request: Request) -> str:
     return getattr(route, "path", "unmatched")
 
 
-def _namespace(server: Server, request: Request) -> str:
-    """The caller's namespace: one per API key (a hash, never the key), or ``default`` without keys."""
+def _namespace(request: Request) -> str:
+    """The caller's namespace: one per API key (a hash, never the key), or ``default`` without keys.
+    A dependency, so a missing key is a 401 before the body is validated."""
+    server: Server = request.app.state.server
     if not server.api_keys:
         return "default"
     header = request.headers.get("authorization", "")
@@ -98,25 +182,7 @@ def _namespace(server: Server, request: Request) -> str:
                     status=401, code="invalid_api_key")
 
 
-async def _body(server: Server, request: Request) -> dict[str, Any]:
-    """The JSON body, read up to ``max_request_bytes`` (a larger one is a 413 without reading the rest)."""
-    limit = server.max_request_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BadRequest(f"request body of {declared} bytes is over the limit of {limit}", status=413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(f"request body is over the limit of {limit} bytes", status=413)
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
+Caller = Annotated[str, Depends(_namespace)]
 
 
 def _check_model(server: Server, name: Any) -> None:
@@ -127,10 +193,9 @@ def _check_model(server: Server, name: Any) -> None:
                         f"serves `{server.model_id}`.", status=404, code="model_not_found", param="model")
 
 
-async def _complete(server: Server, request: Request, *, chat: bool) -> Response:
-    namespace = _namespace(server, request)
-    body = await _body(server, request)
-    _check_model(server, body.get("model"))
+async def _complete(server: Server, request: Request, namespace: str, body: dict[str, Any], *,
+                    chat: bool) -> Response:
+    _check_model(server, body["model"])
     loop = asyncio.get_running_loop()
     # rendering decodes images and tokenizes: off the event loop
     prompt, inputs = await loop.run_in_executor(
@@ -188,8 +253,8 @@ async def _events(reply: _Reply, job: Job, queue: asyncio.Queue[tuple[str, Any]]
             try:
                 result: Result = value.result()
             except Exception as exc:  # headers are sent: the error travels as an event, as OpenAI's do
-                failure = exc if isinstance(exc, HTTPError) else HTTPError(
-                    str(exc), status=400 if isinstance(exc, KVStateError) else 500)
+                failure = exc if isinstance(exc, HTTPError) else BadRequest(str(exc)) \
+                    if isinstance(exc, KVStateError) else internal_error(exc, "a stream")
                 yield _sse(failure.body())
                 break
             while not queue.empty():  # text queued before the done callback ran

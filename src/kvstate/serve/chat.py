@@ -37,6 +37,7 @@ FALLBACK_TEMPLATE = (
 FALLBACK_STOP = ("\nUser:",)
 ROLES = ("system", "developer", "user", "assistant")
 IMAGE_MIME = ("image/png", "image/jpeg", "image/webp", "image/gif")
+MAX_IMAGE_PIXELS = 40_000_000
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,8 @@ class Renderer:
     """Renders chat messages and prompts for one tokenizer (and, for image models, its processor)."""
 
     def __init__(self, tokenizer: Any, *, image_placeholder: str | None = None, processor: Any = None,
-                 max_image_bytes: int = 8 << 20) -> None:
-        self.tokenizer = tokenizer
+                 max_image_bytes: int = 8 << 20, vocab: int | None = None) -> None:
+        self.tokenizer, self.vocab = tokenizer, vocab
         self.template = getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE
         self.default_stop = FALLBACK_STOP if self.template is FALLBACK_TEMPLATE else ()
         self.image_placeholder, self.processor = image_placeholder, processor
@@ -82,6 +83,9 @@ class Renderer:
             return Prompt(prompt, self.tokenizer(prompt).input_ids)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                        for t in prompt):
+            if self.vocab is not None and not all(0 <= t < self.vocab for t in prompt):
+                # before decoding: the tokenizer overflows on ids past its table
+                raise BadRequest(f"token ids must be in [0, {self.vocab})", param="prompt", code="invalid_value")
             return Prompt(self.tokenizer.decode(prompt), list(prompt))
         raise BadRequest("'prompt' must be one non-empty string or one non-empty array of token ids",
                          param="prompt")
@@ -145,10 +149,18 @@ def _decode_image(data: bytes, param: str) -> Any:
 
     from PIL import Image, UnidentifiedImageError
 
+    too_large = BadRequest(f"image dimensions are over the limit of {MAX_IMAGE_PIXELS} pixels", param=param,
+                           status=413)
     try:
         image = Image.open(io.BytesIO(data))
-        if image.width * image.height > 40_000_000:  # a decompression bomb: refuse before decoding pixels
-            raise BadRequest("image dimensions are too large", param=param, status=413)
+        if image.width * image.height > MAX_IMAGE_PIXELS:  # a decompression bomb: refuse before decoding pixels
+            raise too_large
         return image.convert("RGB")
+    except BadRequest:
+        raise
+    except Image.DecompressionBombError as exc:  # Pillow's own refusal at open(), past twice its pixel limit
+        raise too_large from exc
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise BadRequest(f"cannot decode the image: {exc}", param=param) from exc
+        raise BadRequest(f"cannot decode the image: {str(exc)[:200]}", param=param) from exc
+    except Exception as exc:  # a malformed file can raise anything from a decoder (SyntaxError, struct.error)
+        raise BadRequest("cannot decode the image: the data is malformed", param=param) from exc

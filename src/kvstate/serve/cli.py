@@ -10,7 +10,18 @@ from typing import Any
 API_KEY_ENV = "KVSTATE_API_KEY"
 
 
-def add_parser(sub: Any, positive: Any) -> None:
+def _chunk(text: str) -> int:
+    """``--canonical-chunk``: 0 (off) or a positive number of tokens."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, found {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, found {value}")
+    return value
+
+
+def add_parser(sub: Any, positive: Any, model_options: Any) -> None:
     s = sub.add_parser(
         "serve", help="an OpenAI-compatible server whose conversations resume exactly across turns and restarts",
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. Every request "
@@ -19,9 +30,14 @@ def add_parser(sub: Any, positive: Any) -> None:
         "a time; HTTP, tokenization and streaming run concurrently. Needs: pip install 'kvstate[serve]'.")
     s.add_argument("--model", default="default", help="'default' (embedded Gemma-3-270M), 'tiny:<model_type>' "
                    "(random tiny model with a character tokenizer), or a local folder with a tokenizer")
+    model_options(s)
     s.add_argument("--model-name", help="the model id clients send and /v1/models lists (default: from --model)")
     s.add_argument("--store", help="prefix store shared by restarts and workers: a folder or redis://host:port/db")
-    s.add_argument("--store-chunk-tokens", type=positive, default=64, help="store granularity in tokens")
+    s.add_argument("--store-chunk-tokens", type=positive, default=64,
+                   help="store granularity in tokens (a multiple of --canonical-chunk, so every entry is reusable)")
+    s.add_argument("--canonical-chunk", type=_chunk, default=64, metavar="C",
+                   help="prefill in chunks aligned to multiples of C, so a pool or store hit answers bit for bit "
+                   "as a cold run (default 64; 0: off, reuse the longest prefix, exact to float32 rounding only)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append", default=[], help=f"accepted key (repeatable; or ${API_KEY_ENV}, "
@@ -55,8 +71,8 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, min(args.default_max_tokens, args.max_new_tokens))
     settings = Settings(store=args.store, api_keys=keys, limits=limits, max_request_bytes=args.max_request_bytes,
                         max_queue=args.max_queue, pool_bytes=args.pool_bytes,
-                        store_chunk_tokens=args.store_chunk_tokens)
-    model, tokenizer = load(args.model)
+                        store_chunk_tokens=args.store_chunk_tokens, canonical_chunk=args.canonical_chunk)
+    model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings,
                     image_processor=image_processor(args.model))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
@@ -65,24 +81,25 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
     return 0
 
 
-def load(spec: str) -> tuple[Any, Any]:
-    """Model and tokenizer for a spec; tiny models get the in-memory character tokenizer."""
-    from ..testing.models import load_model
+def load(spec: str, *, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
+    """Model and tokenizer for a spec (``kvstate.models.load_model``'s dtype and device rules); tiny models
+    get the in-memory character tokenizer."""
+    from .. import models
 
     if spec.startswith("tiny:"):
-        from ..testing.tiny import QWEN_VL
-        from ..testing.tiny_tokenizer import QWEN_VL_TOKENS, tiny_tokenizer
+        from ..models.tiny import QWEN_VL
+        from ..models.tiny_tokenizer import QWEN_VL_TOKENS, tiny_tokenizer
 
-        model, _ = load_model(spec)
+        model, _ = models.load_model(spec, dtype=dtype, device=device)
         return model, tiny_tokenizer(QWEN_VL_TOKENS if spec.removeprefix("tiny:") in QWEN_VL else None)
-    return load_model(spec, need_tokenizer="serve")
+    return models.load_model(spec, need_tokenizer="serve", dtype=dtype, device=device)
 
 
 def image_processor(spec: str) -> Any:
     """The image processor for a spec's images: the tiny Qwen-VL one, a folder's own, or None."""
     if spec.startswith("tiny:"):
-        from ..testing.tiny import QWEN_VL
-        from ..testing.tiny_tokenizer import tiny_qwen_vl_image_processor
+        from ..models.tiny import QWEN_VL
+        from ..models.tiny_tokenizer import tiny_qwen_vl_image_processor
 
         return tiny_qwen_vl_image_processor() if spec.removeprefix("tiny:") in QWEN_VL else None
     if spec == "default":

@@ -33,7 +33,11 @@ class ImageEncoder:
         if len(pieces) - 1 != len(images):
             raise BadRequest("the messages' text contains image placeholder tokens", param="messages",
                              fix="send images as image_url parts, not as placeholder text")
-        out = self.image_processor(images=list(images), return_tensors="pt")
+        try:
+            out = self.image_processor(images=list(images), return_tensors="pt")
+        except ValueError as exc:  # what the processor cannot take (Qwen-VL: an aspect ratio past 200)
+            raise BadRequest(f"the image cannot be processed: {str(exc)[:200]}", param="messages",
+                             fix="send an image closer to square and of a usual size") from exc
         grid = out["image_grid_thw"]
         counts = (grid.prod(-1) // self.merge**2).tolist()
         expanded = pieces[0] + "".join(self.start + self.pad * n + self.end + piece

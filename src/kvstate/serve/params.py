@@ -2,7 +2,8 @@
 
 The mapping (``docs/serve.md``):
 
-* ``temperature`` 0 is greedy decoding; otherwise sampling with that temperature.
+* ``temperature`` 0 (or below 1e-5, as vLLM does: logits divided by less overflow) is greedy
+  decoding; otherwise sampling with that temperature.
   OpenAI applies no top-k, so ``top_k`` is 0 (off) unless the request sets it;
   ``top_p`` passes through. ``top_k``, ``min_p`` and ``repetition_penalty`` are
   accepted as extra fields with transformers' meaning (as vLLM does).
@@ -33,6 +34,7 @@ _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "n", "st
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                          "tool_choice", "parallel_tool_calls", "reasoning_effort", "modalities"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+GREEDY_BELOW = 1e-5  # a smaller temperature overflows the scaled logits to inf, and sampling fails on NaN
 # fields OpenAI defines whose non-default value kvstate refuses (value -> is it the default?)
 _REFUSED = {
     "n": lambda v: v in (None, 1),
@@ -126,7 +128,7 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
         raise BadRequest("'top_k' must be an integer >= 0 (0 or -1: off)", param="top_k")
     options: dict[str, Any] = {}
-    if temperature == 0.0:
+    if temperature < GREEDY_BELOW:
         options["do_sample"] = False
     else:
         options.update(do_sample=True, temperature=temperature, top_p=_number(body, "top_p", 0.0, 1.0, 1.0),

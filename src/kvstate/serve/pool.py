@@ -1,19 +1,23 @@
 """An in-memory pool of recent conversation states: least recently used first out, under a byte budget.
 
 Each API key's states live in its own namespace; a lookup never sees another
-namespace. States are immutable, so one pooled state can start several requests
-(a regenerated answer, two branches of one chat) without copies. A state whose
-tokens are a prefix of a newer one is dropped when the newer one can be cut back to
-it (every layer rolls back there), since the newer one then serves the same requests.
+namespace. The pool is a prefix source and sink like a ``PrefixStore``
+(``StatePool.source(namespace)``): it hands ``kvstate.resume`` the state sharing the
+longest prefix with a query (tokens, and media by content), which plans over it like
+over any other source. States are immutable, so one pooled state can start several
+requests (a regenerated answer, two branches of one chat) without copies. A state
+whose tokens are a prefix of a newer one is dropped when the newer one can serve
+every request the old one could (it rolls back there, and holds as many canonical slots).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from threading import Lock
 
-import torch
-
+from ..protocols import PrefixQuery
+from ..resume import shared_prefix
 from ..state import State
 
 
@@ -26,25 +30,30 @@ class StatePool:
         self._next = 0
         self._lock = Lock()  # the worker writes, /metrics reads
 
-    def longest(self, namespace: str, ids: torch.Tensor) -> tuple[State | None, int]:
-        """The pooled state sharing the longest token prefix with ``ids`` ``[1, L]``, and that length."""
-        best: tuple[State | None, int] = (None, 0)
+    def source(self, namespace: str) -> PoolSource:
+        """The pool as one namespace's ``PrefixCache`` (``Session(sources=[...])``)."""
+        return PoolSource(self, namespace)
+
+    def longest(self, namespace: str, query: PrefixQuery, at_most: int) -> tuple[State | None, int]:
+        """The state of ``namespace`` made by ``query.fingerprint`` sharing the longest prefix (at most
+        ``at_most`` slots) with ``query``, and that length."""
         with self._lock:
-            candidates = [(key, s) for key, s in self._states.items() if key[0] == namespace]
+            candidates = [(key, s) for key, s in self._states.items() if key[0] == namespace
+                          and s.fingerprint == query.fingerprint]
+        best: tuple[tuple[str, int] | None, State | None, int] = (None, None, 0)
         for key, state in candidates:
-            n = _common(state.tokens[0], ids[0])
-            if n > best[1]:
-                best = (state, n)
-                best_key = key
+            n = min(shared_prefix(state, query.tokens, query.media), at_most)
+            if n > best[2]:
+                best = (key, state, n)
         if best[0] is not None:
             with self._lock:
-                if best_key in self._states:
-                    self._states.move_to_end(best_key)
-        return best
+                if best[0] in self._states:
+                    self._states.move_to_end(best[0])
+        return best[1], best[2]
 
     def put(self, namespace: str, state: State) -> None:
         """Add ``state`` (one row, no padding), drop the states it covers, then evict down to the budget."""
-        if state.batch_size != 1 or state.is_empty:
+        if state.batch_size != 1 or state.is_empty or not bool(state.mask.all()):
             return
         with self._lock:
             for key, old in list(self._states.items()):
@@ -63,13 +72,30 @@ class StatePool:
         return len(self._states)
 
 
-def _common(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(a.shape[0], b.shape[0])
-    differ = (a[:n].cpu() != b[:n].cpu()).nonzero()
-    return int(differ[0]) if differ.numel() else n
+class PoolSource:
+    """One namespace of a ``StatePool``, as a prefix source and sink (``kvstate.protocols.PrefixCache``)."""
+
+    name = "pool"
+
+    def __init__(self, pool: StatePool, namespace: str) -> None:
+        self.pool, self.namespace = pool, namespace
+
+    def lookup(self, query: PrefixQuery, *, longer_than: int, at_most: int) -> State | None:
+        state, n = self.pool.longest(self.namespace, query, at_most)
+        return state if n > longer_than else None
+
+    def offer(self, states: Sequence[State], query: PrefixQuery, seconds_per_token: float = 0.0) -> int:
+        """Keep the last of ``states`` (the conversation after the answer; it covers the prompt)."""
+        if not states:
+            return 0
+        self.pool.put(self.namespace, states[-1])
+        return 1
 
 
 def _covers(new: State, old: State) -> bool:
+    """``new`` serves every request ``old`` could: it starts with ``old``'s tokens and media, can roll
+    back to ``old``'s length, and holds at least as many canonical slots."""
     n = old.tokens_seen
-    return (n <= new.tokens_seen and _common(new.tokens[0], old.tokens[0]) == n
-            and not new.rollback_limit(n) and bool(new.mask[:, :n].all()))
+    same = n <= new.tokens_seen and shared_prefix(new, old.tokens, tuple((m.start, m.digest) for m in old.media)) == n
+    return (same and not new.rollback_limit(n) and new.canonical_chunk == old.canonical_chunk
+            and new.canonical >= min(old.canonical, n) and new.fingerprint == old.fingerprint)

@@ -7,12 +7,12 @@ with torch's intra-op threads inside each forward. There is no batching across
 requests, so every answer is the answer its request would get alone. A request
 that finds ``max_queue`` jobs waiting or running gets a 429 at once.
 
-Each job builds a ``Session`` on the shared model, starting from the longest
-matching state of its namespace in the ``StatePool`` (the session itself then
-weighs that against the store), calls ``Session.generate`` and puts the new state
-back in the pool. A cancelled job (the client went away) stops at its next token
-by raising from the streamer: ``Session.generate`` is transactional, so nothing of
-the cancelled call is kept anywhere.
+Each job builds a ``Session`` on the shared model whose prefix sources are its
+namespace of the ``StatePool`` and its store (``kvstate.resume`` picks among them),
+and runs it; the session offers the new state back to both. The outcome carries
+the slots reused and the finish reason, so the runner only formats. A cancelled
+job (the client went away) stops at its next token by raising from the streamer:
+``Session.generate`` is transactional, so nothing of the cancelled call is kept anywhere.
 """
 
 from __future__ import annotations
@@ -64,11 +64,12 @@ class Runner:
     """Runs ``Job`` s on one model, one at a time; ``store_for(namespace)`` gives each namespace's store."""
 
     def __init__(self, model: Any, tokenizer: Any, pool: StatePool, store_for: Callable[[str], Any],
-                 metrics: Metrics, max_queue: int = 16, chunk_size: int = 512) -> None:
-        from ..fingerprint import fingerprint
+                 metrics: Metrics, max_queue: int = 16, chunk_size: int = 512, canonical_chunk: int = 64) -> None:
+        from ..adapters.fingerprinting import fingerprint
 
         self.model, self.tokenizer, self.pool, self.store_for = model, tokenizer, pool, store_for
         self.metrics, self.max_queue, self.chunk_size = metrics, max_queue, chunk_size
+        self.canonical_chunk = canonical_chunk
         self.fingerprint = fingerprint(model, tokenizer)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstate-model")
         self._pending = 0
@@ -110,9 +111,10 @@ class Runner:
             raise Cancelled
         started = time.perf_counter()
         ids = torch.tensor([job.prompt.ids], dtype=torch.long)
-        pooled, _ = self.pool.longest(job.namespace, ids)
-        session = Session(self.model, store=self.store_for(job.namespace), state=pooled,
-                          chunk_size=self.chunk_size, _fingerprint=self.fingerprint)
+        store = self.store_for(job.namespace)
+        sources = [self.pool.source(job.namespace), *(() if store is None else (store,))]
+        session = Session(self.model, sources=sources, chunk_size=self.chunk_size,
+                          canonical_chunk=self.canonical_chunk, _fingerprint=self.fingerprint)
         streamer = _Streamer(self.tokenizer, job)
         options = dict(job.request.options)
         if "stop_strings" in options:
@@ -120,29 +122,20 @@ class Runner:
         if job.request.seed is not None:
             torch.manual_seed(job.request.seed)
         try:
-            new = session.generate(ids, streamer=streamer, **options, **job.inputs)
+            outcome = session.run(ids, streamer=streamer, **options, **job.inputs)
         except (ValueError, TypeError) as exc:
             if streamer.tokens:  # a failure mid-answer is the server's, not the request's
                 raise
             # transformers validates some options only when generate builds its processors (5.14 refuses a
             # logit_bias on token 0, say): still the request's mistake, and nothing was committed
             raise BadRequest(f"invalid generation options: {exc}") from exc
-        self.pool.put(job.namespace, session.state)
-        tokens = new[0].tolist()
+        tokens = outcome.tokens[0].tolist()
         text, stopped = streamer.final(tokens)
-        eos = _eos_ids(self.model)
-        finish = "stop" if stopped or len(tokens) < options["max_new_tokens"] or (tokens and tokens[-1] in eos) \
-            else "length"
-        plan = session.last_plan
-        result = Result(text, finish, len(job.prompt.ids), len(tokens), plan.reused if plan else 0,
+        finish = "stop" if stopped else outcome.finish_reason[0]
+        result = Result(text, finish, len(job.prompt.ids), len(tokens), outcome.reused,
                         time.perf_counter() - started)
         self.metrics.record(result)
         return result
-
-
-def _eos_ids(model: Any) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
 class _Streamer:

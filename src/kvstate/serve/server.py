@@ -28,6 +28,7 @@ class Settings:
     pool_bytes: int = 2 << 30
     store_chunk_tokens: int = 64
     chunk_size: int = 512
+    canonical_chunk: int = 64  # the canonical schedule (kvstate.schedule); 0 turns it off
 
 
 class Server:
@@ -35,24 +36,26 @@ class Server:
 
     def __init__(self, model: Any, tokenizer: Any, model_id: str, settings: Settings | None = None, *,
                  image_processor: Any = None) -> None:
-        from .. import __version__
-        from ..selfcheck import adapter_for
+        from .._version import __version__
+        from ..selfcheck import bind
 
         self.settings = settings = settings or Settings()
         self.model, self.tokenizer, self.model_id, self.version = model, tokenizer, model_id, __version__
         self.api_keys, self.limits = settings.api_keys, settings.limits
         self.max_request_bytes = settings.max_request_bytes
-        tokens = adapter_for(model).image_tokens(model)
+        tokens = bind(model).inputs.image_tokens()
         self.images = None if tokens is None or image_processor is None else \
             ImageEncoder(image_processor, tokenizer, tokens)
-        self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None)
+        self.vocab = int(model.get_input_embeddings().num_embeddings)
+        self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None,
+                                 vocab=self.vocab)
         self.metrics = Metrics()
         self.pool = StatePool(settings.pool_bytes)
         self._stores: dict[str, PrefixStore] = {}
         if settings.store is not None:
             self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
         self.runner = Runner(model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue,
-                             settings.chunk_size)
+                             settings.chunk_size, settings.canonical_chunk)
         self.started = int(time.time())
 
     def store_for(self, namespace: str) -> PrefixStore | None:
@@ -81,17 +84,18 @@ class Server:
             raise BadRequest(f"This model's maximum context length for a request is {limit} tokens; the request has "
                              f"{len(prompt.ids)}.", param="messages", code="context_length_exceeded",
                              fix="shorten the conversation, or start the server with a larger --max-prompt-tokens")
-        vocab = int(self.model.get_input_embeddings().num_embeddings)
-        if any(not 0 <= t < vocab for t in prompt.ids):
-            raise BadRequest(f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
+        if any(not 0 <= t < self.vocab for t in prompt.ids):
+            raise BadRequest(f"token ids must be in [0, {self.vocab})", param="prompt", code="invalid_value")
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "kvstate"}
 
     def health(self) -> dict[str, Any]:
         store = self.store_for("default")
-        return {"status": "ok", "model": self.model_id, "queue": self.runner.pending,
-                "max_queue": self.settings.max_queue, "store": None if store is None else store.health()}
+        weight = next(self.model.parameters())  # what the answers are computed in (issue 23)
+        return {"status": "ok", "model": self.model_id, "dtype": str(weight.dtype).removeprefix("torch."),
+                "device": str(weight.device), "queue": self.runner.pending, "max_queue": self.settings.max_queue,
+                "store": None if store is None else store.health()}
 
     def render_metrics(self) -> str:
         failures = sum(s.failures for s in self._stores.values())

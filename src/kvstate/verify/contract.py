@@ -6,13 +6,12 @@ from dataclasses import replace
 
 import torch
 
-from ..session import Session
 from .rows import Matrix, Result, cache_variant_rows, faulty_prefix, greedy, plain, plain_rows, reference
 
 
 def kvstate_path_rows(m: Matrix) -> None:
     def path() -> Result:
-        s = Session(m.model, state=faulty_prefix(m))
+        s = m.session(state=faulty_prefix(m))
         return greedy(s, m.ids, m.n)
 
     m.row("kvstate: generate(full history)", "kvstate", "Session.generate over the whole history", path,
@@ -21,7 +20,7 @@ def kvstate_path_rows(m: Matrix) -> None:
 
 def boundary_rows(m: Matrix) -> None:
     def processed() -> Result:
-        s = Session(m.model)
+        s = m.session()
         logits = s.extend(m.ids)
         if m.fault == "refeed-last":  # the processed last token goes in again
             logits = s.extend(m.ids[:, -1:])
@@ -30,7 +29,7 @@ def boundary_rows(m: Matrix) -> None:
 
     m.row("kvstate: fully processed history", "kvstate", "extend(prompt), generate(prompt): nothing re-fed", processed,
           {"instance": "same", "refed": m.fault == "refeed-last"})
-    full = Session(m.model)
+    full = m.session()
     full.extend(m.ids)
     twice = torch.cat([m.ids, m.ids[:, -1:]], 1)
     m.row("plain: re-fed last token", "plain", "cache(prompt) + prompt[-1] with a full mask",
@@ -44,39 +43,39 @@ def contract_rows(m: Matrix) -> None:
     other = torch.flip(m.ids[:, 1:], dims=[1])[:, :L // 2 + 1]
 
     def reset() -> Result:
-        s = Session(m.model)
+        s = m.session()
         s.generate(other, max_new_tokens=4, do_sample=False)
         s.reset()
         s.extend(m.ids[:, :split])
         return greedy(s, m.ids, m.n)
 
     def fork() -> Result:
-        s = Session(m.model)
+        s = m.session()
         s.extend(m.ids[:, :split])
         f = s.fork()
         s.extend(other)  # the original moves on; the fork must not see it
         return greedy(f, m.ids, m.n)
 
     def truncate() -> Result:
-        s = Session(m.model)
+        s = m.session()
         s.extend(m.ids[:, :split])  # a call boundary: recurrent layers get a checkpoint here
         s.extend(other[:, :8])
         s.truncate(split)
         return greedy(s, m.ids, m.n)
 
     def chunked() -> Result:
-        s = Session(m.model, chunk_size=max(2, split // 4))
+        s = m.session(chunk_size=max(2, split // 4))
         s.extend(m.ids[:, :split])
         return greedy(s, m.ids, m.n)
 
     def divergent() -> Result:
-        s = Session(m.model)
+        s = m.session()
         s.extend(m.ids[:, :split])
         s.generate(torch.cat([m.ids[:, :split], other[:, :6]], 1), max_new_tokens=4, do_sample=False)
         return greedy(s, m.ids, m.n)  # rolls back (or resumes from a checkpoint)
 
     def manual() -> Result:
-        s = Session(m.model)
+        s = m.session()
         first = logits = s.extend(m.ids)
         out = []
         for _ in range(m.n):
@@ -91,7 +90,8 @@ def contract_rows(m: Matrix) -> None:
             ("chunked prefill", "prefix fed in chunks of prefix/4", chunked),
             ("divergent history", "another continuation first; generate rolls back", divergent),
             ("manual decode loop", "extend() one token at a time", manual)):
-        m.row(f"kvstate: {name}", "kvstate", description, run, {"instance": "same", "full_mask": True})
+        m.row(f"kvstate: {name}", "kvstate", description, run, {"instance": "same", "full_mask": True},
+              canonical=run is not manual)  # extend() decodes through kvstate's forward, not generate's
 
 
 def compression_row(m: Matrix) -> None:
@@ -99,8 +99,8 @@ def compression_row(m: Matrix) -> None:
     from ..compress import KNorm
 
     def identity() -> Result:
-        reference_logits, reference_tokens = greedy(Session(m.model, state=m.prefix), m.ids, m.n)
-        s = Session(m.model, state=m.prefix)
+        reference_logits, reference_tokens = greedy(m.session(state=m.prefix), m.ids, m.n)
+        s = m.session(state=m.prefix)
         s.compress(KNorm(0.0))
         logits, tokens = greedy(s, m.ids, m.n)
         if not (torch.equal(logits, reference_logits) and torch.equal(tokens, reference_tokens)):
@@ -108,7 +108,7 @@ def compression_row(m: Matrix) -> None:
         return logits, tokens
 
     m.row("kvstate: identity compression (bitwise)", "kvstate", "compress(ratio=0) then resume: bitwise equal",
-          identity, {"instance": "same", "full_mask": True})
+          identity, {"instance": "same", "full_mask": True}, canonical=False)  # a compressed state continues
 
 
 def sliding_row(m: Matrix) -> None:
@@ -126,12 +126,12 @@ def sliding_row(m: Matrix) -> None:
     ref = reference(m.model, long, m.n)
 
     def run() -> Result:
-        s = Session(m.model)
+        s = m.session()
         s.extend(long[:, :-4])
         return greedy(s, long, m.n)
 
     m.row("kvstate: sliding window crossed", "kvstate", f"{long.shape[1]}-token prompt past window {min(windows)}", run,
-          {"instance": "same", "full_mask": True}, ref=ref)
+          {"instance": "same", "full_mask": True}, ref=ref, cold=m.cold_run(long))
 
 
 def padded_row(m: Matrix) -> None:
@@ -146,15 +146,16 @@ def padded_row(m: Matrix) -> None:
     short_logits, short_tokens = reference(m.model, short, m.n)
     ref = (torch.cat([m.ref_logits, short_logits]), torch.cat([m.ref_tokens, short_tokens]))
 
-    def run() -> Result:
-        s = Session(m.model)
-        s.extend(batch[:, :-2], mask[:, :-2])
+    def run(warm: bool = True) -> Result:
+        s = m.session()
+        if warm:
+            s.extend(batch[:, :-2], mask[:, :-2])
         out = s.generate(batch, attention_mask=mask, max_new_tokens=m.n, do_sample=False,
                          return_dict_in_generate=True, output_logits=True)
         return out.logits[0], out.sequences
 
     m.row("kvstate: left-padded batch", "kvstate", "2 rows of different lengths vs each row alone", run,
-          {"instance": "same", "full_mask": True}, ref=ref)
+          {"instance": "same", "full_mask": True}, ref=ref, cold=run(warm=False))
 
 
 def multimodal_rows(m: Matrix) -> None:
@@ -165,11 +166,12 @@ def multimodal_rows(m: Matrix) -> None:
     ids = torch.cat([m.ids[:, :6], span, m.ids[:, 6:]], 1)
     kinds = m.adapter.plain_inputs(m.model, ids, inputs)
     ref = reference(m.model, ids, m.n, **kinds)
-    s = Session(m.model)
+    cold = m.cold_run(ids, **inputs)
+    s = m.session()
     s.extend(ids[:, :-1], **inputs)
     state = s.state
     m.row("kvstate: image prefix", "kvstate", "image in the state, resume on the same instance",
-          lambda: greedy(Session(m.model, state=state), ids, m.n, **inputs), {"instance": "same"}, ref=ref)
+          lambda: greedy(m.session(state=state), ids, m.n, **inputs), {"instance": "same"}, ref=ref, cold=cold)
     fresh = m.fresh_model()
     if fresh is None:
         return
@@ -177,10 +179,10 @@ def multimodal_rows(m: Matrix) -> None:
         if m.fault == "zero-rope-deltas":  # rely on zeroed model-side state instead of explicit positions
             m.adapter.restore_extras(fresh, {k: torch.zeros_like(v) for k, v in state.extras.items()})
             return plain(fresh, state, ids, m.n, mask=True, positions=False)
-        return greedy(Session(fresh, state=state), ids, m.n, **inputs)
+        return greedy(m.session(fresh, state=state), ids, m.n, **inputs)
 
     m.row("kvstate: image prefix, fresh instance", "kvstate", "the same state on a new instance", kvstate_fresh,
-          {"instance": "fresh", "full_mask": True, "twin": "kvstate: image prefix"}, ref=ref)
+          {"instance": "fresh", "full_mask": True, "twin": "kvstate: image prefix"}, ref=ref, cold=cold)
     m.adapter.reset_model(fresh)
     m.row("plain: image prefix, fresh instance, mask only", "plain", "the image cache on a new instance, full mask",
           lambda: plain(fresh, state, ids, m.n, mask=True, positions=False), {"instance": "fresh"}, ref=ref)
@@ -197,7 +199,8 @@ def video_rows(m: Matrix) -> None:
         return
     span, inputs = video
     ids = torch.cat([m.ids[:, :6], span, m.ids[:, 6:]], 1)
-    sub = Matrix(m.model, ids, m.n, fresh=m.fresh, spec=m.spec, attn=m.attn, quick=m.quick, inputs=inputs)
+    sub = Matrix(m.model, ids, m.n, fresh=m.fresh, spec=m.spec, attn=m.attn, quick=m.quick, inputs=inputs,
+                 given_floor=m.floor)
     sub._fresh_model = m.fresh_model()
     cache_variant_rows(sub)
     plain_rows(sub)

@@ -31,7 +31,7 @@ from ..layers import LAYER_KINDS
 from ..selfcheck import adapter_for
 from ..session import Session
 from ..state import State
-from .report import Row, compare, crashed
+from .report import Floor, Row, compare, crashed
 
 Result = tuple[torch.Tensor, torch.Tensor]  # first-step logits [B, V], greedy tokens [B, N]
 
@@ -49,6 +49,7 @@ class Matrix:
     fault: str | None = None
     quick: bool = False
     inputs: dict[str, Any] = field(default_factory=dict)  # media of ``ids`` (a video prefix)
+    given_floor: Floor | None = None  # a media prefix cannot be split: its matrix takes the text matrix's floor
     rows: list[Row] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
@@ -56,10 +57,24 @@ class Matrix:
         self.adapter = adapter_for(self.model)
         media = self.adapter.plain_inputs(self.model, self.ids, self.inputs) if self.inputs else {}
         self.ref_logits, self.ref_tokens = reference(self.model, self.ids, self.n, **media)
-        s = Session(self.model)
+        # a family fed one token per forward cannot run the canonical schedule (docs/exactness.md): its rows
+        # are judged within the floor only, and the report says so with chunk 0
+        self.chunk = 0 if self.adapter.caps.stepwise else canonical_chunk(self.ids.shape[1])
+        self.floor = replace(self.given_floor, chunk=self.chunk) if self.given_floor is not None else \
+            noise_floor(self.model, self.ids, self.n, (self.ref_logits, self.ref_tokens), self.chunk)
+        self.cold = greedy(self.session(), self.ids, self.n, **self.inputs)  # what every warm path must equal
+        s = self.session()
         s.extend(self.ids[:, :-1], **self.inputs)
         self.prefix = s.state
         self._fresh_model: Any = None
+
+    def session(self, model: Any = None, **settings: Any) -> Session:
+        """A Session on ``model`` (this matrix's by default) with the matrix's canonical chunk."""
+        return Session(self.model if model is None else model, canonical_chunk=self.chunk, **settings)
+
+    def cold_run(self, ids: torch.Tensor, **inputs: Any) -> Result:
+        """The kvstate cold run on another history: a new Session, nothing processed."""
+        return greedy(self.session(), ids, self.n, **inputs)
 
     def fresh_model(self) -> Any:
         if self._fresh_model is None and self.fresh is not None:
@@ -67,15 +82,50 @@ class Matrix:
         return self._fresh_model
 
     def row(self, name: str, group: str, description: str, run: Callable[[], Result],
-            facts: dict[str, Any] | None = None, ref: Result | None = None) -> None:
-        """Run one path; a crash is recorded as the row's result, never raised."""
+            facts: dict[str, Any] | None = None, ref: Result | None = None, cold: Result | None = None,
+            canonical: bool = True) -> None:
+        """Run one path; a crash is recorded as the row's result, never raised. A kvstate row on the
+        canonical schedule must equal ``cold`` bitwise (the matrix's cold run when ``ref`` is its own)."""
         ref_logits, ref_tokens = ref or (self.ref_logits, self.ref_tokens)
+        canonical = canonical and self.chunk > 0
+        if group == "kvstate" and canonical and cold is None and ref is None:
+            cold = self.cold
         try:
             logits, tokens = run()
         except Exception as exc:
             self.rows.append(crashed(name, group, description, exc, facts))
             return
-        self.rows.append(compare(name, group, description, logits, tokens, ref_logits, ref_tokens, facts))
+        self.rows.append(compare(name, group, description, logits, tokens, ref_logits, ref_tokens, facts,
+                                 cold=cold if group == "kvstate" and canonical else None, floor=self.floor))
+
+
+def canonical_chunk(length: int) -> int:
+    """The canonical chunk verify runs kvstate with: the session default, or for a prompt shorter than
+    twice that the largest power of two <= a quarter of it (at least 4), so the resumes keep slots."""
+    from ..session import DEFAULT_CANONICAL_CHUNK
+
+    if length >= 2 * DEFAULT_CANONICAL_CHUNK:
+        return DEFAULT_CANONICAL_CHUNK
+    return max(4, 1 << max((length // 4).bit_length() - 1, 0))
+
+
+def noise_floor(model: Any, ids: torch.Tensor, n: int, whole: Result, chunk: int) -> Floor:
+    """Plain transformers against itself: ``whole`` (``generate`` prefilling the history in one forward)
+    against ``generate`` prefilling it in chunks (``prefill_chunk_size``) of a quarter and of three quarters
+    of it; the worst of the two. A family whose ``generate`` cannot chunk its prefill has no floor (0)."""
+    L = ids.shape[1]
+    splits, worst = [], Floor(0.0, 0.0, n, n, [], chunk)
+    for split in sorted({max(1, L // 4), max(1, 3 * L // 4)} - {L}):
+        try:
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                 return_dict_in_generate=True, output_logits=True, prefill_chunk_size=split)
+        except Exception:
+            continue
+        splits.append(split)
+        row = compare("floor", "plain", "", out.logits[0], out.sequences[:, L:], *whole)
+        if row.max_abs >= worst.max_abs:  # type: ignore[operator]
+            worst = Floor(row.max_abs, row.relative, row.greedy_agree, n, [], chunk)  # type: ignore[arg-type]
+    return replace(worst, splits=splits)
 
 
 def reference(model: Any, ids: torch.Tensor, n: int, **inputs: Any) -> Result:
@@ -124,24 +174,24 @@ def same_kv(a: State, b: State) -> bool:
 
 def faulty_prefix(m: Matrix) -> State:
     """The prefix state the kvstate rows start from (shifted when that fault is planted)."""
-    if m.fault == "shift-positions":
-        return replace(m.prefix, next_position=m.prefix.next_position + 1)
+    if m.fault == "shift-positions":  # every slot's recorded position, so a resume that cuts back keeps the shift
+        return replace(m.prefix, positions=m.prefix.positions + 1, next_position=m.prefix.next_position + 1)
     return m.prefix
 
 
 def cache_variant_rows(m: Matrix) -> None:
     prefix = faulty_prefix(m)
     rebuilt = rebuild(prefix)
-    if m.fault == "corrupt-k":  # one K slot of one layer goes wrong in the rebuild
+    if m.fault == "corrupt-k":  # one K slot of one layer goes wrong in the rebuild (the first: every resume keeps it)
         layer = next(x for x in rebuilt.layers if "keys" in x.tensors())
-        layer.tensors()["keys"][..., -1, :] += 1.0
+        layer.tensors()["keys"][..., 0, :] += 1.0
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "prefix.kvs"
         save_state(prefix, path)
         variants = [("kvstate: original state", "a new Session adopts the state",
-                     lambda: Session(m.model, state=prefix), True),
+                     lambda: m.session(state=prefix), True),
                     ("kvstate: rebuilt from raw K/V", "cloned K/V tensors, re-validated",
-                     lambda: Session(m.model, state=rebuilt), same_kv(m.prefix, rebuilt)),
+                     lambda: m.session(state=rebuilt), same_kv(m.prefix, rebuilt)),
                     ("kvstate: saved + loaded", "save, then Session.load in this process",
                      lambda: Session.load(path, m.model), True)]
         for name, description, make, identical in variants:
@@ -171,9 +221,9 @@ CHILD = """
 import sys, torch
 from safetensors.torch import load_file, save_file
 from kvstate import Session
-from kvstate.testing.models import load_model
-spec, attn, folder, n = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4])
-model = load_model(spec, attn, progress=False)[0]
+from kvstate.models import load_model
+spec, attn, folder, n, dtype, device = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4]), *sys.argv[5:7]
+model = load_model(spec, attn, progress=False, dtype=dtype, device=device)[0]
 ids = load_file(folder + "/ids.safetensors")["ids"]
 out = Session.load(folder + "/prefix.kvs", model).generate(ids, max_new_tokens=n, do_sample=False,
                                                           return_dict_in_generate=True, output_logits=True)
@@ -189,7 +239,9 @@ def process_row(m: Matrix, path: Path) -> None:
 
     def run() -> Result:
         save_file({"ids": m.ids.contiguous()}, str(path.parent / "ids.safetensors"))
-        subprocess.run([sys.executable, "-c", CHILD, m.spec, m.attn or "", str(path.parent), str(m.n)],
+        weight = next(m.model.parameters())  # the child loads the spec in the parent's dtype, on its device
+        subprocess.run([sys.executable, "-c", CHILD, m.spec, m.attn or "", str(path.parent), str(m.n),
+                        str(weight.dtype).removeprefix("torch."), str(weight.device)],
                        check=True, capture_output=True, timeout=600)
         out = load_file(str(path.parent / "out.safetensors"))
         return out["logits"], out["tokens"]

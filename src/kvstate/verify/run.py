@@ -69,5 +69,7 @@ def verify(model: Any, input_ids: torch.Tensor, *, new_tokens: int = 16, name: s
     matrix = Matrix(model, input_ids, new_tokens, fresh=fresh, spec=spec, attn=attn, fault=fault, quick=quick)
     for step in tqdm(_STEPS, desc="verify", disable=not progress, file=sys.stderr):
         step(matrix)
+    weight = next(model.parameters())
     return Report(name or type(model).__name__, str(attn), input_ids.shape[1], new_tokens, matrix.rows,
-                  diagnose(matrix.rows), matrix.skipped)
+                  diagnose(matrix.rows), matrix.skipped, dtype=str(weight.dtype).removeprefix("torch."),
+                  device=str(weight.device), floor=matrix.floor)

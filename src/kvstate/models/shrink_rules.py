@@ -1,4 +1,4 @@
-"""The auto-shrinker's sizes, rule keys and per-type tables (see ``kvstate.testing.shrink``)."""
+"""The auto-shrinker's sizes, rule keys and per-type tables (see ``kvstate.models.shrink``)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,86 @@
+"""What the canonical schedule costs (issue 23): warm TTFT of a new turn, and cold prefill, by chunk size.
+
+On the default Gemma-3-270M, in float32 and bfloat16 on this CPU. A history of H tokens
+(prose from CPython's ``pydoc_data.topics``, PSF-2.0) is prefilled once per setting; then
+a new turn of n tokens is timed, each repeat from a fork of that prefilled session
+(``Session.generate(history + turn, max_new_tokens=1)``: time to the first token):
+
+* ``off`` (``canonical_chunk=0``): the state is continued where it ends and only the n
+  new tokens are fed, in one forward. This is the one-forward limit: the least any
+  resume can feed. It is exact only to float32 rounding, not bitwise;
+* ``C=16/32/64``: the canonical schedule: the resume restarts from the last multiple of
+  C the state holds and feeds ``H mod C + n`` tokens in aligned chunks, so the answer
+  is bitwise the cold one.
+
+The cold cost is the prefill of H tokens in chunks of C against chunks of 512 (``off``).
+Contenders of one cell are interleaved within each round (``common.interleaved``).
+
+    python bench/bench_canonical.py [--histories 1024 4096] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from common import interleaved, write_results
+from kvstate import Session
+from kvstate.testing import load_default_model
+
+CHUNKS = (0, 16, 32, 64)
+TURNS = (1, 8, 64)
+
+
+def prose(tokenizer, n: int) -> torch.Tensor:
+    """``[1, n]`` token ids of English prose (CPython's reference documentation)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(t for t in topics.values() if t.strip())
+    return tokenizer(text[: 12 * n], return_tensors="pt").input_ids[:, :n]
+
+
+def cell(model, ids: torch.Tensor, history: int, rounds: int) -> dict[str, object]:
+    """Cold prefill and warm TTFT of each new turn, for every chunk size."""
+    sessions, cold = {}, {}
+    for chunk in CHUNKS:
+        s = Session(model, canonical_chunk=chunk)
+        begin = time.perf_counter()
+        s.extend(ids[:, :history])
+        cold[chunk] = time.perf_counter() - begin
+        sessions[chunk] = s
+    turns = {}
+    for n in TURNS:
+        full = ids[:, :history + n]
+
+        def ttft(s: Session = None, full: torch.Tensor = full) -> None:
+            s.fork().generate(full, max_new_tokens=1, do_sample=False)
+
+        timed = interleaved({f"C={c}" if c else "off": (lambda s=sessions[c]: ttft(s)) for c in CHUNKS}, rounds)
+        off = timed["off"]
+        turns[str(n)] = {"seconds": timed, "overhead_vs_one_forward": {k: v / off - 1 for k, v in timed.items()},
+                         "share_of_one_forward_limit": {k: off / v for k, v in timed.items()}}
+    return {"cold_prefill_seconds": {f"C={c}" if c else "off (chunks of 512)": v for c, v in cold.items()},
+            "new_turn_ttft": turns}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--histories", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    args = parser.parse_args()
+    results: dict[str, object] = {}
+    for dtype in args.dtypes:
+        model, tokenizer = load_default_model(dtype=getattr(torch, dtype), progress=False)
+        ids = prose(tokenizer, max(args.histories) + max(TURNS))
+        for history in args.histories:
+            print(f"{dtype}, history {history}", flush=True)
+            results[f"{dtype}/{history}"] = cell(model, ids, history, args.rounds)
+    write_results("canonical", {"model": "default (Gemma-3-270M)", "turns": TURNS, "chunks": CHUNKS,
+                                "results": results})
+
+
+if __name__ == "__main__":
+    main()

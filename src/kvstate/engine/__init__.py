@@ -1,0 +1,8 @@
+"""The engine: the only caller of the model (``core``), what each forward saw (``recorder``),
+and the schedules it runs: canonical prefill chunks (``kvstate.schedule``) and budgeted
+compression rounds (``budgeted``)."""
+
+from .core import Engine, Feed, FeedSettings, Outcome, finish_reasons
+from .recorder import Forward, Recorder, model_lock
+
+__all__ = ["Engine", "Feed", "FeedSettings", "Forward", "Outcome", "Recorder", "finish_reasons", "model_lock"]

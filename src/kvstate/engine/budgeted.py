@@ -1,0 +1,54 @@
+"""The budgeted schedule: a long decode that never holds more than a slot budget (issue 16).
+
+``Session.generate(history, compress=policy, budget=B, every=N, ...)`` decodes in
+rounds of ``N`` tokens through the ordinary ``generate`` run: before each round the
+state is compressed to ``B - N`` slots per attention layer (by the policy, which asks
+this engine to observe), so the round's ``N`` tokens fit within ``B``. The prompt is fed
+whole first. Each round starts from stored logits, so the tokens are exactly those of
+``decode_with_budget`` (the manual reference), and every round's options, processors and
+stopping criteria are ``model.generate``'s own. The caller commits only the final state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..state import State
+from .core import Engine, Feed, FeedSettings, Outcome, finish_reasons
+
+if TYPE_CHECKING:
+    from ..request import Request
+
+
+def run_budgeted(engine: Engine, start: State, feed: Feed | None, request: Request, settings: FeedSettings,
+                 reused: int) -> Outcome:
+    """Rounds of ``generate`` from ``start`` plus ``feed`` (see the module docstring)."""
+    budget = request.budget
+    assert budget is not None  # run() dispatches here only with a budget
+    history, options = request.ids, request.options
+    prefilled = start if feed is None else engine.feed(start, feed, settings)
+    state, out, left = prefilled, [], budget.total
+    while left > 0:
+        state = budget.policy.compress_to(engine, engine.model, state, budget.budget - budget.every)
+        n = min(budget.every, left)
+        kwargs = {k: v for k, v in options.kwargs.items() if k != "max_length"}
+        round_options = replace(options, kwargs={**kwargs, "max_new_tokens": n})
+        ones = torch.ones_like(history, dtype=torch.bool)
+        state, _, tokens, _ = engine.generate(state, None, history, ones, round_options, settings)
+        out.append(tokens)
+        history = torch.cat([history, tokens], dim=1)
+        left -= tokens.shape[1]
+        if tokens.shape[1] < n or left == 0 or int(tokens[0, -1]) in budget.ends:  # done, or an end id
+            break
+        state = _one_more(engine, state, tokens[:, -1:], settings)
+    new = torch.cat(out, dim=1) if out else history[:, :0]
+    return Outcome(state, prefilled, new, new, reused, finish_reasons(new, options, request.ids.shape[1]))
+
+
+def _one_more(engine: Engine, state: State, token: torch.Tensor, settings: FeedSettings) -> State:
+    """``state`` after feeding the round's last token ``[1, 1]`` (the next round starts from its logits)."""
+    ones = torch.ones(1, state.tokens_seen + 1, dtype=torch.bool, device=token.device)
+    return engine.feed(state, engine.feed_for(state, token, ones, {}), settings)

@@ -1,0 +1,345 @@
+"""The engine: the only code in kvstate that runs the model.
+
+Every run takes a ``State``, attaches it to the model (``Runtime.attached``: a
+transformers cache and the model-side extras), runs the model, and returns a new
+``State``; it never changes the one it was given, so a failure anywhere (an
+exception, Ctrl-C, a raising streamer) leaves the caller's state as it was. The runs:
+
+* ``feed``: forwards over new tokens, in chunks. Under the canonical schedule
+  (``kvstate.schedule``) a feed that starts at a cut of a canonical prefix ends its
+  chunks at the schedule's cuts, so each slot gets the bits the cold run gives it;
+  otherwise chunks of ``chunk_size`` (one token per forward where the family's
+  continuation needs it). Recurrent layers are checkpointed on the way;
+* ``run``: one planned ``generate`` call (``kvstate.resume.ResumePlan`` + ``kvstate.request.Request``)
+  to an ``Outcome``: ``model.generate`` over the *full* history, with its first forward
+  (``_prefill``) replaced by ``feed`` of the unprocessed suffix, or by the stored logits
+  when nothing is unprocessed; or budgeted rounds (``kvstate.engine.budgeted``);
+* ``observe``: queries and attention weights of watched tokens, for compression policies;
+  its state is discarded.
+
+One ``Recorder`` captures what every forward saw; new states are built from that
+record, never re-derived from tensor shapes or step counts. A per-model lock
+serializes runs on one model instance, so sessions sharing a model in several
+threads cannot see each other's hooks or module-held states.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import _compat
+from .._compat.watch import watching
+from ..adapters.binding import Binding, Live
+from ..errors import KVStateError, UnsupportedError
+from ..layers import FULL_ATTENTION, SLIDING_ATTENTION, LayerState
+from ..masks import layer_masks, needs_masks
+from ..options import GenerateOptions
+from ..schedule import Canonical
+from ..state import State, next_position_after
+from .recorder import Forward, Recorder, model_lock
+
+if TYPE_CHECKING:
+    from ..identity import Fingerprint
+    from ..protocols import ModelInputs
+    from ..request import Request
+    from ..resume import ResumePlan
+
+Listener = Callable[[int, int, torch.Tensor, torch.Tensor, float, object], None]
+
+
+@dataclass(frozen=True)
+class Feed:
+    """New tokens for the model: ``ids`` ``[B, Q]``, ``mask`` ``[B, T + Q]`` over processed + new
+    slots, their ``positions`` ``[B, Q(, R)]``, the model inputs that belong to them (pixels), and
+    the media ``spans`` ``[start, end)`` among them, as absolute slots (never split by a chunk)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    inputs: Mapping[str, torch.Tensor]
+    spans: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class FeedSettings:
+    """How ``feed`` splits its work: the canonical chunk ``C`` (0: off), the longest forward when
+    the schedule is off, checkpoint spacing and checkpoints kept."""
+
+    chunk_size: int = 512
+    checkpoint_every: int | None = None
+    max_checkpoints: int = 16
+    canonical: int = 0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A ``generate`` run: the state after it, the state right after the history was fed (before
+    decoding), the new tokens ``[B, N]``, what ``generate`` returns (the tokens, or transformers'
+    output object with ``return_dict_in_generate``), the slots reused
+    from the plan's source, and each row's ``finish_reason`` (``stop`` or ``length``)."""
+
+    state: State
+    prefilled: State
+    tokens: torch.Tensor
+    output: object
+    reused: int
+    finish_reason: tuple[str, ...]
+
+
+class Engine:
+    """Runs one bound model for any number of sessions (see the module docstring)."""
+
+    def __init__(self, binding: Binding) -> None:
+        self.binding = binding
+        self.model = binding.model
+        self.runtime = binding.runtime
+        self.cache_kwarg = self.runtime.cache_kwarg
+        self.lock = model_lock(self.model)
+        self.seconds_per_token = 0.0  # measured on the last prefill-sized forward
+
+    # ----- preparing work (no forward) -----------------------------------------------------
+    def empty(self, batch_size: int, sliding_reserve: int, fingerprint: Fingerprint | None) -> State:
+        param = next(self.model.parameters())
+        layers = self.binding.layout.empty_layers(sliding_reserve)
+        return State.empty(layers, fingerprint, batch_size, param.device, self.binding.caps.position_dims)
+
+    def feed_for(self, state: State, ids: torch.Tensor, mask: torch.Tensor, inputs: ModelInputs,
+                 spans: tuple[tuple[int, int], ...] = ()) -> Feed:
+        """The ``Feed`` of ``ids`` ``[B, Q]`` after ``state``; ``mask`` covers processed + new slots;
+        ``spans`` are the history's media items (those inside the feed are kept)."""
+        T = state.tokens_seen
+        positions = self.binding.inputs.positions(state.next_position, ids, mask[:, T:], inputs)
+        inside = tuple((a, b) for a, b in spans if a >= T and b <= T + ids.shape[1])
+        return Feed(ids, mask, positions, MappingProxyType(dict(inputs)), inside)
+
+    # ----- runs ------------------------------------------------------------------------------
+    def feed(self, state: State, feed: Feed, settings: FeedSettings) -> State:
+        """The state after forwarding ``feed``; ``state.last_logits`` then holds the last position's logits."""
+        with self.lock, torch.no_grad():
+            out = self._run_feed(state, feed, settings, settings.chunk_size)
+            self.runtime.restore(out.extras)  # the instance agrees with the state
+        return out
+
+    def run(self, plan: ResumePlan, request: Request, settings: FeedSettings) -> Outcome:
+        """One planned ``generate`` call: feed the plan's suffix of ``request.ids``, then decode."""
+        start = plan.start
+        T = start.tokens_seen
+        self.binding.inputs.check(request.ids, request.inputs, T)
+        feed = None
+        if plan.fed:
+            inputs = self.binding.inputs.select(request.ids, T, request.inputs)
+            feed = self.feed_for(start, request.ids[:, T:], request.mask, inputs, request.spans)
+        if request.budget is not None:
+            from .budgeted import run_budgeted  # rounds of generate under a slot budget (issue 16)
+
+            return run_budgeted(self, start, feed, request, settings, plan.reused)
+        state, prefilled, new, output = self.generate(start, feed, request.ids, request.mask, request.options,
+                                                      settings)
+        answer = output if request.options.return_dict else new
+        return Outcome(state, prefilled, new, answer, plan.reused, finish_reasons(new, request.options,
+                                                                                   request.ids.shape[1]))
+
+    def generate(self, start: State, feed: Feed | None, history: torch.Tensor, mask: torch.Tensor,
+                 options: GenerateOptions, settings: FeedSettings) -> tuple[State, State, torch.Tensor, object]:
+        """``model.generate`` over ``history`` ``[B, L]``, resuming from ``start`` plus ``feed``.
+
+        ``feed`` is the unprocessed suffix (None when ``start`` has processed all of
+        ``history`` and holds its last logits). Returns the state after the run (the history
+        and all new tokens but the last), the state right after the history, the new tokens
+        ``[B, N]`` and ``generate``'s output (whose ``sequences`` are the new tokens).
+        """
+        if feed is None and start.last_logits is None:
+            raise KVStateError("nothing to feed and no stored logits", expected="a feed of >= 1 token",
+                               found=f"state of {start.tokens_seen} tokens without last_logits")
+        positions = start.positions if feed is None else torch.cat([start.positions, feed.positions], dim=1)
+        call: dict[str, object] = {"input_ids": history, "attention_mask": mask.long(),
+                                   self.cache_kwarg: self.runtime.empty_cache(history.shape[0])}
+        if self.binding.caps.position_ids:
+            call["position_ids"] = self.runtime.model_positions(positions)
+        with self.lock, torch.no_grad(), ExitStack() as hooks:
+            run: dict[str, object] = {}
+
+            def prefill() -> object:
+                chunk = options.prefill_chunk_size or settings.chunk_size
+                prefilled = start if feed is None else self._run_feed(start, feed, settings, chunk)
+                live = hooks.enter_context(self.runtime.attached(prefilled))
+                recorder = hooks.enter_context(Recorder(self.runtime, prefilled.next_position).attached(self.model))
+                hooks.enter_context(self._masks(prefilled.layers, recorder))
+                run.update(state=prefilled, live=live, recorder=recorder)
+                return self.runtime.lm_output(prefilled.last_logits[:, None, :], live.cache)  # type: ignore[index]
+
+            with _compat.replaced_prefill(self.model, prefill):
+                output = self.model.generate(**call, **options.kwargs)
+            sequences = output if isinstance(output, torch.Tensor) else output.sequences
+            new = sequences[:, history.shape[1]:]
+            prefilled: State = run["state"]  # type: ignore[assignment]
+            state = self._after_decode(prefilled, run["live"], run["recorder"], new, mask)  # type: ignore[arg-type]
+            self.runtime.restore(state.extras)
+        if not isinstance(output, torch.Tensor):
+            output.sequences = new
+            setattr(output, _compat.CACHE_KWARG, None)  # the state is the cache; never hand out its tensors
+        return state, prefilled, new, output
+
+    def observe(self, state: State, ids: torch.Tensor, listener: Listener, *, rerun: int = 0,
+                chunk_size: int = 512) -> None:
+        """Feed ``ids`` ``[B, Q]`` with attention watched (eager), and discard the state that makes.
+
+        ``ids`` follow ``state`` rolled back by ``rerun`` tokens (re-running its last
+        ``rerun`` tokens when ``ids`` are those tokens). ``listener(layer, first_key,
+        query, weights, scaling, rope)`` sees every attention layer of every forward:
+        post-RoPE queries ``[B, Hq, q, D]``, weights ``[B, Hq, q, K]`` whose first column is
+        key ``first_key`` of the layer (slot ``j`` of the base state is key ``j``; fed
+        tokens follow), and the layer's RoPE tables.
+        """
+        T = state.tokens_seen
+        reasons = state.rollback_limit(T - rerun) if rerun <= T else [f"only {T} tokens"]
+        if reasons:
+            raise UnsupportedError(f"this policy re-runs the last {rerun} tokens, and the state cannot roll back "
+                                   "that far", found="; ".join(reasons),
+                                   fix="use KNorm, StreamingLLM or Random, a smaller window, or checkpoint_every")
+        base = state.truncated(T - rerun) if rerun else state
+        keys = {i: layer.slots for i, layer in enumerate(base.layers) if layer.kind in (FULL_ATTENTION,
+                                                                                       SLIDING_ATTENTION)}
+
+        def counted(layer: int, query: torch.Tensor, weights: torch.Tensor, scaling: float, rope: object) -> None:
+            keys[layer] += query.shape[2]
+            listener(layer, keys[layer] - weights.shape[-1], query, weights, scaling, rope)
+
+        mask = torch.ones(ids.shape[0], base.tokens_seen + ids.shape[1], dtype=torch.bool, device=ids.device)
+        with self.lock, torch.no_grad(), watching(self.model, counted):
+            speed = self.seconds_per_token  # eager scoring forwards say nothing of a prefill's cost
+            try:
+                self._run_feed(base, self.feed_for(base, ids, mask, {}), FeedSettings(chunk_size), chunk_size)
+            finally:
+                self.seconds_per_token = speed
+                self.runtime.restore(state.extras)
+
+    def reset_model(self) -> None:
+        """Clear model-side values (e.g. ``rope_deltas``), as on a freshly loaded instance."""
+        with self.lock:
+            self.runtime.reset()
+
+    # ----- internals ---------------------------------------------------------------------------
+    def _run_feed(self, state: State, feed: Feed, settings: FeedSettings, chunk_size: int) -> State:
+        T, Q = state.tokens_seen, feed.ids.shape[1]
+        ends = self._canonical_ends(state, feed, settings)
+        checkpointed = any(layer.checkpointed for layer in state.layers)
+        start = 0
+        while start < Q:
+            if ends is not None:
+                end = ends.pop(0) - T
+            else:
+                end = min(start + self._chunk(state, Q - start, settings, chunk_size, bool(feed.inputs),
+                                              checkpointed), Q)
+            inputs = feed.inputs if ends is None else self._chunk_inputs(feed, start, end)
+            state = self._forward(state, feed.ids[:, start:end], feed.mask[:, :T + end],
+                                  feed.positions[:, start:end], inputs)
+            if ends is not None:  # every slot so far is the cold run's (issue 23)
+                state = replace(state, canonical=state.tokens_seen, canonical_chunk=settings.canonical)
+            every = settings.checkpoint_every
+            cut = ends is not None and end < Q
+            if checkpointed and end < Q and (cut or (every and state.tokens_seen % every == 0)):
+                state = state.with_checkpoint(settings.max_checkpoints)
+            start = end
+        return state
+
+    def _canonical_ends(self, state: State, feed: Feed, settings: FeedSettings) -> list[int] | None:
+        """The feed's chunk ends (absolute) under the canonical schedule; None when it does not apply: the
+        schedule is off, the family feeds one token per forward, or the feed starts off a canonical cut."""
+        if settings.canonical <= 0 or self.binding.caps.stepwise or state.is_compressed:
+            return None
+        schedule = Canonical(settings.canonical)
+        T = state.tokens_seen
+        spans = (*((m.start, m.end) for m in state.media), *feed.spans)
+        if T and (state.canonical_for(settings.canonical) != T or schedule.last_cut(T, spans) != T):
+            return None
+        return schedule.cuts(T, T + feed.ids.shape[1], spans)
+
+    def _chunk_inputs(self, feed: Feed, start: int, end: int) -> ModelInputs:
+        """The model inputs of the media items in the feed's slots ``[start, end)`` (chunks never split one)."""
+        if not feed.inputs:
+            return feed.inputs
+        inputs = self.binding.inputs.select(feed.ids, start, feed.inputs)
+        return self.binding.inputs.until(feed.ids[:, start:], end - start, inputs)
+
+    def _chunk(self, state: State, remaining: int, settings: FeedSettings, chunk_size: int, whole: bool,
+               checkpointed: bool) -> int:
+        """Tokens in the next forward: stepwise families continue one token at a time; media go in whole."""
+        if self.binding.caps.stepwise and not state.is_empty:
+            return 1
+        size = remaining if whole else chunk_size
+        every = settings.checkpoint_every
+        if every and checkpointed:  # end chunks on checkpoint boundaries
+            size = min(size, every - state.tokens_seen % every)
+        return size
+
+    def _forward(self, state: State, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 inputs: ModelInputs) -> State:
+        """One forward over ``ids`` ``[B, q]``; ``mask`` ``[B, T + q]``; ``positions`` ``[B, q(, R)]``."""
+        extra = self.runtime.forward_inputs(state.tokens, ids, inputs)
+        with self.runtime.attached(state) as live:
+            kwargs = dict(extra, input_ids=ids, attention_mask=_mask_arg(mask), use_cache=True, **self._keep_one(),
+                          **{self.cache_kwarg: live.cache})
+            if self.binding.caps.position_ids:
+                kwargs["position_ids"] = self.runtime.model_positions(positions)
+            recorder = Recorder(self.runtime, state.next_position)
+            begin = time.perf_counter()
+            with recorder.attached(self.model), self._masks(state.layers, recorder), self.runtime.forward_context():
+                self.model(**kwargs)
+            if ids.shape[1] > 8:
+                self.seconds_per_token = (time.perf_counter() - begin) / ids.shape[1]
+            return self._advance(state, ids, mask, recorder.fed(ids.shape[1]), live)
+
+    def _after_decode(self, state: State, live: Live, recorder: Recorder, new: torch.Tensor,
+                      mask: torch.Tensor) -> State:
+        """The state after ``generate``: every generated token but the last went through the model."""
+        n = new.shape[1] - 1
+        if n <= 0:
+            return state
+        full = torch.cat([mask, torch.ones_like(new[:, :n], dtype=torch.bool)], dim=1)
+        return self._advance(state, new[:, :n], full, recorder.fed(n), live)
+
+    def _advance(self, state: State, fed: torch.Tensor, mask: torch.Tensor, seen: Forward, live: Live) -> State:
+        """``state`` plus the ``fed`` tokens ``[B, q]``; ``mask`` covers all ``T + q`` slots. The new slots
+        are not canonical: ``_run_feed`` marks them where they are."""
+        T, n = state.tokens_seen, state.tokens_seen + fed.shape[1]
+        next_position = next_position_after(seen.positions, mask[:, T:n], state.next_position)
+        layers, extras = live.read(seen.positions, n, next_position)
+        return replace(state, tokens=torch.cat([state.tokens, fed], dim=1), mask=mask[:, :n],
+                       positions=torch.cat([state.positions, seen.positions], dim=1), layers=layers,
+                       next_position=next_position, last_logits=seen.logits, extras=MappingProxyType(extras),
+                       canonical=min(state.canonical, T))
+
+    def _keep_one(self) -> dict[str, int]:
+        """Only the last position's logits are needed, where the model can skip the rest."""
+        return {"logits_to_keep": 1} if self.binding.caps.logits_to_keep else {}
+
+    def _masks(self, layers: tuple[LayerState, ...], recorder: Recorder) -> AbstractContextManager[object]:
+        """Per-layer masks while a compressed state is in use; nothing otherwise (bitwise the plain path)."""
+        return layer_masks(self.model, layers, recorder) if needs_masks(layers) else nullcontext()
+
+
+def finish_reasons(new: torch.Tensor, options: GenerateOptions, history_length: int) -> tuple[str, ...]:
+    """Each row's ``finish_reason``: ``length`` when it used its whole token budget without an
+    end-of-sequence id, else ``stop`` (an end id, a stop string or a stopping criterion)."""
+    config = options.config
+    limit = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - history_length
+    eos = config.eos_token_id
+    ends = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    out = []
+    for row in new.tolist():
+        stopped = any(token in ends for token in row) or len(row) < limit
+        out.append("stop" if stopped else "length")
+    return tuple(out)
+
+
+def _mask_arg(mask: torch.Tensor) -> torch.Tensor | None:
+    """Drop an all-ones mask, as ``generate`` does, so both paths run the same kernels."""
+    return None if bool(mask.all()) else mask.long()
