@@ -60,19 +60,12 @@ class ResumePlan:
 
 
 def common_prefix(state: State, ids: torch.Tensor, mask: torch.Tensor) -> int:
-    """Longest prefix (in slots) on which the state and the request agree for every row: same
-    padding, same tokens, and (1-D positions) the positions a fresh run gives the history.
-    ``generate`` numbers a token that follows a trailing pad from that pad's position 0, so
-    such a slot is processed at a position no fresh run of a longer history gives it. A state
-    renumbered by ``ReRotate`` (evicted slots at -1) continues its own frame, unchecked."""
+    """Longest prefix (in slots) on which the state and the request agree for every row."""
     n = min(state.tokens_seen, ids.shape[1])
     if state.batch_size != ids.shape[0]:
         return 0
     same_mask = state.mask[:, :n] == mask[:, :n]
     same_tok = (state.tokens[:, :n] == ids[:, :n]) | ~mask[:, :n]
-    if state.positions.dim() == 2 and not bool((state.positions[:, :n] < 0).any()):
-        fresh = mask[:, :n].long().cumsum(-1) - 1
-        same_tok &= (state.positions[:, :n].to(fresh.device) == fresh) | ~mask[:, :n]
     agree = (same_mask & same_tok).all(dim=0)
     bad = (~agree).nonzero()
     return int(bad[0]) if bad.numel() else n
