@@ -118,11 +118,12 @@ def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
     spans = (*spans, *((m.start, m.end) for m in state.media))  # what the state processed as one item
     shared = safe_point(min(common_prefix(state, ids, mask), media_prefix(state, media)), spans)
     canonical = schedule.enabled and not state.is_compressed
-    if shared == T == L and state.last_logits is not None and (not canonical or state.canonical_logits):
+    if shared == T == L and state.last_logits is not None and (
+            not canonical or state.canonical_logits(schedule.chunk, schedule.device)):
         return ResumePlan(T, 0, "stored-logits", source)
     target = safe_point(min(shared, L - 1), spans)
     if canonical:  # a cut of the schedule, within the slots the cold run computed the same way
-        cut = schedule.last_cut(min(target, state.canonical_for(schedule.chunk)), spans)
+        cut = schedule.last_cut(min(target, state.canonical_for(schedule.chunk, schedule.device)), spans)
         if media is None and any(cut <= a < T for a, _ in spans):
             # re-feeding a processed image needs its pixels, which this request did not pass (and a cold
             # run would need): trust the placeholders and continue, exact to float32 rounding only

@@ -36,9 +36,11 @@ class Canonical:
 
     ``chunk`` is ``C``; 0 turns the schedule off: a resume keeps the longest common
     prefix and feeds the rest from there (exact to a tolerance in float32, not bitwise).
+    ``device`` is the device type the schedule runs on: slots computed on another are not its.
     """
 
     chunk: int
+    device: str = "cpu"
 
     @property
     def enabled(self) -> bool:

@@ -297,7 +297,8 @@ class Session:
         named = zip(self._names, self.sources, strict=True)
         external = [] if request.query is None else [(n, _Guarded(s)) for n, s in named]
         return resume.choose([*own, *external], request, self._empty(request.batch_size),
-                             rollback=self._binding.caps.rollback, schedule=Canonical(self.canonical_chunk),
+                             rollback=self._binding.caps.rollback,
+                             schedule=Canonical(self.canonical_chunk, self.device.type),
                              adopt=lambda found: self._adopt(found.to(self.device)))
 
     def _recorded(self, outcome: Outcome, start: State, request: Request) -> Outcome:

@@ -17,8 +17,9 @@ Shapes (``B`` batch rows, ``T`` token slots processed, ``V`` vocabulary):
 * ``media`` - one ``MediaItem`` (slot span and content hash) per image or video whose
   slots the state holds, so a history with the same placeholders but other pixels is
   never continued on stale K/V (issue 13);
-* ``canonical`` / ``canonical_chunk`` - slots ``[0, canonical)`` were computed by the
-  canonical schedule with chunks of ``canonical_chunk`` tokens (``kvstate.schedule``): a
+* ``canonical`` / ``canonical_chunk`` / ``canonical_device`` - slots ``[0, canonical)`` were
+  computed by the canonical schedule with chunks of ``canonical_chunk`` tokens on a device of
+  type ``canonical_device`` (``kvstate.schedule``): a
   resume keeps them up to the schedule's last cut, so a warm answer equals the cold one
   bit for bit (issue 23). Decoded, compressed or cast slots are not canonical.
 
@@ -103,6 +104,7 @@ class State:
     media: tuple[MediaItem, ...] = ()
     canonical: int = 0
     canonical_chunk: int = 0
+    canonical_device: str = ""  # "cpu", "cuda", ...: other kernels give other bits
 
     @classmethod
     def empty(cls, layers: tuple[LayerState, ...], fingerprint: Fingerprint | None = None,
@@ -153,14 +155,15 @@ class State:
     def device(self) -> torch.device:
         return self.tokens.device
 
-    def canonical_for(self, chunk: int) -> int:
-        """Leading slots computed by the canonical schedule of ``chunk`` tokens (0 for another chunk)."""
-        return self.canonical if chunk > 0 and chunk == self.canonical_chunk else 0
+    def canonical_for(self, chunk: int, device: str) -> int:
+        """Leading slots computed by the canonical schedule of ``chunk`` tokens on a ``device`` type (0 for
+        another chunk or device)."""
+        same = chunk > 0 and chunk == self.canonical_chunk and self.canonical_device == device
+        return self.canonical if same else 0
 
-    @property
-    def canonical_logits(self) -> bool:
+    def canonical_logits(self, chunk: int, device: str) -> bool:
         """``last_logits`` are the cold run's for exactly this history: every slot is canonical."""
-        return self.last_logits is not None and self.canonical_chunk > 0 and self.canonical == self.tokens_seen
+        return self.last_logits is not None and self.canonical_for(chunk, device) == self.tokens_seen > 0
 
     def checkpoint_at(self, n_tokens: int) -> Checkpoint | None:
         return next((c for c in self.checkpoints if c.tokens_seen == n_tokens), None)
@@ -253,7 +256,7 @@ class State:
             "checkpoint_nbytes": sum(c.nbytes for c in self.checkpoints),
             "extras": sorted(self.extras),
             "media": [[m.start, m.end, m.digest, m.kept] for m in self.media],
-            "canonical": [self.canonical, self.canonical_chunk],
+            "canonical": [self.canonical, self.canonical_chunk, self.canonical_device],
             "fingerprint": None if self.fingerprint is None else self.fingerprint.to_dict(),
         }
 

@@ -242,7 +242,8 @@ class Engine:
             state = self._forward(state, feed.ids[:, start:end], feed.mask[:, :T + end],
                                   feed.positions[:, start:end], inputs)
             if ends is not None:  # every slot so far is the cold run's (issue 23)
-                state = replace(state, canonical=state.tokens_seen, canonical_chunk=settings.canonical)
+                state = replace(state, canonical=state.tokens_seen, canonical_chunk=settings.canonical,
+                                canonical_device=state.device.type)
             every = settings.checkpoint_every
             cut = ends is not None and end < Q
             if checkpointed and end < Q and (cut or (every and state.tokens_seen % every == 0)):
@@ -258,7 +259,8 @@ class Engine:
         schedule = Canonical(settings.canonical)
         T = state.tokens_seen
         spans = (*((m.start, m.end) for m in state.media), *feed.spans)
-        if T and (state.canonical_for(settings.canonical) != T or schedule.last_cut(T, spans) != T):
+        if T and (state.canonical_for(settings.canonical, state.device.type) != T
+                  or schedule.last_cut(T, spans) != T):
             return None
         return schedule.cuts(T, T + feed.ids.shape[1], spans)
 

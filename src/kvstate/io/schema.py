@@ -76,7 +76,7 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "metadata": meta,
         "media": [[m.start, m.end, m.digest, m.kept] for m in state.media],
         # lossy storage changes K/V bits, so nothing of a compact file is the cold run's (issue 23)
-        "canonical": [0, 0] if compact else [state.canonical, state.canonical_chunk],
+        "canonical": [0, 0, ""] if compact else [state.canonical, state.canonical_chunk, state.canonical_device],
         "created_with": created_with(),
     }
     return header, tensors  # the container adds the checksums as it writes
@@ -153,16 +153,18 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
                  **_canonical(header, T))
 
 
-def _canonical(header: dict[str, Any], T: int) -> dict[str, int]:
-    """``canonical`` and ``canonical_chunk``; files written before issue 23 hold no canonical slots."""
-    value = header.get("canonical") or [0, 0]
-    if (not isinstance(value, list) or len(value) != 2 or not all(type(v) is int for v in value)
-            or not 0 <= value[0] <= T or not 0 <= value[1] <= 1 << 20):
-        raise StateFileError("canonical is malformed", expected=f"[slots 0..{T}, chunk 0..2**20]", found=value,
-                             fix="re-save the state")
+def _canonical(header: dict[str, Any], T: int) -> dict[str, Any]:
+    """``canonical``, ``canonical_chunk`` and ``canonical_device``; files written before issue 23 hold no
+    canonical slots."""
+    value = header.get("canonical") or [0, 0, ""]
+    if (not isinstance(value, list) or len(value) != 3 or not all(type(v) is int for v in value[:2])
+            or not 0 <= value[0] <= T or not 0 <= value[1] <= 1 << 20 or not isinstance(value[2], str)
+            or len(value[2]) > 16):
+        raise StateFileError("canonical is malformed", expected=f"[slots 0..{T}, chunk 0..2**20, device type]",
+                             found=str(value)[:120], fix="re-save the state")
     if header.get("storage") != "exact":
-        return {"canonical": 0, "canonical_chunk": 0}
-    return {"canonical": value[0], "canonical_chunk": value[1]}
+        return {"canonical": 0, "canonical_chunk": 0, "canonical_device": ""}
+    return {"canonical": value[0], "canonical_chunk": value[1], "canonical_device": value[2]}
 
 
 def _media(header: dict[str, Any], T: int) -> tuple[MediaItem, ...]:
