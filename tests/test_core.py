@@ -249,7 +249,8 @@ def test_multi_turn_chat_reuses_everything(model, chunk):
     s = Session(model, canonical_chunk=chunk)
     reply1 = s.generate(turn1, max_new_tokens=8, do_sample=False)
     turn2 = torch.cat([turn1, reply1, prompt(6, seed=21)], 1)
-    reply2 = s.generate(turn2, max_new_tokens=8, do_sample=False)
+    # the reference's mask: every id is a token (without one, generate masks a reply's pad id 0)
+    reply2 = s.generate(turn2, torch.ones_like(turn2), max_new_tokens=8, do_sample=False)
     # canonically: only the prompt's aligned chunks are kept; the decoded reply is fed again in chunks
     reused = turn1.shape[1] + 8 - 1 if chunk == 0 else kept(turn1.shape[1], chunk)
     assert s.last_plan.reused == reused and s.last_plan.fed == turn2.shape[1] - reused

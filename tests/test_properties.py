@@ -88,7 +88,8 @@ class Program:
     def generate(self, back, new, max_new):
         history = self.history[:max(len(self.history) - back, 0)] + new
         ids = torch.tensor([history])
-        reply = self.session.generate(ids, max_new_tokens=max_new, do_sample=False)
+        # the reference's mask: every id is a token (without one, generate masks a reply's pad id 0)
+        reply = self.session.generate(ids, torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
         plain = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                     do_sample=False)[:, ids.shape[1]:]
         assert reply.tolist() == plain.tolist(), (history, reply, plain)

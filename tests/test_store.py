@@ -48,7 +48,7 @@ from kvstate import PrefixStore, Session
 from kvstate.testing.tiny import tiny_model
 location, arch, ids = sys.argv[1], sys.argv[2], torch.tensor(json.loads(sys.argv[3]))
 session = Session(tiny_model(arch), store=PrefixStore(location, chunk_tokens=16), canonical_chunk=16)
-out = session.generate(ids, max_new_tokens=6, do_sample=False)
+out = session.generate(ids, torch.ones_like(ids), max_new_tokens=6, do_sample=False)  # replies may hold pad id 0
 print(json.dumps({"tokens": out.tolist(), "reused": session.last_plan.reused}))
 """
 

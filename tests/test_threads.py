@@ -37,7 +37,8 @@ def chat(model, arch, seed, barrier=None):
     for turn in range(ROUNDS):
         if barrier is not None:
             barrier.wait()  # both threads start each round together
-        reply = session.generate(history, max_new_tokens=3, do_sample=False, **inputs)
+        # every id is a token: a reply may hold the pad id 0, which generate masks without a mask
+        reply = session.generate(history, torch.ones_like(history), max_new_tokens=3, do_sample=False, **inputs)
         replies.append(reply)
         history = torch.cat([history, reply, prompt(2, seed=seed * 100 + turn)], 1)
     return replies, session.state

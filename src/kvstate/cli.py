@@ -273,7 +273,7 @@ def _generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from .session import Session
-    from .text import history_ids
+    from .text import continue_text
 
     if (args.state is None) == (args.store is None):
         raise UserError("generate needs exactly one of --state FILE or --store LOCATION")
@@ -294,9 +294,10 @@ def _generate(args: argparse.Namespace) -> int:
         session = Session.load(args.state, model, tokenizer=tokenizer, cast_dtype=args.cast_state)
     else:
         session = Session(model, tokenizer=tokenizer, store=store)
-    history = history_ids(tokenizer, session.tokens, args.prompt)  # one tokenization: exact at the boundary
-    session.generate(history, max_new_tokens=args.max_new_tokens, do_sample=False,
-                     streamer=TextStreamer(tokenizer, skip_prompt=True))
+    # one tokenization (exact at the boundary); the answer's last token is processed too, so a --save
+    # holds the whole conversation
+    continue_text(session, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, do_sample=False,
+                  streamer=TextStreamer(tokenizer, skip_prompt=True))
     plan = session.last_plan
     print(f"[kvstate] reused {plan.reused} tokens from {args.state or args.store}, fed {plan.fed}; "
           f"{time.perf_counter() - start:.1f}s after load", file=sys.stderr)

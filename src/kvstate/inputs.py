@@ -19,6 +19,7 @@ from .errors import (
     EmptyStateError,
     FingerprintMismatchError,
     InputError,
+    LayoutMismatchError,
     MaskError,
     PositionError,
     UnsupportedError,
@@ -50,15 +51,49 @@ def as_ids(input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], de
     return ids
 
 
-def history_mask(ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """The bool mask ``[B, L]`` of a full history (a fresh copy; all ones when None)."""
+def check_session_args(tokenizer: object = None, state: object = None) -> None:
+    """``Session(model, tokenizer=, state=)`` takes a tokenizer (or None) and a ``State`` (or None);
+    anything else is a typed error here, not an AttributeError later."""
+    if tokenizer is not None and not callable(getattr(tokenizer, "get_vocab", None)):
+        raise InputError("tokenizer must be the model's tokenizer", expected="a transformers tokenizer or None",
+                         found=type(tokenizer).__name__, fix="pass AutoTokenizer.from_pretrained(...), or omit it")
+    if state is not None and not isinstance(state, State):
+        raise InputError("state must be a kvstate State", expected="a State or None", found=type(state).__name__,
+                         fix="pass session.state, or kvstate.load_state(path)")
+
+
+def history_mask(ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_id: int | None = None) -> torch.Tensor:
+    """The bool mask ``[B, L]`` of a full history (a fresh copy).
+
+    With no mask, ``model.generate``'s own default: ids equal to ``pad_id`` are padding
+    (``options.GenerateOptions.pad_id`` says when generate infers that); else all ones.
+    """
     if attention_mask is None:
-        return torch.ones_like(ids, dtype=torch.bool)
+        return check_mask_values(torch.ones_like(ids, dtype=torch.bool) if pad_id is None else ids != pad_id)
     if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
         raise MaskError("attention_mask must match input_ids", expected=tuple(ids.shape),
                         found=tuple(getattr(attention_mask, "shape", ())) or type(attention_mask).__name__,
                         fix="pass the full-history mask")
-    return attention_mask.to(device=ids.device, dtype=torch.bool, copy=True)
+    return check_mask_values(attention_mask).to(device=ids.device, dtype=torch.bool, copy=True)
+
+
+def check_mask_values(mask: torch.Tensor) -> torch.Tensor:
+    """A mask ``[B, L]`` holds only 0 and 1 (or bools), and every row attends to something; returns ``mask``."""
+    if mask.is_meta or mask.is_complex():
+        raise MaskError("attention_mask must hold 0 and 1", expected="a bool or int tensor",
+                        found=f"{mask.dtype} tensor on {mask.device}", fix="pass tokenizer(...).attention_mask")
+    odd = mask[(mask != 0) & (mask != 1)] if mask.dtype != torch.bool else mask[:0]
+    if odd.numel():  # transformers would read 0.5 as "attend": a value that is neither is a caller's bug
+        raise MaskError("attention_mask must hold only 0 and 1", expected="0 (padding) or 1 (a token)",
+                        found=f"{mask.dtype} mask with values such as {odd[:4].tolist()}",
+                        fix="pass tokenizer(...).attention_mask, or a bool tensor")
+    empty = torch.nonzero(~mask.bool().any(dim=-1)).flatten() if mask.shape[-1] else mask.new_zeros(0)
+    if empty.numel():
+        raise MaskError("an attention_mask row has no token to attend to", expected="at least one 1 per row",
+                        found=f"all-zero rows {empty[:8].tolist()}",
+                        fix="give each row a real token (without an attention_mask, ids equal to "
+                        "pad_token_id are padding, as in generate)")
+    return mask
 
 
 # Inputs that carry media (or per-slot media semantics) for transformers' multimodal models.
@@ -113,7 +148,7 @@ def full_mask(state: State, n_total: int, attention_mask: torch.Tensor | None,
                         expected=f"shape ({B}, {n_total}) = processed {T} + new {n_total - T}",
                         found=tuple(getattr(attention_mask, "shape", ())) or type(attention_mask).__name__,
                         fix="pass the full-length mask, as with a transformers cache")
-    mask = attention_mask.to(device=device, dtype=torch.bool, copy=True)
+    mask = check_mask_values(attention_mask).to(device=device, dtype=torch.bool, copy=True)
     if not torch.equal(mask[:, :T], state.mask):
         raise MaskError("attention_mask disagrees with the processed tokens' padding",
                         expected=state.mask.int().tolist(), found=mask[:, :T].int().tolist(),
@@ -137,6 +172,41 @@ def check_positions(state: State, given: torch.Tensor | None, expected: torch.Te
             fix="feed the earlier tokens first, or omit position_ids")
     raise PositionError("position_ids do not continue the state", expected=expected.tolist(),
                         found=given.tolist(), fix="omit position_ids, or pass state.next_position + offsets")
+
+
+def logits_width(model: torch.nn.Module) -> int:
+    """The model's output size ``V`` (the LM head's rows; the config's vocab size without one)."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)  # type: ignore[union-attr,operator]
+
+
+def check_contents(state: State, vocab: int, width: int, layout: Any) -> None:
+    """What a state holds must mean something on this model: token ids in its vocabulary,
+    ``last_logits`` ``[B, V]`` of its output size, and every checkpoint's K/V in its head layout
+    ``layout.kv_shapes()`` ``(H, D_k, D_v)`` (``Layout.check`` covers the layers). A file can be
+    well-formed and still fail these (issue 24)."""
+    if state.tokens.numel() and (int(state.tokens.min()) < 0 or int(state.tokens.max()) >= vocab):
+        raise LayoutMismatchError("the state's tokens are outside the model's vocabulary",
+                                  expected=f"0 <= id < {vocab}",
+                                  found=f"ids from {int(state.tokens.min())} to {int(state.tokens.max())}",
+                                  fix="load the state into the model it was made with")
+    last = state.last_logits
+    if last is not None and (not last.is_floating_point() or last.shape[-1] != width):
+        raise LayoutMismatchError("the state's last_logits do not fit the model's output",
+                                  expected=f"floating [B, {width}]", found=f"{last.dtype} {tuple(last.shape)}",
+                                  fix="load the state into the model it was made with")
+    keyed = [(f"checkpoint {k} layer {i}", i, layer.tensors()) for k, c in enumerate(state.checkpoints)
+             for i, layer in c.layers.items() if "keys" in layer.tensors()]
+    shapes = layout.kv_shapes() if keyed else []
+    for where, i, parts in keyed:
+        found = (parts["keys"].shape[1], parts["keys"].shape[3], parts["values"].shape[3])
+        if i < len(shapes) and shapes[i] is not None and found != shapes[i]:
+            raise LayoutMismatchError(f"{where} K/V head shape differs from the model's",
+                                      expected=f"(kv_heads, key dim, value dim) = {shapes[i]}", found=found,
+                                      fix="load the state into the model it was made with")
 
 
 def check_model(state: State, fingerprint: Fingerprint, model: torch.nn.Module, model_dtype: torch.dtype,

@@ -20,6 +20,8 @@ Options are set through keywords, a ``generation_config=``, or the model's own
 
 from __future__ import annotations
 
+import inspect
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -59,6 +61,8 @@ class GenerateOptions:
     return_dict: bool
     prefill_chunk_size: int | None
     config: Any = None
+    max_length: float | None = None
+    pad_id: int | None = None
 
 
 def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
@@ -87,7 +91,53 @@ def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
     # use_cache=False only makes plain generate recompute every step; the tokens are the same, and the
     # state is the cache, so kvstate keeps it on (whether it came from the call or model.generation_config)
     return GenerateOptions(MappingProxyType({**kwargs, "use_cache": True}), bool(config.return_dict_in_generate),
-                           config.prefill_chunk_size, config)
+                           config.prefill_chunk_size, config, _max_length(model, kwargs, config),
+                           _pad_id(model, config))
+
+
+def _pad_id(model: torch.nn.Module, config: Any) -> int | None:
+    """The id ``generate`` masks in a history given without ``attention_mask`` (None: none). Mirrors
+    transformers' ``_prepare_attention_mask_for_generation``: the pad id, unless it is unset, also an
+    EOS id, or the model's forward takes no mask (xLSTM)."""
+    if "attention_mask" not in inspect.signature(model.forward).parameters:
+        return None
+    try:
+        eos = set() if config.eos_token_id is None else set(torch.as_tensor(config.eos_token_id).flatten().tolist())
+        pad = None if config.pad_token_id is None else operator.index(config.pad_token_id)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InputError("pad_token_id and eos_token_id must be token ids", expected="an int (eos: or a list)",
+                         found=f"pad {config.pad_token_id!r}, eos {config.eos_token_id!r}"[:120],
+                         fix="pass ints, or leave them to model.generation_config") from exc
+    return None if pad is None or pad in eos else pad
+
+
+def _max_length(model: torch.nn.Module, kwargs: dict[str, Any], config: Any) -> int | None:
+    """The total length ``generate`` will refuse a history to reach (None: no limit). Mirrors
+    transformers' ``_prepare_generated_length`` and ``_validate_generated_length``: ``max_new_tokens``
+    wins; a ``max_length`` nobody set becomes 20 new tokens, capped at ``max_position_embeddings``."""
+    if config.max_new_tokens is not None:
+        return None
+    given = kwargs.get("generation_config")
+    default = (kwargs.get("max_length") is None and (given is None or given.max_length is None)
+               and model.generation_config.max_length is None)  # type: ignore[union-attr]
+    if default:
+        limit = getattr(model.config, "max_position_embeddings", None)
+        return limit if isinstance(limit, int) else None
+    if isinstance(config.max_length, bool) or not isinstance(config.max_length, (int, float)):
+        raise InputError("max_length must be a number", expected="an int", found=repr(config.max_length)[:40],
+                         fix="pass max_new_tokens=N (preferred) or max_length=N")
+    return config.max_length
+
+
+def check_length(options: GenerateOptions, length: int) -> None:
+    """A history of ``length`` tokens must hold a token to continue, and leave room for one new token
+    (``model.generate``'s rule, typed)."""
+    if length == 0:
+        raise InputError("generate needs a history to continue", expected="input_ids [B, L] with L >= 1",
+                         found="an empty history", fix="pass at least one token (a BOS for an empty prompt)")
+    if options.max_length is not None and length >= options.max_length:
+        raise InputError("the history already reaches max_length", expected=f"len(input_ids) < {options.max_length}",
+                         found=f"{length} tokens", fix="set max_new_tokens (preferred) or a larger max_length")
 
 
 def _check_config(config: Any) -> None:

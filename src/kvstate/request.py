@@ -21,7 +21,7 @@ from .compress.during import Budget, plan_rounds, split_options
 from .errors import UnsupportedError
 from .identity import Fingerprint
 from .inputs import as_ids, history_mask, refuse_media
-from .options import GenerateOptions, resolve
+from .options import GenerateOptions, check_length, resolve
 from .protocols import PrefixQuery
 from .state import MediaItem
 
@@ -60,7 +60,8 @@ def validate(binding: Binding, fingerprint: Fingerprint, input_ids: IdsLike, att
     refuse_media(kwargs, keys, binding.caps.name)
     options = resolve(binding.model, kwargs)
     ids = as_ids(input_ids, device, vocab_size)
-    mask = history_mask(ids, attention_mask)
+    check_length(options, ids.shape[1])
+    mask = history_mask(ids, attention_mask, options.pad_id)
     check_padding(binding, mask)
     spans = tuple(binding.inputs.spans(ids, inputs))
     media = media_items(binding, ids, inputs, spans)
@@ -76,7 +77,10 @@ def check_padding(binding: Binding, mask: torch.Tensor) -> None:
     """Families whose state cannot hold padded rows refuse a padded mask."""
     if not binding.caps.padding and not bool(mask.all()):
         raise UnsupportedError(f"padded batches are not supported for {binding.caps.name} models",
-                               found="attention_mask with padding", fix="run one row per Session")
+                               found="padding: attention_mask zeros, or pad_token_id in a history given without "
+                               "a mask (generate masks those)",
+                               fix="run one row per Session; to keep pad ids as tokens, pass "
+                               "attention_mask=torch.ones_like(input_ids)")
 
 
 def media_items(binding: Binding, ids: torch.Tensor, inputs: Mapping[str, torch.Tensor],

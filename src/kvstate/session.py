@@ -34,7 +34,17 @@ from .adapters.fingerprinting import fingerprint
 from .engine import Engine, FeedSettings, Outcome
 from .errors import FingerprintMismatchError, InputError, RollbackError, StoreWarning
 from .identity import Fingerprint
-from .inputs import as_ids, check_batch, check_model, check_positions, full_mask, model_inputs
+from .inputs import (
+    as_ids,
+    check_batch,
+    check_contents,
+    check_model,
+    check_positions,
+    check_session_args,
+    full_mask,
+    logits_width,
+    model_inputs,
+)
 from .protocols import PrefixCache, PrefixQuery, StateSource
 from .request import IdsLike, Request, check_padding, media_items, validate
 from .resume import ResumePlan
@@ -80,6 +90,7 @@ class Session:
         _check_settings(chunk_size=chunk_size, canonical_chunk=canonical_chunk, sliding_reserve=sliding_reserve,
                         max_checkpoints=max_checkpoints, checkpoint_every=checkpoint_every)
         _check_model(model)
+        check_session_args(tokenizer, state)
         self.model = model
         self._binding = bind(model)
         self._engine = Engine(self._binding)
@@ -198,6 +209,7 @@ class Session:
         """
         from .io import load_state
 
+        _check_model(model)
         param = next(model.parameters())
         state = load_state(path, map_location=param.device, dtype=param.dtype if cast_dtype else None)
         reserve = max((int(layer.meta().get("reserve") or 0) for layer in state.layers), default=0)
@@ -341,6 +353,7 @@ class Session:
     def _adopt(self, state: State) -> State:
         check_model(state, self._fingerprint, self.model, self.dtype, self.device)
         self._binding.layout.check(state)
+        check_contents(state, vocab_size(self.model), logits_width(self.model), self._binding.layout)
         return state
 
     def _state_for_batch(self, batch_size: int) -> State:

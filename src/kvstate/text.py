@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .errors import InputError
+
 
 def history_ids(tokenizer: Any, processed: torch.Tensor, text: str) -> torch.Tensor:
     """Ids ``[1, L]`` of ``processed`` ``[1, T]`` (decoded) followed by ``text``, tokenized as one string.
@@ -33,9 +35,26 @@ def continue_text(session: Any, tokenizer: Any, text: str, **generate_kwargs: An
 
     ``generate_kwargs`` are ``Session.generate``'s. The history is re-tokenized with the
     new text, so the answer equals a fresh run on the whole text; ``session.last_plan``
-    says how much was reused.
+    says how much was reused. The answer's last token is then processed too (one decode
+    step the next turn would run anyway), so the session's tokens hold every token of the
+    answer: the next turn's history is the whole conversation. A final special token (the
+    EOS that ended the answer) is left out, as the answer's text leaves it out.
     """
+    from .session import Session
+
+    if not isinstance(text, str):
+        raise InputError("continue_text takes text", expected="str", found=type(text).__name__,
+                         fix="pass a str (decode bytes first: data.decode('utf-8'))")
+    if not isinstance(session, Session) or not callable(tokenizer):
+        raise InputError("continue_text takes a Session and its model's tokenizer",
+                         expected="continue_text(session, tokenizer, text)",
+                         found=f"{type(session).__name__}, {type(tokenizer).__name__}",
+                         fix="pass kvstate.Session(model) and AutoTokenizer.from_pretrained(...)")
     ids = history_ids(tokenizer, session.tokens, text)
     new = session.generate(ids, **generate_kwargs)
     tokens = new if isinstance(new, torch.Tensor) else new.sequences
+    last = tokens[:, -1:]
+    unprocessed = session.state.tokens_seen < ids.shape[1] + tokens.shape[1]
+    if unprocessed and last.numel() == 1 and int(last) not in set(tokenizer.all_special_ids):
+        session.extend(last)
     return tokenizer.decode(tokens[0], skip_special_tokens=True)

@@ -301,9 +301,12 @@ class Engine:
 
     def _after_decode(self, state: State, live: Live, recorder: Recorder, new: torch.Tensor,
                       mask: torch.Tensor) -> State:
-        """The state after ``generate``: every generated token but the last went through the model."""
+        """The state after ``generate``: every generated token but the last went through the model.
+        After a history that ends in padding, ``generate`` numbers the new tokens from that pad's
+        position 0; no fresh run of a longer history gives them those positions, so they stay out
+        (the next turn feeds them) and the state ends with the history."""
         n = new.shape[1] - 1
-        if n <= 0:
+        if n <= 0 or not bool(mask[:, -1].all()):
             return state
         full = torch.cat([mask, torch.ones_like(new[:, :n], dtype=torch.bool)], dim=1)
         return self._advance(state, new[:, :n], full, recorder.fed(n), live)

@@ -25,7 +25,7 @@ def save_state(state: State, path: str | os.PathLike[str], *, metadata: Mapping[
     through); a device, FIFO, socket, folder or dangling link raises ``SaveTargetError`` first.
     """
     header, tensors = schema.encode(state, metadata, compact)
-    return container.write(path, tensors, header)
+    return container.write(_path(path), tensors, header)
 
 
 def state_to_bytes(state: State, *, metadata: Mapping[str, str] | None = None) -> bytes:
@@ -48,11 +48,19 @@ def load_state(path: str | os.PathLike[str], *, map_location: torch.device | str
         dtype: cast K/V, logits and floating extras to this dtype (explicit opt-in; the
             cast is recorded in ``state.metadata["kvstate.cast"]``).
     """
-    state = schema.decode(*container.read(path))
+    state = schema.decode(*container.read(_path(path)))
     if dtype is not None and state.kv_dtype not in (None, dtype):
         state = _cast(state, dtype)
     # files load onto the CPU; moving there again would only rebuild every layer
     return state if map_location is None or torch.device(map_location).type == "cpu" else state.to(map_location)
+
+
+def _path(path: object) -> str | os.PathLike[str]:
+    """A file path, or a typed error (``Path(None)`` would raise a bare TypeError)."""
+    if isinstance(path, (str, os.PathLike)):
+        return path
+    raise StateFileError("a state file path must be a str or os.PathLike", expected="'state.kvs' or a Path",
+                         found=type(path).__name__, fix="pass the file's path")
 
 
 def _cast(state: State, dtype: torch.dtype) -> State:
@@ -83,7 +91,7 @@ def inspect_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     Reads the header only, and validates it as a load would (without allocating what it
     declares); tensor bytes are counted from their declared sizes.
     """
-    header, entries, size = container.read_header(path)
+    header, entries, size = container.read_header(_path(path))
     schema.validate(header, entries)
     try:
         return _describe(path, header, entries, size)

@@ -49,6 +49,9 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
     if compact is not None and compact not in COMPACT:
         raise StateFileError("unknown compact storage", expected=COMPACT, found=compact,
                              fix="pass compact=None for exact storage")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise StateFileError("metadata must map str to str", expected="a dict", found=type(metadata).__name__,
+                             fix="pass metadata={'note': 'text'}")
     meta = {**state.metadata, **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise StateFileError("metadata must map str to str", found=meta)
@@ -135,8 +138,9 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
                         for k, c in enumerate(_list(header, "checkpoints")))
     extras = {name: tensors[f"extras.{name}"] for name in _list(header, "extras")}
     last = tensors["last_logits"] if header.get("has_last_logits") is True else None
-    if last is not None and (last.dim() != 2 or last.shape[0] != B):
-        raise StateFileError("last_logits has the wrong shape", expected=f"[{B}, V]", found=tuple(last.shape))
+    if last is not None and (last.dim() != 2 or last.shape[0] != B or not last.is_floating_point()):
+        raise StateFileError("last_logits has the wrong shape or dtype", expected=f"floating [{B}, V]",
+                             found=f"{_dtype_name(last.dtype)} {tuple(last.shape)}")
     meta = dict(header.get("metadata") or {})
     if header.get("storage") != "exact":
         meta["kvstate.storage"] = f"{header.get('storage')} (lossy)"
@@ -241,8 +245,15 @@ def _layer_positions(prefix: str, runs: Any, tensors: dict[str, torch.Tensor], B
 def _pack(name: str, t: torch.Tensor, compact: str | None) -> dict[str, torch.Tensor]:
     if compact is None:
         return {name: t}
+    # lossy storage promises finite values: an inf would become NaN (int8) or stay inf unnoticed
+    packed = t.to(_DTYPE_NAMES[compact]) if compact != "int8" else t
+    if not bool(packed.isfinite().all()):
+        bad = int((~packed.isfinite()).sum())
+        raise StateFileError(f"compact={compact!r} storage needs finite K/V", expected="finite keys and values",
+                             found=f"{name}: {bad} values non-finite as {compact}",
+                             fix="save with compact=None (exact storage keeps every value)")
     if compact != "int8":
-        return {name: t.to(_DTYPE_NAMES[compact])}
+        return {name: packed}
     # per-channel symmetric int8: one scale per (row, head, dim) over the slots
     scale = (t.float().abs().amax(dim=2, keepdim=True) / 127).clamp_min(1e-12)
     return {name: torch.round(t.float() / scale).clamp(-127, 127).to(torch.int8), f"{name}.scale": scale}
@@ -250,12 +261,42 @@ def _pack(name: str, t: torch.Tensor, compact: str | None) -> dict[str, torch.Te
 
 def _unpack(name: str, tensors: dict[str, torch.Tensor], kv_dtype: torch.dtype,
             storage: str | None) -> torch.Tensor:
+    """K/V as the model holds them; the stored dtype must be the one ``storage`` writes, and lossy
+    storage must hold finite values (it promises them: ``_pack``)."""
+    if storage not in ("exact", *COMPACT):
+        raise StateFileError("unknown storage", expected=("exact", *COMPACT), found=storage)
     t = tensors[name]
+    stored = {"exact": kv_dtype, "int8": torch.int8}.get(storage) or _DTYPE_NAMES[storage]
+    if t.dtype != stored:
+        raise StateFileError(f"{name} is stored as {_dtype_name(t.dtype)}, not as the header says",
+                             expected=f"{_dtype_name(stored)} ({storage} storage of {_dtype_name(kv_dtype)} K/V)",
+                             found=_dtype_name(t.dtype), fix="re-save the state; the file is corrupt or crafted")
     if storage == "int8":
-        return (t.float() * tensors[f"{name}.scale"]).to(kv_dtype)
-    if storage in ("exact", "bfloat16", "float16"):
-        return t.to(kv_dtype)
-    raise StateFileError("unknown storage", expected=("exact", *COMPACT), found=storage)
+        scale = tensors[f"{name}.scale"]
+        _check_scale(f"{name}.scale", scale, t)
+        return (t.float() * scale).to(kv_dtype)
+    if storage != "exact":
+        _check_finite(name, t)
+    return t.to(kv_dtype)
+
+
+def _check_scale(name: str, scale: torch.Tensor, payload: torch.Tensor) -> None:
+    """int8 scales are float32 ``[B, H, 1, D]``, finite and positive (``_pack`` writes nothing else)."""
+    expected = (*payload.shape[:2], 1, *payload.shape[3:]) if payload.dim() == 4 else None
+    if scale.dtype != torch.float32 or tuple(scale.shape) != expected:
+        raise StateFileError(f"{name} has the wrong shape or dtype", expected=f"float32 {expected}",
+                             found=f"{_dtype_name(scale.dtype)} {tuple(scale.shape)}", fix="re-save the state")
+    if not scale.is_meta and not bool((scale.isfinite() & (scale > 0)).all()):
+        raise StateFileError(f"{name} holds non-finite or non-positive scales", expected="finite scales > 0",
+                             found=f"{int((~(scale.isfinite() & (scale > 0))).sum())} bad values",
+                             fix="re-save the state; the file is corrupt or crafted")
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if not t.is_meta and not bool(t.isfinite().all()):
+        raise StateFileError(f"{name} holds non-finite values in lossy storage", expected="finite values",
+                             found=f"{int((~t.isfinite()).sum())} non-finite values",
+                             fix="re-save the state; the file is corrupt or crafted")
 
 
 def _runs(positions: torch.Tensor) -> list[list[list[int]]]:
