@@ -3,7 +3,7 @@
 A verdict is only as good as the model it was probed on, so its key holds, besides the
 architecture (model type, class, layer layout, dtype, transformers and probe versions):
 
-* the model's fingerprint (``kvstate.fingerprint``): config hash and a digest of every
+* the model's fingerprint (``kvstate.adapters.fingerprinting``): config hash and a digest of every
   weight, recomputed when a tensor's version counter moves, so a weight edited in place
   is a new key;
 * what an in-place edit that is no weight can change: each module's class, its plain
@@ -51,7 +51,7 @@ def folder() -> Path | None:
 
 def model_key(model: torch.nn.Module, architecture: list[object]) -> str:
     """The JSON key of a verdict: the architecture, the fingerprint and the modules' in-place state."""
-    from .fingerprint import fingerprint
+    from .adapters.fingerprinting import fingerprint
 
     fp = fingerprint(model)
     attn = getattr(model.config, "_attn_implementation", None)  # type: ignore[union-attr]
