@@ -287,3 +287,20 @@ def test_server_pool_hits_and_restarts_answer_as_a_cold_server_in_bf16(tmp_path)
     with live(make_server(model, tokenizer, **store)) as url:  # a restart: an empty pool, the same store
         answer, cached = chat_turn(client(url), messages, stream=False, max_tokens=8)
     assert answer == cold_answer(messages) and cached > 0, (answer, cached)
+
+
+def test_the_device_script_runs_on_the_cpu(tmp_path):
+    """scripts/device_check.py is what a lent GPU runs (issue 23); here on the CPU, so it cannot rot."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "scripts" / "device_check.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--dtype", "bfloat16", "--models",
+                           "tiny:llama", "tiny:qwen3_vl", "--out", str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["ok"] and report["dtype"] == "bfloat16" and len(report["results"]) >= 2
+    assert all(path["bitwise"] and path["reused"] > 0 for r in report["results"] for path in r["paths"].values())
