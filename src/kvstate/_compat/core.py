@@ -135,12 +135,12 @@ def _extra_layers(declared: list[Any], layers: tuple[LayerState, ...]) -> list[A
     """Cache layers for the state layers past the config's count (a looped model's extra passes):
     an empty copy of the first declared layer of the same kind and window, as the model makes them."""
     def spec(layer: LayerState) -> tuple[str, int | None]:
-        attention = layer.attention if isinstance(layer, (HybridLayerState, IndexedLayerState)) else layer
-        return layer.kind, attention.window if isinstance(attention, AttentionLayerState) else None
+        window = layer.meta().get("window")  # a recurrent layer's meta has none
+        return layer.kind, None if window is None else int(window)  # type: ignore[call-overload]
 
     out = []
     for layer in layers[len(declared):]:
-        if isinstance(layer, StatelessLayerState):
+        if layer.kind == "stateless":
             out.append(DynamicLayer())
             continue
         template = next((t for t in declared if (_KIND_OF.get(type(t)), _window(t)) == spec(layer)), None)
@@ -169,25 +169,14 @@ def build_cache(layers: tuple[LayerState, ...], config: object) -> DynamicCache:
     K/V are shared, not copied (transformers concatenates, never writes them in place).
     Conv and recurrent states are cloned, because models update those in place.
     Sliding layers record their past so that they return every slot they were given;
-    ``read_cache`` trims them back to the window plus reserve.
+    ``read_cache`` trims them back to the window plus reserve. Each layer kind's bridge
+    (``_BRIDGES``, one entry per ``LayerState`` class) fills and reads its cache layer.
     """
     cache = DynamicCache(config=config)  # type: ignore[arg-type]
     cache.layers += _extra_layers(cache.layers, layers)  # a looped model's extra passes
     cache.layers = [_recording(hf_layer) for hf_layer in cache.layers]
     for hf_layer, layer in zip(cache.layers, layers, strict=True):
-        if isinstance(layer, HybridLayerState):
-            _fill_attention(hf_layer, layer.attention)
-            _fill_recurrent(hf_layer, layer.recurrent)
-        elif isinstance(layer, RecurrentLayerState):
-            _fill_recurrent(hf_layer, layer)
-        elif isinstance(layer, IndexedLayerState):
-            _fill_attention(hf_layer, layer.attention)
-            if layer.indexer_keys is not None:
-                hf_layer.lazy_initialization_indexer(layer.indexer_keys)
-                hf_layer.indexer_keys = layer.indexer_keys
-            hf_layer.indexer_position_ids = layer.indexer_positions
-        elif isinstance(layer, AttentionLayerState):
-            _fill_attention(hf_layer, layer)
+        _BRIDGES[type(layer)].fill(hf_layer, layer)
     return cache
 
 
@@ -260,29 +249,22 @@ def read_cache(cache: DynamicCache, layers: tuple[LayerState, ...], new_position
         raise KVStateError("the model changed its cache's layer count during a forward",
                            expected=f"{len(layers)} layers, as the state holds", found=len(cache.layers),
                            fix="a dynamic-depth model: kvstate cannot hold its state exactly")
-    out: list[LayerState] = []
-    for i, (hf_layer, layer) in enumerate(zip(cache.layers, layers, strict=True)):
-        if isinstance(layer, HybridLayerState):
-            out.append(HybridLayerState(_read_attention(i, hf_layer, layer.attention, new_positions),
-                                        _read_recurrent(hf_layer, tokens_seen)))
-        elif isinstance(layer, RecurrentLayerState):
-            out.append(_read_recurrent(hf_layer, tokens_seen))
-        elif isinstance(layer, IndexedLayerState):
-            out.append(_read_indexed(i, hf_layer, layer, new_positions))
-        elif isinstance(layer, StatelessLayerState):
-            if _holds_keys(hf_layer):  # a layer empty on the probe's path filled up: its state would be lost
-                raise KVStateError(f"layer {i} stored keys, but held none when kvstate examined this model",
-                                   expected="an empty layer", found=tuple(hf_layer.keys.shape),
-                                   fix="this model fills layers depending on its inputs; report it with "
-                                   "`kvstate verify --model ...`")
-            out.append(StatelessLayerState(tokens_seen))
-        else:
-            out.append(_read_attention(i, hf_layer, layer, new_positions))  # type: ignore[arg-type]
-    return tuple(out)
+    return tuple(_BRIDGES[type(layer)].read(i, hf_layer, layer, new_positions, tokens_seen)
+                 for i, (hf_layer, layer) in enumerate(zip(cache.layers, layers, strict=True)))
 
 
-def _read_indexed(index: int, hf_layer: Any, layer: IndexedLayerState,
-                  new_positions: torch.Tensor) -> IndexedLayerState:
+def _read_stateless(index: int, hf_layer: Any, layer: StatelessLayerState, new_positions: torch.Tensor,
+                    tokens_seen: int) -> StatelessLayerState:
+    if _holds_keys(hf_layer):  # a layer empty on the probe's path filled up: its state would be lost
+        raise KVStateError(f"layer {index} stored keys, but held none when kvstate examined this model",
+                           expected="an empty layer", found=tuple(hf_layer.keys.shape),
+                           fix="this model fills layers depending on its inputs; report it with "
+                           "`kvstate verify --model ...`")
+    return StatelessLayerState(tokens_seen)
+
+
+def _read_indexed(index: int, hf_layer: Any, layer: IndexedLayerState, new_positions: torch.Tensor,
+                  tokens_seen: int = 0) -> IndexedLayerState:
     attention = _read_attention(index, hf_layer, layer.attention, new_positions)
     keys = hf_layer.indexer_keys if hf_layer.is_indexer_initialized else None  # None: a shared indexer
     positions = hf_layer.indexer_position_ids
@@ -314,6 +296,44 @@ def _read_recurrent(hf_layer: Any, tokens_seen: int) -> RecurrentLayerState:
     conv = {i: t for i, t in getattr(hf_layer, "conv_states", {}).items() if t is not None}
     rec = {i: t for i, t in getattr(hf_layer, "recurrent_states", {}).items() if t is not None}
     return RecurrentLayerState(conv, rec, tokens_seen)
+
+
+def _fill_indexed(hf_layer: Any, layer: IndexedLayerState) -> None:
+    _fill_attention(hf_layer, layer.attention)
+    if layer.indexer_keys is not None:
+        hf_layer.lazy_initialization_indexer(layer.indexer_keys)
+        hf_layer.indexer_keys = layer.indexer_keys
+    hf_layer.indexer_position_ids = layer.indexer_positions
+
+
+def _fill_hybrid(hf_layer: Any, layer: HybridLayerState) -> None:
+    _fill_attention(hf_layer, layer.attention)
+    _fill_recurrent(hf_layer, layer.recurrent)
+
+
+def _read_hybrid(index: int, hf_layer: Any, layer: HybridLayerState, new_positions: torch.Tensor,
+                 tokens_seen: int) -> HybridLayerState:
+    return HybridLayerState(_read_attention(index, hf_layer, layer.attention, new_positions),
+                            _read_recurrent(hf_layer, tokens_seen))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bridge:
+    """How one ``LayerState`` class moves in (``fill``) and out (``read``) of a transformers cache layer."""
+
+    fill: Callable[[Any, Any], None]
+    read: Callable[[int, Any, Any, torch.Tensor, int], LayerState]
+
+
+# one entry per layer-state class: a new kind is a new entry, never another branch in a chain
+_BRIDGES: dict[type, _Bridge] = {
+    AttentionLayerState: _Bridge(_fill_attention, lambda i, hf, layer, positions, _seen: _read_attention(
+        i, hf, layer, positions)),
+    RecurrentLayerState: _Bridge(_fill_recurrent, lambda _i, hf, _layer, _positions, seen: _read_recurrent(hf, seen)),
+    HybridLayerState: _Bridge(_fill_hybrid, _read_hybrid),
+    IndexedLayerState: _Bridge(_fill_indexed, _read_indexed),
+    StatelessLayerState: _Bridge(lambda _hf, _layer: None, _read_stateless),
+}
 
 
 def recurrent_state(cache: Any, layer_idx: int) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ by ``model_type``; any other causal decoder gets the structural adapter
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -75,19 +76,10 @@ class Adapter:
 
     def empty_layers(self, model: torch.nn.Module, sliding_reserve: int) -> tuple[LayerState, ...]:
         """One empty per-layer state per cache layer (``layer_specs``)."""
-        layers: list[LayerState] = []
+        layers = []
         for kind, window in self.layer_specs(model):
             attention = AttentionLayerState.empty(window, sliding_reserve if window else 0)
-            if kind == "recurrent":
-                layers.append(RecurrentLayerState({}, {}, 0))
-            elif kind == "hybrid":
-                layers.append(HybridLayerState(attention, RecurrentLayerState({}, {}, 0)))
-            elif kind == "indexed_attention":
-                layers.append(IndexedLayerState(attention, None))
-            elif kind == "stateless":
-                layers.append(StatelessLayerState(0))
-            else:
-                layers.append(attention)
+            layers.append(_EMPTY.get(kind, _attention_only)(attention))
         return tuple(layers)
 
     def kv_shapes(self, model: torch.nn.Module) -> list[tuple[int, int, int] | None]:
@@ -201,6 +193,17 @@ class Adapter:
         """Clear model-side values so the model behaves as freshly loaded."""
 
 
+def _attention_only(attention: AttentionLayerState) -> LayerState:
+    return attention
+
+
+# the empty state of each layer kind, given the empty attention part its window asks for
+_EMPTY: dict[str, Callable[[AttentionLayerState], LayerState]] = {
+    "recurrent": lambda _attention: RecurrentLayerState({}, {}, 0),
+    "hybrid": lambda attention: HybridLayerState(attention, RecurrentLayerState({}, {}, 0)),
+    "indexed_attention": lambda attention: IndexedLayerState(attention, None),
+    "stateless": lambda _attention: StatelessLayerState(0),
+}
 _REGISTRY: dict[str, Adapter] = {}
 
 
