@@ -98,9 +98,8 @@ class Session:
         # families that continue one token per forward cannot run the schedule (docs/exactness.md)
         self.canonical_chunk = 0 if self._binding.caps.stepwise else canonical_chunk
         self.max_checkpoints, self.checkpoint_every = max_checkpoints, checkpoint_every
-        self.store = store
-        self.sources: tuple[PrefixCache, ...] = (*(() if store is None else (store,)), *sources)
-        self._names = (*(() if store is None else ("store",)), *(s.name for s in sources))
+        self.store = store  # may be replaced or set to None later; it is read on every call
+        self.sources: tuple[PrefixCache, ...] = tuple(sources)
         self._fingerprint = _fingerprint or fingerprint(model, tokenizer)
         self.last_plan: ResumePlan | None = None
         self._state = self._empty(1) if state is None else self._adopt(state)
@@ -294,8 +293,7 @@ class Session:
 
     def _plan(self, request: Request) -> ResumePlan:
         own: list[tuple[str, StateSource]] = [("state", _Own(self._state_for_batch(request.batch_size)))]
-        named = zip(self._names, self.sources, strict=True)
-        external = [] if request.query is None else [(n, _Guarded(s)) for n, s in named]
+        external = [] if request.query is None else [(n, _Guarded(s)) for n, s in self._caches()]
         return resume.choose([*own, *external], request, self._empty(request.batch_size),
                              rollback=self._binding.caps.rollback,
                              schedule=Canonical(self.canonical_chunk, self.device.type),
@@ -312,12 +310,17 @@ class Session:
         A compressed (budgeted) state is not the prompt's cache and is not offered."""
         if request.query is None or request.budget is not None:
             return
-        for sink in self.sources:
+        for _, sink in self._caches():
             try:
                 sink.offer((outcome.prefilled, outcome.state), request.query, self._engine.seconds_per_token)
             except Exception as exc:  # the answer is already computed; never lose it to a cache
                 warnings.warn(f"kvstate: prefix store write failed: {type(exc).__name__}: {exc}", StoreWarning,
                               stacklevel=3)
+
+    def _caches(self) -> list[tuple[str, PrefixCache]]:
+        """``(name, cache)`` of the store (``ResumePlan.source`` "store") and the other sources, in order."""
+        store = [] if self.store is None else [("store", self.store)]
+        return [*store, *((s.name, s) for s in self.sources)]
 
     def _commit(self, state: State, plan: ResumePlan | None = None) -> None:
         """The only place the session's state changes."""
