@@ -8,7 +8,7 @@
   and go to. A session's own state, the server's pool and a ``PrefixStore`` all answer
   ``lookup``; ``kvstate.resume`` picks among them with one prefix function.
 * ``AttentionObserver`` and ``SlotPolicy``: what a compression policy may ask of the
-  engine, and what the engine's budgeted schedule asks of a policy.
+  engine, and what the engine's budgeted schedule asks of a budget.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from transformers.cache_utils import Cache
     from transformers.utils import ModelOutput as HFModelOutput
 
-    from .adapters.base import Capabilities
+    from .capabilities import Capabilities
     from .identity import Fingerprint
     from .layers import LayerState
     from .state import State
@@ -173,7 +173,7 @@ class AttentionObserver(Protocol):
 
 
 class SlotPolicy(Protocol):
-    """What the engine's budgeted schedule asks of a compression policy (``kvstate.compress.Policy``)."""
+    """What the engine's budgeted schedule asks of its budget (``kvstate.compress.during.Budget``)."""
 
     def compress_to(self, observer: AttentionObserver, model: torch.nn.Module, state: State,
                     budget: int) -> State: ...

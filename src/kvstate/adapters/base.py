@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import _compat
+from ..capabilities import Capabilities
 from ..layers import (
     AttentionLayerState,
     HybridLayerState,
@@ -29,37 +29,6 @@ from ..layers import (
     RecurrentLayerState,
     StatelessLayerState,
 )
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a family can do, as values (read by the planner, the engine and the session).
-
-    Attributes:
-        name: the adapter's name, for messages.
-        position_dims: ``R``; positions are ``[B, S]`` when 1, else ``[B, S, R]`` (multimodal RoPE).
-        stepwise: transformers drops state on multi-token chunks after position 0, so
-            continuations are fed one token per forward.
-        position_ids: the model takes explicit ``position_ids``.
-        padding: padded (left-padded) batches are supported.
-        input_keys: extra model inputs tied to token slots (e.g. ``pixel_values``).
-        logits_to_keep: the model's forward takes ``logits_to_keep``.
-        rollback: cropping attention layers returns the model to an earlier state exactly
-            (False when the self-check found state outside the cache: then only
-            continuing or re-feeding is allowed).
-        cache_kwarg: the ``forward`` / ``generate`` keyword the cache travels in (RWKV: ``state``);
-            None: the one the model's ``forward`` takes (it moved between transformers versions).
-    """
-
-    name: str = "generic-decoder"
-    position_dims: int = 1
-    stepwise: bool = False
-    position_ids: bool = True
-    padding: bool = True
-    input_keys: tuple[str, ...] = ()
-    logits_to_keep: bool = True
-    rollback: bool = True
-    cache_kwarg: str | None = None
 
 
 class Adapter:

@@ -10,9 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from ..errors import InputError, UnsupportedError
 from ..options import GenerateOptions
-from .apply import check_budget
+from ..protocols import AttentionObserver
+from ..state import State
+from .apply import check_budget, compress_state
 from .policies import Policy
 
 # options whose meaning spans the whole call, which rounds of generate cannot keep: generate()
@@ -41,6 +45,10 @@ class Budget:
     every: int
     total: int = 0
     ends: frozenset[int] = frozenset()
+
+    def compress_to(self, observer: AttentionObserver, model: torch.nn.Module, state: State, slots: int) -> State:
+        """``state`` with at most ``slots`` per attention layer, by ``policy`` (the budgeted schedule's step)."""
+        return compress_state(observer, model, state, self.policy, budget=slots)
 
 
 def split_options(kwargs: dict[str, Any]) -> Budget | None:

@@ -12,15 +12,10 @@ kvstate, so every policy resumes exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import InputError
-
-if TYPE_CHECKING:
-    from ..protocols import AttentionObserver
-    from ..state import State
 
 
 @dataclass(frozen=True)
@@ -91,11 +86,6 @@ class Policy:
     def ratio_for(self, layer: int, n_layers: int) -> float:
         return self.ratio
 
-    def compress_to(self, observer: AttentionObserver, model: torch.nn.Module, state: State, budget: int) -> State:
-        """``state`` with at most ``budget`` slots per attention layer (the budgeted schedule's step)."""
-        from .apply import compress_state  # apply builds on the policies; the engine reaches it through here
-
-        return compress_state(observer, model, state, self, budget=budget)
 
     def scores(self, x: ScoreInput) -> torch.Tensor:
         """``[B, S]`` keep-scores; higher survives."""

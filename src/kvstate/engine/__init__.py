@@ -2,7 +2,8 @@
 and the schedules it runs: canonical prefill chunks (``kvstate.schedule``) and budgeted
 compression rounds (``budgeted``)."""
 
-from .core import Engine, Feed, FeedSettings, Outcome, finish_reasons
+from .core import Engine
 from .recorder import Forward, Recorder, model_lock
+from .values import Feed, FeedSettings, Outcome, finish_reasons
 
 __all__ = ["Engine", "Feed", "FeedSettings", "Forward", "Outcome", "Recorder", "finish_reasons", "model_lock"]

@@ -12,15 +12,31 @@ stopping criteria are ``model.generate``'s own. The caller commits only the fina
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..state import State
-from .core import Engine, Feed, FeedSettings, Outcome, finish_reasons
+from .values import Feed, FeedSettings, Outcome, finish_reasons
 
 if TYPE_CHECKING:
+    from ..options import GenerateOptions
+    from ..protocols import AttentionListener, ModelInputs
     from ..request import Request
+
+
+class Engine(Protocol):
+    """What the rounds need of the engine (``kvstate.engine.core.Engine``): feeds, generate runs, and
+    the attention watch a policy scores with."""
+
+    model: torch.nn.Module
+
+    def feed(self, state: State, feed: Feed, settings: FeedSettings) -> State: ...
+    def feed_for(self, state: State, ids: torch.Tensor, mask: torch.Tensor, inputs: ModelInputs) -> Feed: ...
+    def generate(self, start: State, feed: Feed | None, history: torch.Tensor, mask: torch.Tensor,
+                 options: GenerateOptions, settings: FeedSettings) -> tuple[State, State, torch.Tensor, object]: ...
+    def observe(self, state: State, ids: torch.Tensor, listener: AttentionListener, *, rerun: int = 0,
+                chunk_size: int = 512) -> None: ...
 
 
 def run_budgeted(engine: Engine, start: State, feed: Feed | None, request: Request, settings: FeedSettings,
@@ -32,7 +48,7 @@ def run_budgeted(engine: Engine, start: State, feed: Feed | None, request: Reque
     prefilled = start if feed is None else engine.feed(start, feed, settings)
     state, out, left = prefilled, [], budget.total
     while left > 0:
-        state = budget.policy.compress_to(engine, engine.model, state, budget.budget - budget.every)
+        state = budget.compress_to(engine, engine.model, state, budget.budget - budget.every)
         n = min(budget.every, left)
         kwargs = {k: v for k, v in options.kwargs.items() if k != "max_length"}
         round_options = replace(options, kwargs={**kwargs, "max_new_tokens": n})

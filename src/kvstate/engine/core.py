@@ -26,9 +26,9 @@ threads cannot see each other's hooks or module-held states.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -43,7 +43,9 @@ from ..masks import layer_masks, needs_masks
 from ..options import GenerateOptions
 from ..schedule import Canonical
 from ..state import State, next_position_after
+from .budgeted import run_budgeted
 from .recorder import Forward, Recorder, model_lock
+from .values import Feed, FeedSettings, Outcome, finish_reasons
 
 if TYPE_CHECKING:
     from ..identity import Fingerprint
@@ -52,45 +54,6 @@ if TYPE_CHECKING:
     from ..resume import ResumePlan
 
 Listener = Callable[[int, int, torch.Tensor, torch.Tensor, float, object], None]
-
-
-@dataclass(frozen=True)
-class Feed:
-    """New tokens for the model: ``ids`` ``[B, Q]``, ``mask`` ``[B, T + Q]`` over processed + new
-    slots, their ``positions`` ``[B, Q(, R)]``, the model inputs that belong to them (pixels), and
-    the media ``spans`` ``[start, end)`` among them, as absolute slots (never split by a chunk)."""
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-    positions: torch.Tensor
-    inputs: Mapping[str, torch.Tensor]
-    spans: tuple[tuple[int, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class FeedSettings:
-    """How ``feed`` splits its work: the canonical chunk ``C`` (0: off), the longest forward when
-    the schedule is off, checkpoint spacing and checkpoints kept."""
-
-    chunk_size: int = 512
-    checkpoint_every: int | None = None
-    max_checkpoints: int = 16
-    canonical: int = 0
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A ``generate`` run: the state after it, the state right after the history was fed (before
-    decoding), the new tokens ``[B, N]``, what ``generate`` returns (the tokens, or transformers'
-    output object with ``return_dict_in_generate``), the slots reused
-    from the plan's source, and each row's ``finish_reason`` (``stop`` or ``length``)."""
-
-    state: State
-    prefilled: State
-    tokens: torch.Tensor
-    output: object
-    reused: int
-    finish_reason: tuple[str, ...]
 
 
 class Engine:
@@ -136,9 +99,7 @@ class Engine:
         if plan.fed:
             inputs = self.binding.inputs.select(request.ids, T, request.inputs)
             feed = self.feed_for(start, request.ids[:, T:], request.mask, inputs, request.spans)
-        if request.budget is not None:
-            from .budgeted import run_budgeted  # rounds of generate under a slot budget (issue 16)
-
+        if request.budget is not None:  # rounds of generate under a slot budget (issue 16)
             return run_budgeted(self, start, feed, request, settings, plan.reused)
         state, prefilled, new, output = self.generate(start, feed, request.ids, request.mask, request.options,
                                                       settings)
@@ -329,20 +290,6 @@ class Engine:
     def _masks(self, layers: tuple[LayerState, ...], recorder: Recorder) -> AbstractContextManager[object]:
         """Per-layer masks while a compressed state is in use; nothing otherwise (bitwise the plain path)."""
         return layer_masks(self.model, layers, recorder) if needs_masks(layers) else nullcontext()
-
-
-def finish_reasons(new: torch.Tensor, options: GenerateOptions, history_length: int) -> tuple[str, ...]:
-    """Each row's ``finish_reason``: ``length`` when it used its whole token budget without an
-    end-of-sequence id, else ``stop`` (an end id, a stop string or a stopping criterion)."""
-    config = options.config
-    limit = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - history_length
-    eos = config.eos_token_id
-    ends = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-    out = []
-    for row in new.tolist():
-        stopped = any(token in ends for token in row) or len(row) < limit
-        out.append("stop" if stopped else "length")
-    return tuple(out)
 
 
 def _mask_arg(mask: torch.Tensor) -> torch.Tensor | None:

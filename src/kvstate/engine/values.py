@@ -1,0 +1,64 @@
+"""The values the engine's schedules take and give: a feed, its settings, and a run's outcome."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..options import GenerateOptions
+from ..state import State
+
+
+@dataclass(frozen=True)
+class Feed:
+    """New tokens for the model: ``ids`` ``[B, Q]``, ``mask`` ``[B, T + Q]`` over processed + new
+    slots, their ``positions`` ``[B, Q(, R)]``, the model inputs that belong to them (pixels), and
+    the media ``spans`` ``[start, end)`` among them, as absolute slots (never split by a chunk)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    inputs: Mapping[str, torch.Tensor]
+    spans: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class FeedSettings:
+    """How ``feed`` splits its work: the canonical chunk ``C`` (0: off), the longest forward when
+    the schedule is off, checkpoint spacing and checkpoints kept."""
+
+    chunk_size: int = 512
+    checkpoint_every: int | None = None
+    max_checkpoints: int = 16
+    canonical: int = 0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A ``generate`` run: the state after it, the state right after the history was fed (before
+    decoding), the new tokens ``[B, N]``, what ``generate`` returns (the tokens, or transformers'
+    output object with ``return_dict_in_generate``), the slots reused
+    from the plan's source, and each row's ``finish_reason`` (``stop`` or ``length``)."""
+
+    state: State
+    prefilled: State
+    tokens: torch.Tensor
+    output: object
+    reused: int
+    finish_reason: tuple[str, ...]
+
+
+def finish_reasons(new: torch.Tensor, options: GenerateOptions, history_length: int) -> tuple[str, ...]:
+    """Each row's ``finish_reason``: ``length`` when it used its whole token budget without an
+    end-of-sequence id, else ``stop`` (an end id, a stop string or a stopping criterion)."""
+    config = options.config
+    limit = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - history_length
+    eos = config.eos_token_id
+    ends = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    out = []
+    for row in new.tolist():
+        stopped = any(token in ends for token in row) or len(row) < limit
+        out.append("stop" if stopped else "length")
+    return tuple(out)
