@@ -67,6 +67,23 @@ def backends(text: str) -> list[str]:
     return names
 
 
+def non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, found {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, found {value}")
+    return value
+
+
+def _canonical_option(parser: argparse.ArgumentParser, default: int | None) -> None:
+    from_state = " (default: the state file's own, else 64)" if default is None else f" (default {default})"
+    parser.add_argument("--canonical-chunk", type=non_negative, default=default, metavar="C",
+                        help="prefill in chunks aligned to multiples of C, so a resume answers bit for bit as a "
+                        f"cold run{from_state}; 0: off, reuse the longest prefix (exact to float32 rounding only)")
+
+
 def model_options(parser: argparse.ArgumentParser) -> None:
     """``--dtype`` and ``--device``, the same on every command that loads a model."""
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
@@ -116,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     _max_input_option(p)
     p.add_argument("--out", type=Path, required=True, help="state file to write")
     p.add_argument("--chunk-size", type=positive, default=256, help="tokens per forward (progress granularity)")
+    _canonical_option(p, 64)
     g = sub.add_parser("generate", help="continue a saved state, or a store's prefix, with text; prints the answer")
     g.add_argument("--model", default="default", help="'default' or a local folder with a tokenizer")
     model_options(g)
@@ -124,6 +142,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", default="", help="text after the saved text (with --state), or the whole prompt")
     g.add_argument("--max-new-tokens", type=positive, default=64)
     g.add_argument("--save", type=Path, help="also save the continued conversation here")
+    _canonical_option(g, None)
     g.add_argument("--cast-state", action="store_true",
                    help="with --state: cast a state file of another dtype to the model's (lossy when narrowing; "
                    "recorded in the state's metadata). Without it such a file is refused")
@@ -257,7 +276,7 @@ def _prefill(args: argparse.Namespace) -> int:
     _check_save_path(args.out)
     model, tokenizer = _load(args, text="prefill")
     ids = tokenizer(text, return_tensors="pt").input_ids
-    session = Session(model, tokenizer=tokenizer, chunk_size=args.chunk_size)
+    session = Session(model, tokenizer=tokenizer, chunk_size=args.chunk_size, canonical_chunk=args.canonical_chunk)
     with tqdm(total=ids.shape[1], desc="prefill", unit="tok", file=sys.stderr) as bar:
         for start in range(0, ids.shape[1], args.chunk_size):
             session.extend(ids[:, start:start + args.chunk_size])
@@ -291,9 +310,11 @@ def _generate(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args, text="generate")
     start = time.perf_counter()
     if args.state is not None:
-        session = Session.load(args.state, model, tokenizer=tokenizer, cast_dtype=args.cast_state)
+        session = Session.load(args.state, model, tokenizer=tokenizer, cast_dtype=args.cast_state,
+                               canonical_chunk=args.canonical_chunk)
     else:
-        session = Session(model, tokenizer=tokenizer, store=store)
+        chunk = 64 if args.canonical_chunk is None else args.canonical_chunk
+        session = Session(model, tokenizer=tokenizer, store=store, canonical_chunk=chunk)
     # one tokenization (exact at the boundary); the answer's last token is processed too, so a --save
     # holds the whole conversation
     continue_text(session, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, do_sample=False,
