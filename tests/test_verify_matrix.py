@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from kvstate._compat.scan import available as scan_available
 from kvstate.adapters import supported_model_types
@@ -83,11 +84,25 @@ def test_every_family_passes_and_plain_rows_show_the_seed(arch):
     ("zero-rope-deltas", "qwen3_vl", "model-side state outside K/V"),
     ("shift-positions", "mistral", "logical positions"),
 ])
-def test_planted_faults_name_their_branch(fault, arch, branch):
-    report = verify(tiny_model(arch), prompt(24), new_tokens=4, fresh=lambda: tiny_model(arch), fault=fault)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_planted_faults_name_their_branch(fault, arch, branch, dtype):
+    """In bfloat16 too (issue 23): the floor widens, but a planted fault breaks bitwise equality with the
+    cold run, so it is still caught and named."""
+    report = verify(tiny_model(arch).to(dtype), prompt(24), new_tokens=4, fresh=lambda: tiny_model(arch).to(dtype),
+                    fault=fault)
     assert not report.ok
     kvstate_findings = [f for f in report.findings if f.subject == "kvstate"]
     assert [f.branch for f in kvstate_findings] == [branch], report.table()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_vl"])
+def test_bfloat16_passes_bitwise_and_states_its_floor(arch):
+    report = verify(tiny_model(arch).to(torch.bfloat16), prompt(24), new_tokens=4,
+                    fresh=lambda: tiny_model(arch).to(torch.bfloat16))
+    assert report.ok, report.table()
+    assert report.floor is not None and report.floor.chunk > 0 and "noise floor" in report.table()
+    canonical = [r for r in report.rows if r.group == "kvstate" and r.bitwise is not None]
+    assert len(canonical) >= 8 and all(r.bitwise for r in canonical)
 
 
 def test_fault_that_cannot_apply_is_refused():

@@ -60,13 +60,23 @@ class Matrix:
         # a family fed one token per forward cannot run the canonical schedule (docs/exactness.md): its rows
         # are judged within the floor only, and the report says so with chunk 0
         self.chunk = 0 if self.adapter.caps.stepwise else canonical_chunk(self.ids.shape[1])
-        self.floor = replace(self.given_floor, chunk=self.chunk) if self.given_floor is not None else \
-            noise_floor(self.model, self.ids, self.n, (self.ref_logits, self.ref_tokens), self.chunk)
         self.cold = greedy(self.session(), self.ids, self.n, **self.inputs)  # what every warm path must equal
         s = self.session()
         s.extend(self.ids[:, :-1], **self.inputs)
         self.prefix = s.state
         self._fresh_model: Any = None
+        self.floor = noise_floor(self.model, self.ids, self.n, (self.ref_logits, self.ref_tokens), self.chunk) \
+            if self.given_floor is None else self._media_floor(self.given_floor)
+
+    def _media_floor(self, text: Floor) -> Floor:
+        """A media history cannot be prefilled in arbitrary chunks: its floor is the text matrix's, or the
+        plain split before the last token (the prefix's cache plus that token, full mask) where that is wider."""
+        split = compare("floor", "plain", "", *plain(self.model, self.prefix, self.ids, self.n, mask=True,
+                                                     positions=False), self.ref_logits, self.ref_tokens)
+        if split.max_abs is None or split.max_abs <= text.max_abs:
+            return replace(text, chunk=self.chunk)
+        return Floor(split.max_abs, split.relative, min(split.greedy_agree, text.greedy_agree),  # type: ignore[arg-type]
+                     self.n, [self.ids.shape[1] - 1], self.chunk)
 
     def session(self, model: Any = None, **settings: Any) -> Session:
         """A Session on ``model`` (this matrix's by default) with the matrix's canonical chunk."""
