@@ -127,10 +127,11 @@ def noise_floor(model: Any, ids: torch.Tensor, n: int, whole: Result, chunk: int
                 mask: torch.Tensor | None = None) -> Floor:
     """Plain transformers against itself: ``whole`` (``generate`` prefilling the history in one forward)
     against ``generate`` prefilling it in chunks (``prefill_chunk_size``) of a quarter and of three quarters
-    of it; the worst of the two. A family whose ``generate`` cannot chunk its prefill has no floor (0)."""
+    of it, and of the canonical chunk (the schedule kvstate's rows run, done by plain transformers); the
+    worst of them. A family whose ``generate`` cannot chunk its prefill has no floor (0)."""
     L = ids.shape[1]
     splits, worst = [], Floor(0.0, 0.0, n, n, [], chunk)
-    for split in sorted({max(1, L // 4), max(1, 3 * L // 4)} - {L}):
+    for split in sorted({max(1, L // 4), max(1, 3 * L // 4), *([chunk] if chunk else [])} - {L}):
         try:
             out = model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask, max_new_tokens=n,
                                  do_sample=False,
