@@ -18,7 +18,7 @@ import torch
 
 from .adapters.binding import Binding
 from .compress.during import Budget, plan_rounds, split_options
-from .errors import UnsupportedError
+from .errors import InputError, UnsupportedError
 from .identity import Fingerprint
 from .inputs import as_ids, history_mask, refuse_media
 from .options import GenerateOptions, check_length, resolve
@@ -103,3 +103,25 @@ def _check_budget(budget: Budget, options: GenerateOptions, ids: torch.Tensor, m
                                found=f"batch of {ids.shape[0]}, padding: {not bool(mask.all())}",
                                fix="run one row per Session, unpadded")
     return budget
+
+
+def check_model_object(model: torch.nn.Module) -> None:
+    """A transformers model, not in training mode with dropout (every forward would be random)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise InputError("Session takes a loaded transformers model", expected="a PreTrainedModel (torch.nn.Module "
+                         "with a config)", found=type(model).__name__,
+                         fix="pass AutoModelForCausalLM.from_pretrained(...) or kvstate.testing.tiny_model(...)")
+    if model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        raise InputError("the model is in training mode, with dropout active", expected="model.eval()",
+                         found="model.training = True and dropout p > 0", fix="call model.eval() first")
+
+
+def check_settings(**settings: int | None) -> None:
+    rules = {"chunk_size": 1, "canonical_chunk": 0, "sliding_reserve": 0, "max_checkpoints": 0,
+             "checkpoint_every": 1}
+    for name, value in settings.items():
+        if value is None and name == "checkpoint_every":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < rules[name]:
+            raise InputError(f"invalid Session setting {name}", expected=f"int >= {rules[name]}",
+                             found=repr(value), fix=f"pass {name}={max(rules[name], 1)} or more")

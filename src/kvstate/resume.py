@@ -25,17 +25,19 @@ server's pool and the prefix store) and keeps the plan that reuses most.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from .errors import StoreWarning
 from .schedule import Canonical
 from .state import MediaItem, State
 
 if TYPE_CHECKING:
-    from .protocols import StateSource
+    from .protocols import PrefixQuery, StateSource
     from .request import Request
 
 MODES = ("continue", "realign", "rollback", "checkpoint", "recompute", "stored-logits")
@@ -181,3 +183,28 @@ def start_state(state: State, resume: ResumePlan, empty: State) -> State:
     if resume.mode == "recompute":
         return empty
     return state.truncated(resume.reused)
+
+
+class Own:
+    """A session's own state, as source 0 (it answers every query with itself)."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    def lookup(self, query: PrefixQuery | None, *, longer_than: int, at_most: int) -> State | None:
+        return self.state
+
+
+class Guarded:
+    """A source whose failure is a miss with a ``StoreWarning`` (a cache that cannot be read is a miss)."""
+
+    def __init__(self, source: StateSource) -> None:
+        self.source = source
+
+    def lookup(self, query: PrefixQuery, *, longer_than: int, at_most: int) -> State | None:
+        try:
+            return self.source.lookup(query, longer_than=longer_than, at_most=at_most)
+        except Exception as exc:
+            warnings.warn(f"kvstate: prefix store read failed, continuing without it: {type(exc).__name__}: {exc}",
+                          StoreWarning, stacklevel=4)
+            return None

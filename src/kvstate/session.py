@@ -45,8 +45,8 @@ from .inputs import (
     logits_width,
     model_inputs,
 )
-from .protocols import PrefixCache, PrefixQuery, StateSource
-from .request import IdsLike, Request, check_padding, media_items, validate
+from .protocols import PrefixCache, StateSource
+from .request import IdsLike, Request, check_model_object, check_padding, check_settings, media_items, validate
 from .resume import ResumePlan
 from .schedule import Canonical
 from .selfcheck import bind, vocab_size
@@ -87,9 +87,9 @@ class Session:
                  max_checkpoints: int = 16, checkpoint_every: int | None = None, store: PrefixCache | None = None,
                  sources: Sequence[PrefixCache] = (), state: State | None = None,
                  _fingerprint: Fingerprint | None = None) -> None:
-        _check_settings(chunk_size=chunk_size, canonical_chunk=canonical_chunk, sliding_reserve=sliding_reserve,
+        check_settings(chunk_size=chunk_size, canonical_chunk=canonical_chunk, sliding_reserve=sliding_reserve,
                         max_checkpoints=max_checkpoints, checkpoint_every=checkpoint_every)
-        _check_model(model)
+        check_model_object(model)
         check_session_args(tokenizer, state)
         self.model = model
         self._binding = bind(model)
@@ -208,7 +208,7 @@ class Session:
         """
         from .io import load_state
 
-        _check_model(model)
+        check_model_object(model)
         param = next(model.parameters())
         state = load_state(path, map_location=param.device, dtype=param.dtype if cast_dtype else None)
         reserve = max((int(layer.meta().get("reserve") or 0) for layer in state.layers), default=0)
@@ -292,8 +292,8 @@ class Session:
         return request
 
     def _plan(self, request: Request) -> ResumePlan:
-        own: list[tuple[str, StateSource]] = [("state", _Own(self._state_for_batch(request.batch_size)))]
-        external = [] if request.query is None else [(n, _Guarded(s)) for n, s in self._caches()]
+        own: list[tuple[str, StateSource]] = [("state", resume.Own(self._state_for_batch(request.batch_size)))]
+        external = [] if request.query is None else [(n, resume.Guarded(s)) for n, s in self._caches()]
         return resume.choose([*own, *external], request, self._empty(request.batch_size),
                              rollback=self._binding.caps.rollback,
                              schedule=Canonical(self.canonical_chunk, self.device.type),
@@ -367,54 +367,7 @@ class Session:
         return state
 
 
-class _Own:
-    """The session's own state, as source 0."""
-
-    def __init__(self, state: State) -> None:
-        self.state = state
-
-    def lookup(self, query: PrefixQuery | None, *, longer_than: int, at_most: int) -> State | None:
-        return self.state
-
-
-class _Guarded:
-    """A source whose failure is a miss with a ``StoreWarning`` (a cache that cannot be read is a miss)."""
-
-    def __init__(self, source: StateSource) -> None:
-        self.source = source
-
-    def lookup(self, query: PrefixQuery, *, longer_than: int, at_most: int) -> State | None:
-        try:
-            return self.source.lookup(query, longer_than=longer_than, at_most=at_most)
-        except Exception as exc:
-            warnings.warn(f"kvstate: prefix store read failed, continuing without it: {type(exc).__name__}: {exc}",
-                          StoreWarning, stacklevel=4)
-            return None
-
-
 def _with_media(state: State, start: State, media: tuple[MediaItem, ...] | None) -> State:
     """``state`` (which continued ``start``) recording the items of ``media`` it processed."""
     new = tuple(m for m in media or () if m.start >= start.tokens_seen and m.end <= state.tokens_seen)
     return replace(state, media=(*start.media, *new)) if new else state
-
-
-def _check_model(model: torch.nn.Module) -> None:
-    """A transformers model, not in training mode with dropout (every forward would be random)."""
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-        raise InputError("Session takes a loaded transformers model", expected="a PreTrainedModel (torch.nn.Module "
-                         "with a config)", found=type(model).__name__,
-                         fix="pass AutoModelForCausalLM.from_pretrained(...) or kvstate.testing.tiny_model(...)")
-    if model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
-        raise InputError("the model is in training mode, with dropout active", expected="model.eval()",
-                         found="model.training = True and dropout p > 0", fix="call model.eval() first")
-
-
-def _check_settings(**settings: int | None) -> None:
-    rules = {"chunk_size": 1, "canonical_chunk": 0, "sliding_reserve": 0, "max_checkpoints": 0,
-             "checkpoint_every": 1}
-    for name, value in settings.items():
-        if value is None and name == "checkpoint_every":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < rules[name]:
-            raise InputError(f"invalid Session setting {name}", expected=f"int >= {rules[name]}",
-                             found=repr(value), fix=f"pass {name}={max(rules[name], 1)} or more")

@@ -37,7 +37,7 @@ class Server:
     def __init__(self, model: Any, tokenizer: Any, model_id: str, settings: Settings | None = None, *,
                  image_processor: Any = None) -> None:
         from .._version import __version__
-        from ..selfcheck import bind
+        from ..selfcheck import bind, vocab_size
 
         self.settings = settings = settings or Settings()
         self.model, self.tokenizer, self.model_id, self.version = model, tokenizer, model_id, __version__
@@ -46,7 +46,7 @@ class Server:
         tokens = bind(model).inputs.image_tokens()
         self.images = None if tokens is None or image_processor is None else \
             ImageEncoder(image_processor, tokenizer, tokens)
-        self.vocab = int(model.get_input_embeddings().num_embeddings)
+        self.vocab = vocab_size(model)  # the one rule Session validates ids with
         self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None,
                                  vocab=self.vocab)
         self.metrics = Metrics()
