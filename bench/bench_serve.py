@@ -145,17 +145,20 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (a short chat reply)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="both servers load the weights in this dtype (results: serve.json, serve_bfloat16.json)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvstate-bench-serve-"))
     try:
         folder = _model_folder(work)
         bin_dir = Path(sys.executable).parent
-        kvstate = [sys.executable, "-m", "kvstate.cli", "serve", "--model", str(folder), "--log-level", "warning"]
+        kvstate = [sys.executable, "-m", "kvstate.cli", "serve", "--model", str(folder), "--log-level", "warning",
+                   "--dtype", args.dtype]
         turns, n = args.turns + 1, args.turns
         port = _free_port()
         print("transformers serve:", flush=True)
         with _server([str(bin_dir / "transformers"), "serve", str(folder), "--port", str(port), "--dtype",
-                      "float32", "--log-level", "warning", "--host", "127.0.0.1"], port, args.threads) as url:
+                      args.dtype, "--log-level", "warning", "--host", "127.0.0.1"], port, args.threads) as url:
             plain = _chat(url, str(folder), turns, args.max_tokens)
         store = str(work / "store")
         print("kvstate serve:", flush=True)
@@ -194,7 +197,8 @@ def _report(args: argparse.Namespace, plain: list, ours: list, restarted: dict, 
              "kvstate_total_s": o["total_s"], "kvstate_cached_tokens": o["cached"],
              "same_answer": p["answer"] == o["answer"]} for i, (p, o) in enumerate(zip(plain, ours, strict=False))]
     result = {
-        "what": "10-turn streamed greedy chat on the default model (Gemma-3-270M, float32), openai client",
+        "what": f"10-turn streamed greedy chat on the default model (Gemma-3-270M, {args.dtype}), openai client",
+        "dtype": args.dtype,
         "max_tokens": args.max_tokens, "threads_per_server": args.threads, "turns": rows,
         "turn_10_ttft_ratio": rows[n - 1]["ttft_ratio"],
         "total_seconds": {"transformers": sum(p["total_s"] for p in plain[:n]),
@@ -206,7 +210,7 @@ def _report(args: argparse.Namespace, plain: list, ours: list, restarted: dict, 
                           "restarted_cached_tokens": restarted["cached"],
                           "same_answer": restarted["answer"] == cold["answer"] == plain[n]["answer"]},
     }
-    write_results("serve", result)
+    write_results("serve" if args.dtype == "float32" else f"serve_{args.dtype}", result)
 
 
 if __name__ == "__main__":
