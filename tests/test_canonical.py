@@ -31,7 +31,6 @@ from tiny import prompt, tiny_model
 
 C = 8
 N = 5
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TEXT = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
 FAMILIES = [*TEXT, *RECURRENT, *QWEN_VL]
 
@@ -59,8 +58,14 @@ def assert_bitwise(warm, reference, what: str) -> None:
     assert torch.equal(logits, reference[1]), f"{what}: per-step logits differ by up to {diff:.3e}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("arch", FAMILIES)
+# every family in bfloat16 (the dtype the issue is about), and a representative subset (full, sliding, hybrid
+# recurrent, multimodal) in float32 and float16, to keep the suite within its time budget
+CASES = [*((arch, torch.bfloat16) for arch in FAMILIES),
+         *((arch, dtype) for arch in ("llama", "gemma3_text", "lfm2", "qwen3_vl")
+           for dtype in (torch.float32, torch.float16))]
+
+
+@pytest.mark.parametrize("arch,dtype", CASES, ids=[f"{a}-{str(d).removeprefix('torch.')}" for a, d in CASES])
 def test_every_warm_path_equals_the_cold_run_bitwise(arch, dtype, tmp_path):
     model = model_in(arch, dtype)
     if bind(model).caps.stepwise:

@@ -77,6 +77,14 @@ def test_every_family_passes_and_plain_rows_show_the_seed(arch):
         assert rows["kvstate: left-padded batch"].matches
 
 
+def skip_without_a_floor(report) -> None:
+    """transformers 5.14's generate cannot prefill Qwen-VL in chunks, so no bf16 floor exists to judge the
+    rows that are not on the canonical schedule against (the report says so); 5.24's can."""
+    if report.dtype != "float32" and not report.floor.splits:
+        pytest.skip(f"no noise floor measurable on transformers {report.environment['transformers']} for "
+                    f"{report.model}: " + report.table().splitlines()[2])
+
+
 @pytest.mark.parametrize("fault,arch,branch", [
     ("corrupt-k", "llama", "K/V reconstruction"),
     ("drop-mask", "gemma3_text", "resume-input contract (full mask)"),
@@ -90,6 +98,7 @@ def test_planted_faults_name_their_branch(fault, arch, branch, dtype):
     cold run, so it is still caught and named."""
     report = verify(tiny_model(arch).to(dtype), prompt(24), new_tokens=4, fresh=lambda: tiny_model(arch).to(dtype),
                     fault=fault)
+    skip_without_a_floor(report)
     assert not report.ok
     kvstate_findings = [f for f in report.findings if f.subject == "kvstate"]
     assert [f.branch for f in kvstate_findings] == [branch], report.table()
@@ -99,6 +108,7 @@ def test_planted_faults_name_their_branch(fault, arch, branch, dtype):
 def test_bfloat16_passes_bitwise_and_states_its_floor(arch):
     report = verify(tiny_model(arch).to(torch.bfloat16), prompt(24), new_tokens=4,
                     fresh=lambda: tiny_model(arch).to(torch.bfloat16))
+    skip_without_a_floor(report)
     assert report.ok, report.table()
     assert report.floor is not None and report.floor.chunk > 0 and "noise floor" in report.table()
     canonical = [r for r in report.rows if r.group == "kvstate" and r.bitwise is not None]

@@ -65,18 +65,25 @@ class Matrix:
         s.extend(self.ids[:, :-1], **self.inputs)
         self.prefix = s.state
         self._fresh_model: Any = None
-        self.floor = noise_floor(self.model, self.ids, self.n, (self.ref_logits, self.ref_tokens), self.chunk) \
-            if self.given_floor is None else self._media_floor(self.given_floor)
+        chunked = noise_floor(self.model, self.ids, self.n, (self.ref_logits, self.ref_tokens), self.chunk) \
+            if self.given_floor is None else self.given_floor  # a media history cannot be prefilled in pieces
+        chunked = replace(chunked, chunk=self.chunk)
+        # a media history cannot be prefilled in pieces: the text floor, widened by the split before the last
+        # token (the same-instance resume the long seed found exact with a full mask)
+        self.floor = chunked if self.given_floor is None else self._with_last_split(chunked)
 
-    def _media_floor(self, text: Floor) -> Floor:
-        """A media history cannot be prefilled in arbitrary chunks: its floor is the text matrix's, or the
-        plain split before the last token (the prefix's cache plus that token, full mask) where that is wider."""
-        split = compare("floor", "plain", "", *plain(self.model, self.prefix, self.ids, self.n, mask=True,
-                                                     positions=False), self.ref_logits, self.ref_tokens)
-        if split.max_abs is None or split.max_abs <= text.max_abs:
-            return replace(text, chunk=self.chunk)
-        return Floor(split.max_abs, split.relative, min(split.greedy_agree, text.greedy_agree),  # type: ignore[arg-type]
-                     self.n, [self.ids.shape[1] - 1], self.chunk)
+    def _with_last_split(self, floor: Floor) -> Floor:
+        """``floor`` widened by the plain split before the last token (the prefix's cache plus that token, full
+        mask)."""
+        try:
+            split = compare("floor", "plain", "", *plain(self.model, self.prefix, self.ids, self.n, mask=True,
+                                                         positions=False), self.ref_logits, self.ref_tokens)
+        except Exception:
+            return floor
+        if split.max_abs is None or split.max_abs <= floor.max_abs:  # type: ignore[operator]
+            return floor
+        return Floor(split.max_abs, split.relative, min(split.greedy_agree, floor.greedy_agree),  # type: ignore[arg-type]
+                     self.n, [*floor.splits, self.ids.shape[1] - 1], self.chunk)
 
     def session(self, model: Any = None, **settings: Any) -> Session:
         """A Session on ``model`` (this matrix's by default) with the matrix's canonical chunk."""
