@@ -138,3 +138,23 @@ def test_an_unusable_folder_fails_at_construction(tmp_path):
         PrefixStore(tmp_path / "file")
     with pytest.raises(StoreError, match="folder"):
         PrefixStore("/proc/kvstate-store")
+
+
+@pytest.mark.parametrize("replacement", ["fifo", "link to /dev/zero", "folder"])
+def test_an_entry_that_is_not_a_regular_file_is_a_warned_miss(model, tmp_path, replacement):
+    """Issue 24, class 2: a store entry replaced by a FIFO, a link to /dev/zero or a folder is read with the
+    same bounded, regular-files-only reader as every CLI input: a StoreWarning and a miss, never a hang."""
+    import os
+
+    ids = prompt(40)
+    store = PrefixStore(tmp_path / "store", chunk_tokens=CHUNK, write="all")
+    call(model, store, ids)
+    for key, _, _ in store.backend.entries():
+        path = store.backend._path(key)
+        path.unlink()
+        {"fifo": lambda p: os.mkfifo(p), "link to /dev/zero": lambda p: os.symlink("/dev/zero", p),
+         "folder": lambda p: p.mkdir()}[replacement](path)
+    more = torch.cat([ids, prompt(3, seed=4)], 1)
+    tokens, warned = call(model, store, more)
+    assert torch.equal(tokens, answer(model, more)) and warned
+    assert store.stats()["failures"] >= 1

@@ -13,6 +13,7 @@ under a byte capacity and shared counters (hits, misses, evictions, bytes).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -27,6 +28,9 @@ from typing import Any
 from ..errors import StoreError, StoreWarning, UnsupportedError
 
 COUNTERS = ("hits", "misses", "writes", "evictions", "tokens_reused", "seconds_saved_x1000")
+
+
+_ENTRY_LIMIT = 1 << 40  # far above any state file; a bound, so no entry is read without one
 
 
 class FolderBackend:
@@ -72,12 +76,16 @@ class FolderBackend:
             return f"{type(exc).__name__}: {exc}"
 
     def get(self, key: str) -> bytes | None:
+        from ..io.paths import read_bounded
+
         path = self._path(key)
-        try:
-            data = path.read_bytes()
-            os.utime(path)  # the LRU clock
-        except FileNotFoundError:
-            return None  # absent, or evicted meanwhile: a documented miss
+        if not os.path.lexists(path):
+            return None  # absent: a documented miss
+        # a regular file only, read with a bound: an entry replaced by a FIFO or a link to /dev/zero is a
+        # failed read (a StoreWarning and a miss), never a hang or an unbounded read (issue 24)
+        data = read_bounded(path, _ENTRY_LIMIT, "prefix store entry")
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)  # the LRU clock (evicted meanwhile: the entry was still read whole)
         return data
 
     def contains(self, key: str) -> bool:
