@@ -6,6 +6,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 # Self-check verdicts go to a fresh folder per test run, never the user's cache.
 os.environ.setdefault("KVSTATE_SELFCHECK_CACHE", tempfile.mkdtemp(prefix="kvstate-selfcheck-"))
+# The suite runs on two pytest-xdist workers (pyproject's addopts): one torch thread each, and the
+# processes the tests start inherit it, so two workers never oversubscribe the two cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 
@@ -15,6 +19,13 @@ import pytest
 # stay out: its extra needs transformers 5.23+ (the first minor that converts its GGUF tokenizer right).
 WINDOW = {"test_families.py", "test_generate_options.py", "test_files.py", "test_compress.py", "test_compress_watch.py",
           "test_video.py", "test_gemma3.py", "test_verify_matrix.py", "test_cross_version.py"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
