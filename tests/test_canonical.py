@@ -309,3 +309,23 @@ def test_the_device_script_runs_on_the_cpu(tmp_path):
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["ok"] and report["dtype"] == "bfloat16" and len(report["results"]) >= 2
     assert all(path["bitwise"] and path["reused"] > 0 for r in report["results"] for path in r["paths"].values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_settle_recomputes_the_answer_so_the_next_turn_reuses_it(arch):
+    """``Session.settle`` (what the server runs after a reply) feeds the decoded answer in canonical chunks:
+    the next turn then reuses it, and still answers bit for bit as the cold run."""
+    model = model_in(arch, torch.bfloat16)
+    ids = prompt(21)
+    s = Session(model, canonical_chunk=C)
+    answer = run(s, ids, {}, n=12)  # 21 + 11 processed; canonical up to 21
+    turn2 = torch.cat([ids, answer[0], prompt(5, seed=9)], 1)
+    ones = {"attention_mask": torch.ones_like(turn2)}  # an answer id equal to the pad id stays a token
+    unsettled = s.fork()
+    fed = s.settle()
+    assert fed == 32 - 16 and s.state.tokens_seen == 32 and s.state.canonical == 32  # cuts at 16 and 32
+    assert s.settle() == 0  # nothing left to settle
+    assert_bitwise(run(s, turn2, ones), cold(model, turn2, ones), "after settle")
+    assert s.last_plan.reused == 32
+    run(unsettled, turn2, ones)
+    assert unsettled.last_plan.reused == 16  # without it, the answer is fed again on the critical path

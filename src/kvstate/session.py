@@ -282,6 +282,31 @@ class Session:
         self._commit(outcome.state, plan)
         return outcome
 
+    def settle(self) -> int:
+        """Recompute, in canonical chunks, the slots a resume would feed again: the decoded answer up to
+        the state's last cut (issue 23). Returns how many slots were fed (0: nothing to do, or not
+        possible: the schedule is off, a batch, padding, media in the way, or no rollback point).
+
+        The state is then shorter (it ends at that cut, with the cold run's logits there) and every slot
+        of it is canonical, so the next turn re-feeds at most the tail since the cut. A server runs this
+        after a reply is sent, off the critical path. Transactional like every verb.
+        """
+        state, C = self._state, self.canonical_chunk
+        if C == 0 or state.batch_size != 1 or state.is_compressed or not bool(state.mask.all()):
+            return 0
+        schedule = Canonical(C, self.device.type)
+        spans = tuple((m.start, m.end) for m in state.media)
+        start = schedule.last_cut(state.canonical_for(C, self.device.type), spans)
+        end = schedule.last_cut(state.tokens_seen, spans)
+        if end <= start or any(start <= a < end for a, _ in spans) or state.rollback_limit(start):
+            return 0  # nothing decoded past a cut, or an image there (its pixels are gone), or no way back
+        base = state.truncated(start)
+        ids = state.tokens[:, start:end]
+        feed = self._engine.feed_for(base, ids, torch.ones(1, end, dtype=torch.bool, device=self.device), {})
+        settled = self._engine.feed(base, feed, self._settings()).with_checkpoint(self.max_checkpoints)
+        self._commit(replace(settled, media=state.media))
+        return end - start
+
     # ----- internals ---------------------------------------------------------------------
     def _validate(self, input_ids: IdsLike, attention_mask: torch.Tensor | None,
                   kwargs: dict[str, Any]) -> Request:

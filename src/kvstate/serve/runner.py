@@ -18,6 +18,7 @@ job (the client went away) stops at its next token by raising from the streamer:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -94,6 +95,20 @@ class Runner:
         future.add_done_callback(lambda _: self._done(job))
         return future
 
+    def _settle(self, namespace: str, state: Any) -> None:
+        """After a reply: recompute its decoded tokens in canonical chunks, so the next turn's pool hit
+        re-feeds only the tail since the last cut (issue 23). Runs on the model thread between jobs; a
+        failure here costs the next turn that re-feed, never an answer."""
+        if self._pending:  # another request waits: it re-feeds what it needs itself (the same chunks)
+            return
+        try:
+            session = Session(self.model, state=state, chunk_size=self.chunk_size,
+                              canonical_chunk=self.canonical_chunk, _fingerprint=self.fingerprint)
+            if session.settle():
+                self.pool.put(namespace, session.state)
+        except Exception:
+            return
+
     def _done(self, job: Job) -> None:
         with self._lock:
             self._pending -= 1
@@ -129,6 +144,9 @@ class Runner:
             # transformers validates some options only when generate builds its processors (5.14 refuses a
             # logit_bias on token 0, say): still the request's mistake, and nothing was committed
             raise BadRequest(f"invalid generation options: {exc}") from exc
+        if self.canonical_chunk:  # queued behind the reply, ahead of any later job
+            with contextlib.suppress(RuntimeError):  # the executor is shutting down: nothing to settle for
+                self._executor.submit(self._settle, job.namespace, outcome.state)
         tokens = outcome.tokens[0].tolist()
         text, stopped = streamer.final(tokens)
         finish = "stop" if stopped else outcome.finish_reason[0]
