@@ -41,10 +41,14 @@ class StatePool:
             candidates = [(key, s) for key, s in self._states.items() if key[0] == namespace
                           and s.fingerprint == query.fingerprint]
         best: tuple[tuple[str, int] | None, State | None, int] = (None, None, 0)
+        best_rank = (0, 0)
         for key, state in candidates:
             n = min(shared_prefix(state, query.tokens, query.media), at_most)
-            if n > best[2]:
-                best = (key, state, n)
+            # under the canonical schedule a resume keeps at most the state's canonical slots: a settled state
+            # (kvstate.Session.settle) beats a longer one whose answer was decoded one token per forward
+            usable = min(n, state.canonical) if state.canonical_chunk else n
+            if (usable, n) > best_rank:
+                best, best_rank = (key, state, n), (usable, n)
         if best[0] is not None:
             with self._lock:
                 if best[0] in self._states:
