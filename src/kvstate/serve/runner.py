@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -106,8 +107,8 @@ class Runner:
                               canonical_chunk=self.canonical_chunk, _fingerprint=self.fingerprint)
             if session.settle():
                 self.pool.put(namespace, session.state)
-        except Exception:
-            return
+        except Exception:  # an optimisation: the unsettled state is in the pool already; say why it failed
+            logging.getLogger("kvstate.serve").warning("settling a reply failed", exc_info=True)
 
     def _done(self, job: Job) -> None:
         with self._lock:
