@@ -96,6 +96,10 @@ class Runner:
         future.add_done_callback(lambda _: self._done(job))
         return future
 
+    def drain(self) -> None:
+        """Wait until the work queued so far, replies and their settling included, has run."""
+        self._executor.submit(lambda: None).result()
+
     def _settle(self, namespace: str, state: Any) -> None:
         """After a reply: recompute its decoded tokens in canonical chunks, so the next turn's pool hit
         re-feeds only the tail since the last cut (issue 23). Runs on the model thread between jobs; a
