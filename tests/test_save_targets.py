@@ -76,6 +76,10 @@ def identity(path: Path) -> tuple | None:
 
 
 def listing(folder: Path) -> list[str]:
+    """The folder's names once kvstate's I/O thread is idle: a save frees the file it replaced there."""
+    from kvstate.io.checksum import run_beside
+
+    run_beside(lambda: None).result()
     return sorted(p.name for p in folder.iterdir())
 
 
@@ -148,9 +152,6 @@ def test_a_save_deletes_only_the_leftovers_it_can_prove_are_its_own(tmp_path, se
         os.symlink("s.kvs", tmp_path / f".s.kvs.{dead.pid}.fedcba98.old")  # not a regular file: kept
         kept.append(f".s.kvs.{dead.pid}.fedcba98.old")
         session.save(target)
-        from kvstate.io.checksum import run_beside
-
-        run_beside(lambda: None).result()  # the save frees the file it replaced on the I/O thread: let it finish
         assert listing(tmp_path) == sorted(["s.kvs", *kept])
         assert all((tmp_path / name).read_bytes() == whole for name in kept[:-1])  # untouched
     finally:
