@@ -49,14 +49,22 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def positive(text: str) -> int:
+def _integer(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, found {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, found {value}")
     return value
+
+
+def positive(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
+
+
+def non_negative(text: str) -> int:
+    return _integer(text, 0, "0 or a positive integer")
 
 
 def backends(text: str) -> list[str]:
@@ -65,16 +73,6 @@ def backends(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown attention backend {unknown or text!r}; pick from {BACKENDS}")
     return names
-
-
-def non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, found {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, found {value}")
-    return value
 
 
 def _canonical_option(parser: argparse.ArgumentParser, default: int | None) -> None:
@@ -153,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     from .serve.cli import add_parser
 
-    add_parser(sub, positive, model_options)
+    add_parser(sub, positive, non_negative, model_options)
     return parser
 
 

@@ -243,12 +243,13 @@ class Session:
         mask = full_mask(state, state.tokens_seen + ids.shape[1], attention_mask, self.device)
         check_padding(binding, mask)
         binding.inputs.check(ids, inputs, 0)
-        spans = tuple((a + state.tokens_seen, b + state.tokens_seen) for a, b in binding.inputs.spans(ids, inputs))
+        own_spans = binding.inputs.spans(ids, inputs)  # relative to the new tokens
+        spans = tuple((a + state.tokens_seen, b + state.tokens_seen) for a, b in own_spans)
         feed = self._engine.feed_for(state, ids, mask, inputs, spans)
         check_positions(state, position_ids, binding.inputs.model_positions(feed.positions),
                         mask[:, state.tokens_seen:])
         new = self._engine.feed(state, feed, self._settings()).with_checkpoint(self.max_checkpoints)
-        media = media_items(binding, ids, inputs, binding.inputs.spans(ids, inputs), offset=state.tokens_seen)
+        media = media_items(binding, ids, inputs, own_spans, offset=state.tokens_seen)
         self._commit(_with_media(new, state, media))
         return new.last_logits.clone()  # type: ignore[union-attr]
 

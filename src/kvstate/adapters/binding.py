@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The state's shape for one model (see the module docstring)."""
+class _Bound:
+    """An adapter and the one model it answers for; every view below is one."""
 
     adapter: Adapter
     model: torch.nn.Module
@@ -45,6 +45,11 @@ class Layout:
     @property
     def caps(self) -> Capabilities:
         return self.adapter.caps
+
+
+@dataclass(frozen=True)
+class Layout(_Bound):
+    """The state's shape for one model (see the module docstring)."""
 
     def empty_layers(self, sliding_reserve: int) -> tuple[LayerState, ...]:
         return self.adapter.empty_layers(self.model, sliding_reserve)
@@ -73,11 +78,8 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class InputRules:
+class InputRules(_Bound):
     """What a request's ids and model inputs mean for one model (see the module docstring)."""
-
-    adapter: Adapter
-    model: torch.nn.Module
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -135,15 +137,8 @@ class Live:
 
 
 @dataclass(frozen=True)
-class Runtime:
+class Runtime(_Bound):
     """Moves state in and out of one model; only the engine uses it (see the module docstring)."""
-
-    adapter: Adapter
-    model: torch.nn.Module
-
-    @property
-    def caps(self) -> Capabilities:
-        return self.adapter.caps
 
     @property
     def cache_kwarg(self) -> str:
@@ -190,15 +185,8 @@ class Runtime:
 
 
 @dataclass(frozen=True)
-class Binding:
+class Binding(_Bound):
     """One model and its adapter, seen through ``layout``, ``inputs`` and ``runtime``."""
-
-    model: torch.nn.Module
-    adapter: Adapter
-
-    @property
-    def caps(self) -> Capabilities:
-        return self.adapter.caps
 
     @property
     def layout(self) -> Layout:
@@ -215,5 +203,5 @@ class Binding:
 
 def bound(model: torch.nn.Module, adapter: Adapter) -> Binding:
     """``adapter`` bound to ``model`` (``kvstate.selfcheck.bind`` chooses the adapter)."""
-    return Binding(model, adapter)
+    return Binding(adapter, model)
 

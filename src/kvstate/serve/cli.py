@@ -10,18 +10,7 @@ from typing import Any
 API_KEY_ENV = "KVSTATE_API_KEY"
 
 
-def _chunk(text: str) -> int:
-    """``--canonical-chunk``: 0 (off) or a positive number of tokens."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, found {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, found {value}")
-    return value
-
-
-def add_parser(sub: Any, positive: Any, model_options: Any) -> None:
+def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -> None:
     s = sub.add_parser(
         "serve", help="an OpenAI-compatible server whose conversations resume exactly across turns and restarts",
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. Every request "
@@ -35,7 +24,7 @@ def add_parser(sub: Any, positive: Any, model_options: Any) -> None:
     s.add_argument("--store", help="prefix store shared by restarts and workers: a folder or redis://host:port/db")
     s.add_argument("--store-chunk-tokens", type=positive, default=64,
                    help="store granularity in tokens (a multiple of --canonical-chunk, so every entry is reusable)")
-    s.add_argument("--canonical-chunk", type=_chunk, default=64, metavar="C",
+    s.add_argument("--canonical-chunk", type=non_negative, default=64, metavar="C",
                    help="prefill in chunks aligned to multiples of C, so a pool or store hit answers bit for bit "
                    "as a cold run (default 64; 0: off, reuse the longest prefix, exact to float32 rounding only)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
