@@ -223,7 +223,7 @@ def image_text_section() -> str:
     lines = ["", "## Image-text-to-text types", "",
              "These are not causal-LM types, so the sweep above does not build them. Their media state is what "
              "a family adapter carries; where none is registered, kvstate refuses media inputs before anything "
-             "runs: `UnsupportedError` for the usual media keys (`kvstate.inputs.MEDIA_KEYS`), `InputError` for "
+             "runs: `UnsupportedError` for the usual media keys (`kvstate.request.MEDIA_KEYS`), `InputError` for "
              "inputs it does not know. Their text path is not swept here.", "",
              "| model_type | media | tested in |", "|---|---|---|"]
     checked = {  # what the suite proves for types without a media adapter

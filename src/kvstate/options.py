@@ -129,17 +129,6 @@ def _max_length(model: torch.nn.Module, kwargs: dict[str, Any], config: Any) -> 
     return config.max_length
 
 
-def check_length(options: GenerateOptions, length: int) -> None:
-    """A history of ``length`` tokens must hold a token to continue, and leave room for one new token
-    (``model.generate``'s rule, typed)."""
-    if length == 0:
-        raise InputError("generate needs a history to continue", expected="input_ids [B, L] with L >= 1",
-                         found="an empty history", fix="pass at least one token (a BOS for an empty prompt)")
-    if options.max_length is not None and length >= options.max_length:
-        raise InputError("the history already reaches max_length", expected=f"len(input_ids) < {options.max_length}",
-                         found=f"{length} tokens", fix="set max_new_tokens (preferred) or a larger max_length")
-
-
 def _check_config(config: Any) -> None:
     mode = str(config.get_generation_mode().value)
     refusals = {

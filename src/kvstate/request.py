@@ -1,29 +1,39 @@
-"""``Request``: one ``generate`` call, validated once, before anything runs (issue 22).
+"""Validation of everything a caller hands a ``Session``, done once per call, before anything runs.
 
-``validate`` turns what a caller handed ``Session.generate`` into a frozen value:
-the history ``ids`` ``[B, L]`` (a private int64 copy), its bool ``mask`` ``[B, L]``,
-the family's media inputs for the whole history, the media ``spans`` and content
-hashes, the resolved generation options, the compression budget if any, and the
-``PrefixQuery`` sources key the history by. Every broken rule raises a typed error
-here; planning and the engine never re-check.
+``validate`` turns a ``Session.generate`` call into a frozen ``Request``: the history
+``ids`` ``[B, L]`` (a private int64 copy), its bool ``mask`` ``[B, L]``, the family's
+media inputs for the whole history, the media ``spans`` and content hashes, the
+resolved generation options, the compression budget if any, and the ``PrefixQuery``
+sources key the history by. ``validate_extension`` does the same for ``Session.extend``.
+Every broken rule raises a typed error that shows what was expected, what was found
+and the fix; planning and the engine never re-check (issue 22).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
 from .adapters.binding import Binding
 from .compress.during import Budget, plan_rounds, split_options
-from .errors import InputError, UnsupportedError
+from .errors import (
+    BatchMismatchError,
+    EmptyStateError,
+    InputError,
+    MaskError,
+    PositionError,
+    RollbackError,
+    UnsupportedError,
+)
 from .identity import Fingerprint
-from .inputs import as_ids, history_mask, refuse_media
-from .options import GenerateOptions, check_length, resolve
+from .options import GenerateOptions, resolve
 from .protocols import PrefixQuery
-from .state import MediaItem
+from .state import MediaItem, State
 
 IdsLike = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
 
@@ -66,11 +76,62 @@ def validate(binding: Binding, fingerprint: Fingerprint, input_ids: IdsLike, att
     spans = tuple(binding.inputs.spans(ids, inputs))
     media = media_items(binding, ids, inputs, spans)
     if budget is not None:
-        budget = _check_budget(budget, options, ids, mask)
+        budget = _check_budget(budget, options, mask)
     query = None
     if ids.shape[0] == 1 and bool(mask.all()) and media is not None:
         query = PrefixQuery(fingerprint, ids.cpu(), tuple((m.start, m.digest) for m in media))
     return Request(ids, mask, MappingProxyType(inputs), spans, media, options, budget, query)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, eq=False)
+class Extension:
+    """A validated ``Session.extend`` call on a state of ``T`` slots: ``ids`` ``[B, Q]`` new tokens,
+    ``mask`` ``[B, T + Q]`` over processed + new slots, ``positions`` the model's positions for the new
+    tokens, the family's media ``inputs``, their ``spans`` (absolute slots) and ``media`` items."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    inputs: Mapping[str, torch.Tensor]
+    spans: tuple[tuple[int, int], ...]
+    media: tuple[MediaItem, ...] | None
+
+
+def validate_extension(binding: Binding, state: State, ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       position_ids: torch.Tensor | None, inputs: dict[str, Any]) -> Extension:
+    """The ``Extension`` of ``Session.extend(ids, attention_mask, position_ids=, **inputs)`` after ``state``;
+    ``ids`` ``[B, Q]`` come from ``as_ids``."""
+    inputs = model_inputs(inputs, binding.inputs.keys, binding.caps.name)
+    check_batch(state, ids.shape[0])
+    if ids.shape[1] == 0:
+        raise InputError("extend needs at least one new token", expected="Q >= 1", found=0)
+    T = state.tokens_seen
+    mask = full_mask(state, T + ids.shape[1], attention_mask, ids.device)
+    check_padding(binding, mask)
+    binding.inputs.check(ids, inputs, 0)
+    own_spans = binding.inputs.spans(ids, inputs)  # relative to the new tokens
+    positions = binding.inputs.positions(state.next_position, ids, mask[:, T:], inputs)
+    check_positions(state, position_ids, binding.inputs.model_positions(positions), mask[:, T:])
+    media = media_items(binding, ids, inputs, own_spans, offset=T)
+    spans = tuple((a + T, b + T) for a, b in own_spans)
+    return Extension(ids, mask, positions, MappingProxyType(inputs), spans, media)
+
+
+def validate_truncate(binding: Binding, state: State, n_tokens: object) -> int:
+    """The token count of ``Session.truncate(n_tokens)``; a typed error for a non-int, or a family that
+    cannot roll back (``State.truncated`` checks the range and each layer)."""
+    try:
+        n = None if isinstance(n_tokens, bool) else operator.index(n_tokens)  # type: ignore[call-overload]
+    except TypeError:
+        n = None
+    if n is None:
+        raise InputError("truncate takes a token count", expected="int", found=repr(n_tokens),
+                         fix="pass an int between 0 and state.tokens_seen")
+    if not binding.caps.rollback and n != state.tokens_seen:
+        raise RollbackError(f"{binding.caps.name} models cannot roll back exactly",
+                            expected="a model whose state is all in the cache",
+                            found="the self-check found state outside the cache", fix="reset() and re-feed")
+    return n
 
 
 def check_padding(binding: Binding, mask: torch.Tensor) -> None:
@@ -96,11 +157,11 @@ def media_items(binding: Binding, ids: torch.Tensor, inputs: Mapping[str, torch.
     return tuple(MediaItem(offset + start, offset + ends[start], digest) for start, digest in hashes)
 
 
-def _check_budget(budget: Budget, options: GenerateOptions, ids: torch.Tensor, mask: torch.Tensor) -> Budget:
-    budget = plan_rounds(budget, options, ids.shape[1])
-    if ids.shape[0] != 1 or not bool(mask.all()):
+def _check_budget(budget: Budget, options: GenerateOptions, mask: torch.Tensor) -> Budget:
+    budget = plan_rounds(budget, options)
+    if mask.shape[0] != 1 or not bool(mask.all()):
         raise UnsupportedError("generate(compress=...) decodes one row without padding",
-                               found=f"batch of {ids.shape[0]}, padding: {not bool(mask.all())}",
+                               found=f"batch of {mask.shape[0]}, padding: {not bool(mask.all())}",
                                fix="run one row per Session, unpadded")
     return budget
 
@@ -125,3 +186,149 @@ def check_settings(**settings: int | None) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < rules[name]:
             raise InputError(f"invalid Session setting {name}", expected=f"int >= {rules[name]}",
                              found=repr(value), fix=f"pass {name}={max(rules[name], 1)} or more")
+
+
+def check_length(options: GenerateOptions, length: int) -> None:
+    """A history of ``length`` tokens must hold a token to continue, and leave room for one new token
+    (``model.generate``'s rule, typed)."""
+    if length == 0:
+        raise InputError("generate needs a history to continue", expected="input_ids [B, L] with L >= 1",
+                         found="an empty history", fix="pass at least one token (a BOS for an empty prompt)")
+    if options.max_length is not None and length >= options.max_length:
+        raise InputError("the history already reaches max_length", expected=f"len(input_ids) < {options.max_length}",
+                         found=f"{length} tokens", fix="set max_new_tokens (preferred) or a larger max_length")
+
+
+def as_ids(input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], device: torch.device,
+           vocab_size: int) -> torch.Tensor:
+    """``input_ids`` as a fresh int64 ``[B, L]`` tensor on ``device`` (never the caller's memory)."""
+    try:
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise InputError("input_ids must be token ids", expected="int tensor [B, L] or nested lists of ints",
+                         found=f"{type(input_ids).__name__}: {str(exc)[:120]}",
+                         fix="pass tokenizer(..., return_tensors='pt').input_ids") from exc
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8) or ids.is_meta:
+        raise InputError("input_ids must be token ids", expected="int tensor [B, L]",
+                         found=f"{ids.dtype} tensor of shape {tuple(ids.shape)} on {ids.device}",
+                         fix="pass tokenizer(..., return_tensors='pt').input_ids")
+    ids = ids.to(device=device, dtype=torch.long, copy=True)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise InputError("token id out of the vocabulary", expected=f"0 <= id < {vocab_size}",
+                         found=f"ids from {int(ids.min())} to {int(ids.max())}",
+                         fix="encode with this model's tokenizer")
+    return ids
+
+
+def history_mask(ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_id: int | None = None) -> torch.Tensor:
+    """The bool mask ``[B, L]`` of a full history (a fresh copy).
+
+    With no mask, ``model.generate``'s own default: ids equal to ``pad_id`` are padding
+    (``options.GenerateOptions.pad_id`` says when generate infers that); else all ones.
+    """
+    if attention_mask is None:
+        return check_mask_values(torch.ones_like(ids, dtype=torch.bool) if pad_id is None else ids != pad_id)
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
+        raise MaskError("attention_mask must match input_ids", expected=tuple(ids.shape),
+                        found=tuple(getattr(attention_mask, "shape", ())) or type(attention_mask).__name__,
+                        fix="pass the full-history mask")
+    return check_mask_values(attention_mask).to(device=ids.device, dtype=torch.bool, copy=True)
+
+
+def check_mask_values(mask: torch.Tensor) -> torch.Tensor:
+    """A mask ``[B, L]`` holds only 0 and 1 (or bools), and every row attends to something; returns ``mask``."""
+    if mask.is_meta or mask.is_complex():
+        raise MaskError("attention_mask must hold 0 and 1", expected="a bool or int tensor",
+                        found=f"{mask.dtype} tensor on {mask.device}", fix="pass tokenizer(...).attention_mask")
+    odd = mask[(mask != 0) & (mask != 1)] if mask.dtype != torch.bool else mask[:0]
+    if odd.numel():  # transformers would read 0.5 as "attend": a value that is neither is a caller's bug
+        raise MaskError("attention_mask must hold only 0 and 1", expected="0 (padding) or 1 (a token)",
+                        found=f"{mask.dtype} mask with values such as {odd[:4].tolist()}",
+                        fix="pass tokenizer(...).attention_mask, or a bool tensor")
+    empty = torch.nonzero(~mask.bool().any(dim=-1)).flatten() if mask.shape[-1] else mask.new_zeros(0)
+    if empty.numel():
+        raise MaskError("an attention_mask row has no token to attend to", expected="at least one 1 per row",
+                        found=f"all-zero rows {empty[:8].tolist()}",
+                        fix="give each row a real token (without an attention_mask, ids equal to "
+                        "pad_token_id are padding, as in generate)")
+    return mask
+
+
+# Inputs that carry media (or per-slot media semantics) for transformers' multimodal models.
+MEDIA_KEYS = frozenset({
+    "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes", "pixel_attention_mask",
+    "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "token_type_ids", "input_features",
+    "input_features_mask", "image_position_ids", "second_per_grid_ts",
+})
+
+
+def refuse_media(keys: Any, allowed: tuple[str, ...], family: str) -> None:
+    """Media inputs a family's adapter does not hold are refused before anything runs (issue 13)."""
+    media = sorted(k for k in keys if k in MEDIA_KEYS and k not in allowed)
+    if media:
+        raise UnsupportedError(
+            f"{family} models: kvstate holds their text state only", expected="token ids (and attention_mask)",
+            found=f"media inputs {media}", fix="media state (paligemma's prefix-LM mask, mllama's "
+            "cross-attention K/V, llava's image features) needs a family adapter; Qwen2-VL, Qwen2.5-VL, "
+            "Qwen3-VL and Gemma 3 have one. Run text-only, or see docs/coverage.md")
+
+
+def model_inputs(inputs: dict[str, Any], allowed: tuple[str, ...], family: str) -> dict[str, Any]:
+    """The extra model inputs a family takes (e.g. pixels); anything else is a typed error."""
+    refuse_media(inputs, allowed, family)
+    unknown = sorted(set(inputs) - set(allowed))
+    if unknown:
+        raise InputError(f"unknown model inputs for {family} models", expected=list(allowed) or "none",
+                         found=unknown, fix="pass only token ids, attention_mask and the family's media inputs")
+    return dict(inputs)
+
+
+def check_batch(state: State, batch_size: int) -> None:
+    if not state.is_empty and state.batch_size != batch_size:
+        raise BatchMismatchError("input batch differs from the state's batch",
+                                 expected=state.batch_size, found=batch_size,
+                                 fix="pass one row per state row, or reset() / fork() first")
+
+
+def full_mask(state: State, n_total: int, attention_mask: torch.Tensor | None,
+              device: torch.device) -> torch.Tensor:
+    """The bool mask ``[B, n_total]`` over processed + new slots.
+
+    ``None`` means "no padding in the new slots". A given mask must cover processed +
+    new tokens, and agree with the state on the processed part.
+    """
+    B, T = state.batch_size, state.tokens_seen
+    if attention_mask is None:
+        new = torch.ones(B, n_total - T, dtype=torch.bool, device=device)
+        return torch.cat([state.mask, new], dim=1)
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, n_total):
+        raise MaskError("attention_mask must cover processed + new tokens",
+                        expected=f"shape ({B}, {n_total}) = processed {T} + new {n_total - T}",
+                        found=tuple(getattr(attention_mask, "shape", ())) or type(attention_mask).__name__,
+                        fix="pass the full-length mask, as with a transformers cache")
+    mask = check_mask_values(attention_mask).to(device=device, dtype=torch.bool, copy=True)
+    if not torch.equal(mask[:, :T], state.mask):
+        raise MaskError("attention_mask disagrees with the processed tokens' padding",
+                        expected=state.mask.int().tolist(), found=mask[:, :T].int().tolist(),
+                        fix="reuse the mask the state was built with (session.state.mask)")
+    return mask
+
+
+def check_positions(state: State, given: torch.Tensor | None, expected: torch.Tensor,
+                    new_mask: torch.Tensor) -> None:
+    """A caller's ``position_ids`` must equal the ones that continue the state (model layout)."""
+    if given is None:
+        return
+    given = given.to(expected.device).long()
+    real = new_mask if expected.dim() == 2 else new_mask.expand(expected.shape[0], *new_mask.shape)
+    if given.shape == expected.shape and torch.equal(given[real], expected[real]):
+        return
+    if state.is_empty:
+        raise EmptyStateError(
+            "position_ids continue a sequence, but the state is empty (seed 002)",
+            expected=expected.tolist(), found=given.tolist(),
+            fix="feed the earlier tokens first, or omit position_ids")
+    raise PositionError("position_ids do not continue the state", expected=expected.tolist(),
+                        found=given.tolist(), fix="omit position_ids, or pass state.next_position + offsets")

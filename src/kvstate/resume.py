@@ -20,7 +20,8 @@ no model and changes nothing, so it is tested on toy states. The rules:
 
 ``choose`` asks each source in turn (the session's own state first, then the
 server's pool and the prefix store) and keeps the plan that reuses most.
-``start_state`` applies a plan (a pure ``State`` operation).
+``start_state`` applies a plan (a pure ``State`` operation). ``settle_span`` plans the
+re-feed that makes a decoded answer canonical (``Session.settle``).
 """
 
 from __future__ import annotations
@@ -183,6 +184,22 @@ def start_state(state: State, resume: ResumePlan, empty: State) -> State:
     if resume.mode == "recompute":
         return empty
     return state.truncated(resume.reused)
+
+
+def settle_span(state: State, chunk: int, device: str) -> tuple[int, int] | None:
+    """The slots ``[start, end)`` a resume of ``state`` would feed again, which ``Session.settle`` re-feeds
+    in canonical chunks of ``chunk`` (issue 23): from the end of its canonical prefix to its last cut.
+    None when nothing is to do or it is not possible: the schedule is off, a batch, padding, compression,
+    an image in the way (its pixels are gone), or no way back to ``start``."""
+    if chunk == 0 or state.batch_size != 1 or state.is_compressed or not bool(state.mask.all()):
+        return None
+    schedule = Canonical(chunk, device)
+    spans = tuple((m.start, m.end) for m in state.media)
+    start = schedule.last_cut(state.canonical_for(chunk, device), spans)
+    end = schedule.last_cut(state.tokens_seen, spans)
+    if end <= start or any(start <= a < end for a, _ in spans) or state.rollback_limit(start):
+        return None
+    return start, end
 
 
 class Own:

@@ -20,7 +20,6 @@ warm answer equals the cold answer bit for bit.
 from __future__ import annotations
 
 import copy
-import operator
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -31,26 +30,26 @@ import torch
 
 from . import resume
 from .adapters.fingerprinting import fingerprint
-from .engine import Engine, FeedSettings, Outcome
-from .errors import FingerprintMismatchError, InputError, RollbackError, StoreWarning
+from .adopt import adopt, check_session_args, check_weights
+from .engine import Engine, Feed, FeedSettings, Outcome
+from .errors import StoreWarning
 from .identity import Fingerprint
-from .inputs import (
+from .protocols import PrefixCache, StateSource
+from .request import (
+    IdsLike,
+    Request,
     as_ids,
     check_batch,
-    check_contents,
-    check_model,
-    check_positions,
-    check_session_args,
-    full_mask,
-    logits_width,
-    model_inputs,
+    check_model_object,
+    check_settings,
+    validate,
+    validate_extension,
+    validate_truncate,
 )
-from .protocols import PrefixCache, StateSource
-from .request import IdsLike, Request, check_model_object, check_padding, check_settings, media_items, validate
 from .resume import ResumePlan
 from .schedule import Canonical
 from .selfcheck import bind, vocab_size
-from .state import MediaItem, State
+from .state import State
 
 DEFAULT_CANONICAL_CHUNK = 64  # tokens per canonical prefill chunk (bench/bench_canonical.py measures it)
 
@@ -148,36 +147,16 @@ class Session:
 
     def truncate(self, n_tokens: int) -> None:
         """Roll back to the first ``n_tokens`` slots; ``RollbackError`` if a layer cannot."""
-        try:
-            n = operator.index(n_tokens)
-        except TypeError:
-            n = None
-        if n is None or isinstance(n_tokens, bool):
-            raise InputError("truncate takes a token count", expected="int", found=repr(n_tokens),
-                             fix="pass an int between 0 and state.tokens_seen")
-        if not self._binding.caps.rollback and n != self._state.tokens_seen:
-            raise RollbackError(f"{self._binding.caps.name} models cannot roll back exactly",
-                                expected="a model whose state is all in the cache",
-                                found="the self-check found state outside the cache", fix="reset() and re-feed")
-        self._commit(self._state.truncated(n))
+        self._commit(self._state.truncated(validate_truncate(self._binding, self._state, n_tokens)))
 
     def compress(self, policy: Any, *, query_ids: IdsLike | None = None, sliding: str = "window",
                  budget: int | None = None) -> None:
-        """Evict slots from the attention layers with ``policy`` (see ``kvstate.compress``).
+        """Evict slots from the attention layers with ``policy``, e.g. ``KVzip(0.5)`` (``kvstate.compress``:
+        ``query_ids`` ``[B, Q]`` for question-aware scoring, ``sliding`` ``"window"`` or ``"context"``,
+        ``budget`` slots per layer instead of the policy's ratio).
 
-        Retained slots keep their original logical positions, new tokens continue at the
-        true next position, and each layer gets its own mask from then on, so the
-        continuation is exactly "attention restricted to the retained slots".
-
-        Args:
-            policy: e.g. ``KVzip(0.5)``; ``ratio`` is the fraction of slots to evict.
-            query_ids: ``[B, Q]`` the question that will follow, for question-aware
-                selection: attention-based policies score with the question's attention
-                instead of their question-agnostic watch. The question is not fed.
-            sliding: ``"window"`` (each layer evicts ``ratio`` of its slots; sliding layers
-                compress within their window) or ``"context"`` (kvpress's meaning: every
-                layer keeps at most ``(1 - ratio) * tokens_seen`` slots).
-            budget: keep at most this many slots per attention layer instead of ``ratio``.
+        Retained slots keep their logical positions and new tokens continue at the true next
+        position, so the continuation is exactly "attention restricted to the retained slots".
         """
         from .compress.apply import compress_state
 
@@ -233,24 +212,13 @@ class Session:
         Under the canonical schedule the new slots are canonical when the state ends at a cut
         (``generate`` then reuses them); otherwise they are fed in chunks of ``chunk_size``.
         """
-        binding = self._binding
-        inputs = model_inputs(inputs, binding.inputs.keys, binding.caps.name)
         self._check_weights()
         ids = self._ids(input_ids)
         state = self._state_for_batch(ids.shape[0])
-        if ids.shape[1] == 0:
-            raise InputError("extend needs at least one new token", expected="Q >= 1", found=0)
-        mask = full_mask(state, state.tokens_seen + ids.shape[1], attention_mask, self.device)
-        check_padding(binding, mask)
-        binding.inputs.check(ids, inputs, 0)
-        own_spans = binding.inputs.spans(ids, inputs)  # relative to the new tokens
-        spans = tuple((a + state.tokens_seen, b + state.tokens_seen) for a, b in own_spans)
-        feed = self._engine.feed_for(state, ids, mask, inputs, spans)
-        check_positions(state, position_ids, binding.inputs.model_positions(feed.positions),
-                        mask[:, state.tokens_seen:])
+        ext = validate_extension(self._binding, state, ids, attention_mask, position_ids, inputs)
+        feed = Feed(ext.ids, ext.mask, ext.positions, ext.inputs, ext.spans)
         new = self._engine.feed(state, feed, self._settings()).with_checkpoint(self.max_checkpoints)
-        media = media_items(binding, ids, inputs, own_spans, offset=state.tokens_seen)
-        self._commit(_with_media(new, state, media))
+        self._commit(new.with_media(state, ext.media))
         return new.last_logits.clone()  # type: ignore[union-attr]
 
     def generate(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None,
@@ -278,7 +246,6 @@ class Session:
         request = self._validate(input_ids, attention_mask, generate_kwargs)
         plan = self._plan(request)
         outcome = self._engine.run(plan, request, self._settings())
-        outcome = self._recorded(outcome, plan.start, request)  # type: ignore[arg-type]
         self._offer(outcome, request)
         self._commit(outcome.state, plan)
         return outcome
@@ -292,18 +259,13 @@ class Session:
         of it is canonical, so the next turn re-feeds at most the tail since the cut. A server runs this
         after a reply is sent, off the critical path. Transactional like every verb.
         """
-        state, C = self._state, self.canonical_chunk
-        if C == 0 or state.batch_size != 1 or state.is_compressed or not bool(state.mask.all()):
+        state = self._state
+        span = resume.settle_span(state, self.canonical_chunk, self.device.type)
+        if span is None:
             return 0
-        schedule = Canonical(C, self.device.type)
-        spans = tuple((m.start, m.end) for m in state.media)
-        start = schedule.last_cut(state.canonical_for(C, self.device.type), spans)
-        end = schedule.last_cut(state.tokens_seen, spans)
-        if end <= start or any(start <= a < end for a, _ in spans) or state.rollback_limit(start):
-            return 0  # nothing decoded past a cut, or an image there (its pixels are gone), or no way back
+        start, end = span
         base = state.truncated(start)
-        ids = state.tokens[:, start:end]
-        feed = self._engine.feed_for(base, ids, torch.ones(1, end, dtype=torch.bool, device=self.device), {})
+        feed = self._engine.feed_for(base, state.tokens[:, start:end], state.mask[:, :end], {})
         settled = self._engine.feed(base, feed, self._settings()).with_checkpoint(self.max_checkpoints)
         self._commit(replace(settled, media=state.media))
         return end - start
@@ -324,11 +286,6 @@ class Session:
                              rollback=self._binding.caps.rollback,
                              schedule=Canonical(self.canonical_chunk, self.device.type),
                              adopt=lambda found: self._adopt(found.to(self.device)))
-
-    def _recorded(self, outcome: Outcome, start: State, request: Request) -> Outcome:
-        """``outcome`` whose states record the media items they processed and a checkpoint at the end."""
-        final = _with_media(outcome.state.with_checkpoint(self.max_checkpoints), start, request.media)
-        return replace(outcome, state=final, prefilled=_with_media(outcome.prefilled, start, request.media))
 
     def _offer(self, outcome: Outcome, request: Request) -> None:
         """Offer the prompt (what a repeated request can reuse) and the conversation (what the next turn
@@ -353,22 +310,7 @@ class Session:
         self._state, self.last_plan = state, plan if plan is not None else self.last_plan
 
     def _check_weights(self) -> None:
-        """The model still has the weights the state was made with; an in-place edit since is noticed.
-
-        Cheap when nothing changed: ``fingerprint`` is cached per model, keyed by every
-        tensor's version counter.
-        """
-        current = fingerprint(self.model)
-        if current.weights_digest == self._fingerprint.weights_digest:
-            return
-        current = replace(current, tokenizer_hash=self._fingerprint.tokenizer_hash)
-        if not self._state.is_empty:
-            raise FingerprintMismatchError(
-                "the model's weights changed after this session's state was made",
-                expected=f"weights_digest {self._fingerprint.weights_digest}",
-                found=f"weights_digest {current.weights_digest}",
-                fix="reset() to start over on the new weights, or restore the weights the state was made with")
-        self._fingerprint = current
+        self._fingerprint = check_weights(self.model, self._fingerprint, self._state)
 
     def _settings(self) -> FeedSettings:
         return FeedSettings(self.chunk_size, self.checkpoint_every, self.max_checkpoints, self.canonical_chunk)
@@ -380,10 +322,7 @@ class Session:
         return self._engine.empty(batch_size, self.sliding_reserve, self._fingerprint)
 
     def _adopt(self, state: State) -> State:
-        check_model(state, self._fingerprint, self.model, self.dtype, self.device)
-        self._binding.layout.check(state)
-        check_contents(state, vocab_size(self.model), logits_width(self.model), self._binding.layout)
-        return state
+        return adopt(self._binding, self._fingerprint, state, vocab_size(self.model))
 
     def _state_for_batch(self, batch_size: int) -> State:
         state = self._state
@@ -392,8 +331,3 @@ class Session:
         check_batch(state, batch_size)
         return state
 
-
-def _with_media(state: State, start: State, media: tuple[MediaItem, ...] | None) -> State:
-    """``state`` (which continued ``start``) recording the items of ``media`` it processed."""
-    new = tuple(m for m in media or () if m.start >= start.tokens_seen and m.end <= state.tokens_seen)
-    return replace(state, media=(*start.media, *new)) if new else state

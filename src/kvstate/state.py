@@ -222,6 +222,11 @@ class State:
         checkpoints = (*self.checkpoints, Checkpoint(self.tokens_seen, MappingProxyType(layers)))
         return replace(self, checkpoints=checkpoints[-keep:])
 
+    def with_media(self, start: State, media: tuple[MediaItem, ...] | None) -> State:
+        """This state, which continued ``start``, recording the items of ``media`` it processed."""
+        new = tuple(m for m in media or () if m.start >= start.tokens_seen and m.end <= self.tokens_seen)
+        return replace(self, media=(*start.media, *new)) if new else self
+
     def clone(self) -> State:
         """A deep copy that shares no tensor memory with this state."""
         return self._map(lambda t: t.clone())

@@ -38,13 +38,19 @@ COMPRESS_KEYS = ("compress", "budget", "every")
 @dataclass(frozen=True)
 class Budget:
     """A budgeted decode: ``policy`` compresses to ``budget - every`` slots before each round of ``every``
-    tokens; ``total`` tokens at most, ending early on an id of ``ends``."""
+    tokens; ``max_new_tokens`` (else up to ``max_length`` in all) at most, ending early on an id of ``ends``."""
 
     policy: Policy
     budget: int
     every: int
-    total: int = 0
+    max_new_tokens: int | None = None
+    max_length: int = 0
     ends: frozenset[int] = frozenset()
+
+    def total_after(self, prompt_length: int) -> int:
+        """How many tokens the whole call may generate after a prompt of ``prompt_length`` tokens."""
+        total = self.max_new_tokens if self.max_new_tokens is not None else self.max_length - prompt_length
+        return max(int(total), 0)
 
     def compress_to(self, observer: AttentionObserver, model: torch.nn.Module, state: State, slots: int) -> State:
         """``state`` with at most ``slots`` per attention layer, by ``policy`` (the budgeted schedule's step)."""
@@ -53,7 +59,7 @@ class Budget:
 
 def split_options(kwargs: dict[str, Any]) -> Budget | None:
     """Remove and check ``compress=``, ``budget=``, ``every=`` from ``generate`` keywords; None if absent.
-    ``total`` and ``ends`` are filled in by ``plan_rounds`` once the options are resolved."""
+    The limits and ``ends`` are filled in by ``plan_rounds`` once the options are resolved."""
     given = {k: kwargs.pop(k) for k in COMPRESS_KEYS if k in kwargs}
     if not given:
         return None
@@ -66,7 +72,7 @@ def split_options(kwargs: dict[str, Any]) -> Budget | None:
     return Budget(policy, budget, every)  # type: ignore[arg-type]
 
 
-def plan_rounds(budget: Budget, options: GenerateOptions, prompt_length: int) -> Budget:
+def plan_rounds(budget: Budget, options: GenerateOptions) -> Budget:
     """``budget`` with how many tokens the whole call may generate and which ids end it, from the config
     ``generate`` resolved; options that rounds cannot keep are refused here, before anything runs."""
     config = options.config
@@ -79,5 +85,4 @@ def plan_rounds(budget: Budget, options: GenerateOptions, prompt_length: int) ->
     eos = config.eos_token_id
     ends = frozenset() if eos is None else frozenset(int(e) for e in (eos if isinstance(eos, (list, tuple))
                                                                       else [eos]))
-    total = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_length
-    return replace(budget, total=max(int(total), 0), ends=ends)
+    return replace(budget, max_new_tokens=config.max_new_tokens, max_length=int(config.max_length or 0), ends=ends)

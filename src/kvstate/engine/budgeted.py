@@ -46,7 +46,7 @@ def run_budgeted(engine: Engine, start: State, feed: Feed | None, request: Reque
     assert budget is not None  # run() dispatches here only with a budget
     history, options = request.ids, request.options
     prefilled = start if feed is None else engine.feed(start, feed, settings)
-    state, out, left = prefilled, [], budget.total
+    state, out, left = prefilled, [], budget.total_after(history.shape[1])
     while left > 0:
         state = budget.compress_to(engine, engine.model, state, budget.budget - budget.every)
         n = min(budget.every, left)

@@ -100,12 +100,14 @@ class Engine:
             inputs = self.binding.inputs.select(request.ids, T, request.inputs)
             feed = self.feed_for(start, request.ids[:, T:], request.mask, inputs, request.spans)
         if request.budget is not None:  # rounds of generate under a slot budget (issue 16)
-            return run_budgeted(self, start, feed, request, settings, plan.reused)
-        state, prefilled, new, output = self.generate(start, feed, request.ids, request.mask, request.options,
-                                                      settings)
-        answer = output if request.options.return_dict else new
-        return Outcome(state, prefilled, new, answer, plan.reused, finish_reasons(new, request.options,
-                                                                                   request.ids.shape[1]))
+            outcome = run_budgeted(self, start, feed, request, settings, plan.reused)
+        else:
+            state, prefilled, new, output = self.generate(start, feed, request.ids, request.mask,
+                                                          request.options, settings)
+            answer = output if request.options.return_dict else new
+            outcome = Outcome(state, prefilled, new, answer, plan.reused,
+                              finish_reasons(new, request.options, request.ids.shape[1]))
+        return outcome.recorded(start, request.media, settings.max_checkpoints)
 
     def generate(self, start: State, feed: Feed | None, history: torch.Tensor, mask: torch.Tensor,
                  options: GenerateOptions, settings: FeedSettings) -> tuple[State, State, torch.Tensor, object]:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..options import GenerateOptions
-from ..state import State
+from ..state import MediaItem, State
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,12 @@ class Outcome:
     output: object
     reused: int
     finish_reason: tuple[str, ...]
+
+    def recorded(self, start: State, media: tuple[MediaItem, ...] | None, keep: int) -> Outcome:
+        """This outcome (which continued ``start``) with its states recording the ``media`` items they
+        processed, and a checkpoint at the end (the newest ``keep`` kept)."""
+        final = self.state.with_checkpoint(keep).with_media(start, media)
+        return replace(self, state=final, prefilled=self.prefilled.with_media(start, media))
 
 
 def finish_reasons(new: torch.Tensor, options: GenerateOptions, history_length: int) -> tuple[str, ...]:
