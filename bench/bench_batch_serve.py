@@ -1,0 +1,149 @@
+"""Many conversations at once: `kvstate serve` against `transformers serve --continuous-batching` (issue 25).
+
+Every server loads the same folder (the embedded Gemma-3-270M, with kvstate's fallback chat
+template, as in ``bench_serve.py``), with the same threads, and gets the same workload through
+the official ``openai`` client: ``N`` chats of ``--turns`` streamed greedy turns of
+``--max-tokens`` tokens, each chat its own user (they share the library's system prompt).
+Each server runs the workload one chat at a time, then with 8 and 16 chats at once. Per level
+we record completion tokens per second (tokens of all answers over the wall time), p50 and p99
+TTFT, and whether every answer equals the answer the same request got one at a time. The
+contenders, side by side in one run:
+
+* ``transformers serve --continuous-batching`` (paged attention, its own scheduler);
+* ``kvstate serve`` (the batch-invariant scheduler, the default);
+* ``kvstate serve --batch-invariance off``: the same scheduler with plain kernels. Its
+  throughput over the default's is the invariance tax.
+
+    python bench/bench_batch_serve.py                      # float32, about 10 minutes on 2 cores
+    python bench/bench_batch_serve.py --dtype bfloat16     # results: batch_serve[_bfloat16].json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_serve import QUESTIONS, SYSTEM, _free_port, _model_folder, _server, _turn
+from common import write_results
+
+NAMES = ["Ada", "Ben", "Chloe", "Dev", "Eva", "Finn", "Gia", "Hugo", "Ines", "Jon", "Kai", "Lena", "Milo", "Nora",
+         "Omar", "Pia"]
+
+
+def _chat(url: str, model: str, index: int, turns: int, max_tokens: int) -> list[dict[str, object]]:
+    """Chat ``index``: ``turns`` streamed greedy turns; one row per turn."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    rows = []
+    for t in range(turns):
+        question = QUESTIONS[(index + t) % len(QUESTIONS)]
+        content = f"I am {NAMES[index % len(NAMES)]}. {question}" if t == 0 else question
+        messages.append({"role": "user", "content": content})
+        row = _turn(url, model, messages, max_tokens)
+        messages.append({"role": "assistant", "content": str(row["answer"])})
+        rows.append({**row, "chat": index, "turn": t + 1})
+    return rows
+
+
+def _level(url: str, model: str, streams: int, chats: int, turns: int, max_tokens: int,
+           tokenizer: object) -> dict[str, object]:
+    """``chats`` chats, ``streams`` at a time: throughput, TTFT percentiles and every answer."""
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=streams) as pool:
+        futures = [pool.submit(_chat, url, model, i, turns, max_tokens) for i in range(chats)]
+        rows = [row for f in futures for row in f.result()]
+    wall = time.perf_counter() - start
+    tokens = sum(len(tokenizer.encode(str(r["answer"]), add_special_tokens=False)) for r in rows)  # type: ignore[attr-defined]
+    ttfts = sorted(float(r["ttft_s"]) for r in rows if r["ttft_s"] is not None)  # type: ignore[arg-type]
+    p99 = ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))]
+    out = {"streams": streams, "requests": len(rows), "completion_tokens": tokens, "wall_s": wall,
+           "tokens_per_s": tokens / wall, "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": p99,
+           "answers": {f"{r['chat']}/{r['turn']}": r["answer"] for r in rows}}
+    print(f"  {streams:2d} at once: {out['tokens_per_s']:.1f} tok/s, TTFT p50 {out['ttft_p50_s']:.3f}s "
+          f"p99 {p99:.3f}s, {tokens} tokens in {wall:.1f}s", flush=True)
+    return out
+
+
+def _server_levels(cmd: list[str], port: int, args: argparse.Namespace, model: str,
+                   tokenizer: object) -> dict[str, object]:
+    with _server(cmd, port, args.threads) as url:
+        _turn(url, model, [{"role": "user", "content": "Hello"}], 2)  # load and warm
+        alone = _level(url, model, 1, args.chats, args.turns, args.max_tokens, tokenizer)
+        levels = [_level(url, model, n, args.chats, args.turns, args.max_tokens, tokenizer) for n in args.streams]
+    for level in levels:
+        level["answers_equal_alone"] = level["answers"] == alone["answers"]
+        level["speedup_vs_alone"] = level["tokens_per_s"] / alone["tokens_per_s"]  # type: ignore[operator]
+    return {"alone": alone, "levels": levels}
+
+
+def main() -> None:
+    import os
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--chats", type=int, default=16, help="chats in the workload (each level runs all)")
+    parser.add_argument("--turns", type=int, default=2, help="streamed turns per chat")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--streams", type=int, nargs="+", default=[8, 16], help="chats at once, per level")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="kvstate-bench-batch-"))
+    try:
+        folder = _model_folder(work)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        bin_dir = Path(sys.executable).parent
+        kvstate = [sys.executable, "-m", "kvstate.cli", "serve", "--model", str(folder), "--log-level", "warning",
+                   "--dtype", args.dtype, "--max-batch", str(max(args.streams))]
+        contenders = {
+            "transformers_cb": (lambda port: [str(bin_dir / "transformers"), "serve", str(folder), "--port",
+                                              str(port), "--dtype", args.dtype, "--log-level", "warning", "--host",
+                                              "127.0.0.1", "--continuous-batching"], str(folder)),
+            "kvstate": (lambda port: [*kvstate, "--port", str(port)], folder.name),
+            "kvstate_invariance_off": (lambda port: [*kvstate, "--port", str(port), "--batch-invariance", "off"],
+                                       folder.name),
+        }
+        results = {}
+        for name, (cmd, model) in contenders.items():
+            print(f"{name}:", flush=True)
+            port = _free_port()
+            results[name] = _server_levels(cmd(port), port, args, model, tokenizer)
+        _report(args, results)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _report(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    summary = {}
+    for i, n in enumerate(args.streams):
+        ours, tf = results["kvstate"]["levels"][i], results["transformers_cb"]["levels"][i]
+        off = results["kvstate_invariance_off"]["levels"][i]
+        summary[str(n)] = {
+            "kvstate_tokens_per_s": ours["tokens_per_s"], "transformers_cb_tokens_per_s": tf["tokens_per_s"],
+            "kvstate_vs_transformers_cb": ours["tokens_per_s"] / tf["tokens_per_s"],
+            "kvstate_vs_kvstate_alone": ours["speedup_vs_alone"],
+            "invariance_tax": 1 - ours["tokens_per_s"] / off["tokens_per_s"],
+            "kvstate_answers_equal_alone": ours["answers_equal_alone"],
+            "transformers_cb_answers_equal_alone": tf["answers_equal_alone"],
+            "kvstate_ttft_p50_s": ours["ttft_p50_s"], "kvstate_ttft_p99_s": ours["ttft_p99_s"],
+            "transformers_cb_ttft_p50_s": tf["ttft_p50_s"], "transformers_cb_ttft_p99_s": tf["ttft_p99_s"],
+        }
+        print(f"{n} streams: kvstate {ours['tokens_per_s']:.1f} tok/s ({ours['speedup_vs_alone']:.2f}x alone, "
+              f"answers equal alone: {ours['answers_equal_alone']}), transformers CB {tf['tokens_per_s']:.1f} "
+              f"tok/s (answers equal alone: {tf['answers_equal_alone']}), invariance tax "
+              f"{summary[str(n)]['invariance_tax']:.0%}")
+    result = {"what": f"{args.chats} chats x {args.turns} streamed greedy turns of {args.max_tokens} tokens on the "
+                      f"default model (Gemma-3-270M, {args.dtype}), one at a time and {args.streams} at once",
+              "dtype": args.dtype, "threads_per_server": args.threads, "summary": summary, "servers": results}
+    write_results("batch_serve" if args.dtype == "float32" else f"batch_serve_{args.dtype}", result)
+
+
+if __name__ == "__main__":
+    main()
