@@ -31,6 +31,7 @@ import torch
 from ..session import Session
 from .chat import Prompt
 from .errors import BadRequest, HTTPError
+from .logprobs import TokenLogprob, compute
 from .metrics import Metrics
 from .params import Request
 from .pool import StatePool
@@ -60,6 +61,7 @@ class Result:
     completion_tokens: int
     cached_tokens: int
     seconds: float
+    logprobs: tuple[TokenLogprob, ...] | None = None  # when the request asked for them
 
 
 class Runner:
@@ -155,8 +157,10 @@ class Runner:
         tokens = outcome.tokens[0].tolist()
         text, stopped = streamer.final(tokens)
         finish = "stop" if stopped else outcome.finish_reason[0]
+        k = job.request.logprobs
+        logprobs = None if k is None else compute(outcome.output.logits, tokens, k, self.tokenizer, text)
         result = Result(text, finish, len(job.prompt.ids), len(tokens), outcome.reused,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, logprobs)
         self.metrics.record(result)
         return result
 
