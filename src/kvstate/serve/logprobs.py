@@ -3,7 +3,8 @@
 What is reported is vLLM's default (``logprobs_mode="raw_logprobs"``): ``log_softmax`` of the
 model's raw next-token logits in float32, before any logits processor (temperature, top-k/p,
 penalties, ``logit_bias``). So a token's logprob is the model's, whatever the sampling settings,
-and equals ``log_softmax`` of ``model.generate(..., output_logits=True)``'s ``logits``.
+and equals ``log_softmax`` of ``model.generate(..., output_logits=True)``'s ``logits`` (bit for bit
+when plain transformers prefills in the same canonical chunks: ``tests/test_serve_logprobs.py``).
 
 Each generated token whose text starts inside the answer is reported: the tokens after a stop
 string's cut and a final end-of-sequence token (no text) are not. ``offset`` is where a token's

@@ -10,7 +10,8 @@ that finds ``max_queue`` jobs waiting or running gets a 429 at once.
 Each job builds a ``Session`` on the shared model whose prefix sources are its
 namespace of the ``StatePool`` and its store (``kvstate.resume`` picks among them),
 and runs it; the session offers the new state back to both. The outcome carries
-the slots reused and the finish reason, so the runner only formats. A cancelled
+the slots reused and the finish reason (and, when a request asks for logprobs, generate's raw
+step logits, reduced here to ``logprobs.TokenLogprob`` s), so the runner only formats. A cancelled
 job (the client went away) stops at its next token by raising from the streamer:
 ``Session.generate`` is transactional, so nothing of the cancelled call is kept anywhere.
 """
