@@ -9,6 +9,7 @@ sampled (raw logprobs: before temperature, top-k and ``logit_bias``, as vLLM's d
 
 from __future__ import annotations
 
+import functools
 import http.client
 import inspect
 import json
@@ -216,3 +217,65 @@ def test_parse_maps_logprobs_to_raw_step_logits():
     for asked in (chat, completion):
         assert asked.options["output_logits"] is True and asked.options["return_dict_in_generate"] is True
     assert "output_logits" not in off.options
+
+
+
+ANSWERS = {  # name -> (the generated text, the stop string that cuts it or None)
+    "characters split into byte tokens": ("Sure! 𓀀𓀁 🫨 here.", None),
+    "CJK text": ("東京は大きい。", None),
+    "a stop string cut": ("Sure, here.\nUser: and more", "\nUser:"),
+    "a stop string inside a token": ("Hello world, how are you", "wor"),
+}
+
+
+@functools.cache
+def _tokenizer(kind: str):
+    """Gemma's SentencePiece tokenizer (``<0xHH>`` byte fallback), or a byte-level BPE trained here
+    (GPT-2's alphabet, as Llama 3 and Qwen use): both real ``tokenizers`` objects."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if kind == "gemma":
+        from kvstate.testing.default_model import default_model_folder
+
+        return AutoTokenizer.from_pretrained(default_model_folder(progress=False))
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<eos>"])
+    bpe.train_from_iterator(["Sure, here it is. Hello world, how are you? And more."] * 20, trainer)  # ASCII merges
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+
+
+KINDS = [pytest.param("gemma", marks=[pytest.mark.slow, pytest.mark.default_model]), "byte-level BPE"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", sorted(ANSWERS))
+def test_reported_tokens_spell_the_answer_with_real_tokenizers(kind, case):
+    """Multi-character and byte tokens: the pieces spell the answer, the tokens reported are the fewest
+    whose text covers it (the end token and a cut stop string's are not), and their bytes are the answer's."""
+    from kvstate.serve.logprobs import compute, pieces
+
+    tokenizer = _tokenizer(kind)
+    generated, stop = ANSWERS[case]
+    tokens = [*tokenizer(generated, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    full = tokenizer.decode(tokens, skip_special_tokens=True)
+    text = full[:full.find(stop)] if stop else full
+    torch.manual_seed(0)
+    logits = tuple(torch.randn(1, len(tokenizer)) for _ in tokens)
+    items = compute(logits, tokens, 3, tokenizer, text)
+    n = len(items)
+    assert "".join(pieces(items, text)) == text
+    assert tokenizer.decode(tokens[:n], skip_special_tokens=True).startswith(text)
+    assert not tokenizer.decode(tokens[:n - 1], skip_special_tokens=True).startswith(text)
+    assert [i.offset for i in items] == sorted(i.offset for i in items) and items[0].offset == 0
+    if stop is None:
+        assert b"".join(bytes(i.bytes) for i in items) == text.encode("utf-8")
+    if "byte tokens" in case:  # the partial-character path ran
+        assert any(i.token == "\ufffd" and len(i.bytes) == 1 for i in items)
+    for item, token, step in zip(items, tokens, logits, strict=False):
+        expected = torch.log_softmax(step[0], -1)
+        assert item.logprob == expected[token].item() and item.token == tokenizer.decode([token])
+        assert [a.logprob for a in item.top] == expected.topk(3).values.tolist()

@@ -10,11 +10,15 @@ Each generated token whose text starts inside the answer is reported: the tokens
 string's cut and a final end-of-sequence token (no text) are not. ``offset`` is where a token's
 text starts in the answer (characters); the pieces between offsets concatenate to the answer,
 which is how a stream carries them. ``-inf`` (a logit masked by the model) is sent as -9999.0,
-as vLLM does: JSON has no infinity.
+as vLLM does: JSON has no infinity. A token's ``bytes`` are its own bytes, also for a token that
+holds part of a character (whose text shows U+FFFD): SentencePiece's ``<0xHH>`` byte tokens and
+GPT-2-style byte-level tokens are read from the vocabulary; any other such token has ``None``.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,18 +29,20 @@ FLOOR = -9999.0  # JSON cannot carry -inf
 
 @dataclass(frozen=True)
 class Alternative:
-    """One candidate token at a step: its text and logprob."""
+    """One candidate token at a step: its text, its bytes (None: unknown) and its logprob."""
 
     token: str
+    bytes: tuple[int, ...] | None
     logprob: float
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token: its text, logprob, where its text starts in the answer, and the ``top``
-    candidates at its step (most likely first)."""
+    """One generated token: its text, bytes, logprob, where its text starts in the answer, and the
+    ``top`` candidates at its step (most likely first)."""
 
     token: str
+    bytes: tuple[int, ...] | None
     logprob: float
     offset: int
     top: tuple[Alternative, ...]
@@ -53,9 +59,9 @@ def compute(logits: tuple[torch.Tensor, ...], tokens: list[int], k: int, tokeniz
             break
         scores = torch.log_softmax(logits[step][0].float(), dim=-1)  # [V]
         values, ids = torch.topk(scores, k) if k else (scores[:0], torch.zeros(0, dtype=torch.long))
-        top = tuple(Alternative(_token(tokenizer, i), _finite(v)) for i, v in zip(ids.tolist(), values.tolist(),
-                                                                                 strict=True))
-        out.append(TokenLogprob(_token(tokenizer, token), _finite(scores[token].item()), offset, top))
+        top = tuple(Alternative(*_token(tokenizer, i), _finite(v)) for i, v in zip(ids.tolist(), values.tolist(),
+                                                                                  strict=True))
+        out.append(TokenLogprob(*_token(tokenizer, token), _finite(scores[token].item()), offset, top))
     return tuple(out)
 
 
@@ -70,8 +76,32 @@ def _offsets(tokenizer: Any, tokens: list[int], limit: int) -> list[int]:
     return offsets
 
 
-def _token(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token], skip_special_tokens=False)
+def _token(tokenizer: Any, token: int) -> tuple[str, tuple[int, ...] | None]:
+    """A token's text and bytes."""
+    text = tokenizer.decode([token], skip_special_tokens=False)
+    if "\ufffd" not in text:
+        return text, tuple(text.encode("utf-8"))
+    raw = tokenizer.convert_ids_to_tokens(token) or ""
+    byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", raw)
+    if byte:  # SentencePiece byte fallback
+        return text, (int(byte.group(1), 16),)
+    table = _byte_level()
+    return text, tuple(table[c] for c in raw) if raw and all(c in table for c in raw) else None
+
+
+@functools.cache
+def _byte_level() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: each byte is written as a printable character (the
+    printable Latin-1 bytes as themselves, the others from U+0100 on, in order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def _finite(value: float) -> float:
@@ -86,11 +116,10 @@ def pieces(items: tuple[TokenLogprob, ...], text: str) -> list[str]:
 
 def chat_shape(items: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     """A chat choice's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}``."""
-    def entry(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    def entry(item: TokenLogprob | Alternative) -> dict[str, Any]:
+        return {"token": item.token, "logprob": item.logprob, "bytes": None if item.bytes is None else list(item.bytes)}
 
-    return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(a.token, a.logprob) for a in i.top]}
-                        for i in items], "refusal": None}
+    return {"content": [{**entry(i), "top_logprobs": [entry(a) for a in i.top]} for i in items], "refusal": None}
 
 
 def completion_shape(items: tuple[TokenLogprob, ...]) -> dict[str, Any]:
