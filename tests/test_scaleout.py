@@ -119,6 +119,29 @@ def _ids_by_worker(api: openai.OpenAI, workers: Workers) -> dict[str, str]:
     raise AssertionError(f"64 conversation ids all hashed to {list(found)}")
 
 
+def _abandon_a_stream(front: str, conversation: str, address: str) -> None:
+    """A client that leaves mid-stream: nginx closes its upstream connection, and the worker cancels the job
+    (no completion tokens counted) and is idle again, as without nginx."""
+    import json
+
+    tokens = re.compile(r"kvstate_completion_tokens_total (\d+)")
+    before = tokens.search(_get(address, "/metrics") or "").group(1)
+    host, port = front.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Talk."}], "max_tokens": 2000, "stream": True,
+            "temperature": 0, "stop": None, "logit_bias": {str(i): -100 for i in (0, 1, 2)}}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                                   "X-Conversation-Id": conversation})
+    response = conn.getresponse()
+    assert response.status == 200 and any(b'"content"' in response.readline() for _ in range(4))
+    conn.close()
+    deadline = time.monotonic() + 30
+    while json.loads(_get(address, "/health") or "{}").get("queue") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert json.loads(_get(address, "/health") or "{}").get("queue") == 0, "the abandoned job still runs"
+    assert tokens.search(_get(address, "/metrics") or "").group(1) == before, "the abandoned job was completed"
+
+
 def test_two_workers_behind_nginx_on_one_redis(tmp_path):
     model, tokenizer = load(MODEL)
     with redis_server(tmp_path) as (store, _), worker(tmp_path, store) as a, worker(tmp_path, store) as b, \
@@ -134,6 +157,7 @@ def test_two_workers_behind_nginx_on_one_redis(tmp_path):
                 answer, cached, logprobs = _turn(api, messages, ids[other if t in FORCED else home], stream=t % 2 == 1)
             log.append((list(messages), answer, cached, logprobs, served[0]))
             messages.append({"role": "assistant", "content": answer})
+        _abandon_a_stream(front, ids[home], home)
         round_robin = []
         for _ in range(2):  # no conversation id: nginx's round robin
             with workers.watch() as served:
