@@ -58,7 +58,7 @@ def compute(logits: tuple[torch.Tensor, ...], tokens: list[int], k: int, tokeniz
         if offset >= len(text):  # past the answer: a stop string's tokens, the end token
             break
         scores = torch.log_softmax(logits[step][0].float(), dim=-1)  # [V]
-        values, ids = torch.topk(scores, k) if k else (scores[:0], torch.zeros(0, dtype=torch.long))
+        values, ids = torch.topk(scores, k)
         top = tuple(Alternative(*_token(tokenizer, i), _finite(v)) for i, v in zip(ids.tolist(), values.tolist(),
                                                                                   strict=True))
         out.append(TokenLogprob(*_token(tokenizer, token), _finite(scores[token].item()), offset, top))
@@ -70,8 +70,9 @@ def _offsets(tokenizer: Any, tokens: list[int], limit: int) -> list[int]:
     decoded as U+FFFD, not counted), never decreasing, at most ``limit``."""
     offsets, last = [], 0
     for i in range(len(tokens)):
-        before = tokenizer.decode(tokens[:i], skip_special_tokens=True).rstrip("\ufffd")
-        last = min(max(last, len(before)), limit)
+        if last < limit:  # past the answer nothing is reported: no need to decode further
+            before = tokenizer.decode(tokens[:i], skip_special_tokens=True).rstrip("\ufffd")
+            last = min(max(last, len(before)), limit)
         offsets.append(last)
     return offsets
 
