@@ -279,3 +279,19 @@ def test_reported_tokens_spell_the_answer_with_real_tokenizers(kind, case):
         expected = torch.log_softmax(step[0], -1)
         assert item.logprob == expected[token].item() and item.token == tokenizer.decode([token])
         assert [a.logprob for a in item.top] == expected.topk(3).values.tolist()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_logprobs_equal_plain_generate_in_low_precision(dtype):
+    """The same oracle on a server whose weights are bf16 / fp16: still bit for bit, cold and warm."""
+    model, tokenizer = load(MODEL, dtype=dtype)
+    assert next(model.parameters()).dtype == getattr(torch, dtype)
+    body = {"temperature": 0, "max_tokens": 5, "logprobs": True, "top_logprobs": 3}
+    with live(make_server(model, tokenizer)) as url:
+        messages = []
+        for turn, question in enumerate(["Hello there, what is new?", "Tell me more about it."]):
+            messages.append({"role": "user", "content": question})
+            answer, items, cached = _ask(client(url), True, messages, body, stream=turn == 1)
+            assert turn == 0 or cached > 0
+            assert items == _expect(model, tokenizer, Renderer(tokenizer).chat(messages).ids, body, answer)
+            messages.append({"role": "assistant", "content": answer})
