@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import KVStateError
 from .errors import BadRequest, HTTPError, internal_error, validation_error
+from .logprobs import TokenLogprob, chat_shape, completion_shape, pieces
 from .params import CHAT_FIELDS, COMPLETION_FIELDS, parse
 from .runner import Cancelled, Job, Result
 from .schema import (
@@ -208,7 +209,8 @@ async def _complete(server: Server, request: Request, namespace: str, body: dict
     reply = _Reply(server.model_id, kind, chat)
     if req.stream:
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        job.on_text = lambda text: loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
+        if req.logprobs is None:  # logprobs come from generate's output: such a stream is sent at the end
+            job.on_text = lambda text: loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
         future = server.runner.submit(job)
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, ("done", f)))
         server.metrics.request(_route(request), 200)
@@ -260,6 +262,9 @@ async def _events(reply: _Reply, job: Job, queue: asyncio.Queue[tuple[str, Any]]
             while not queue.empty():  # text queued before the done callback ran
                 _, text = queue.get_nowait()
                 yield _sse(reply.chunk(text=text))
+            if result.logprobs is not None:  # one chunk per token, its piece of the answer with its logprobs
+                for piece, item in zip(pieces(result.logprobs, result.text), result.logprobs, strict=True):
+                    yield _sse(reply.chunk(text=piece, logprobs=(item,)))
             yield _sse(reply.chunk(finish=result.finish_reason))
             if include_usage:
                 yield _sse(reply.usage_chunk(result))
@@ -286,21 +291,28 @@ class _Reply:
                 "system_fingerprint": None}
 
     def whole(self, result: Result) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason,
+                                  "logprobs": self._logprobs(result.logprobs)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
             choice["text"] = result.text
         return {**self._head(self.kind), "choices": [choice], "usage": _usage(result)}
 
-    def chunk(self, *, text: str = "", role: bool = False, finish: str | None = None) -> dict[str, Any]:
+    def chunk(self, *, text: str = "", role: bool = False, finish: str | None = None,
+              logprobs: tuple[TokenLogprob, ...] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else \
                 {} if finish else {"content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": self._logprobs(logprobs)}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def _logprobs(self, items: tuple[TokenLogprob, ...] | None) -> dict[str, Any] | None:
+        if items is None:
+            return None
+        return chat_shape(items) if self.chat else completion_shape(items)
 
     def usage_chunk(self, result: Result) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"

@@ -13,9 +13,11 @@ The mapping (``docs/serve.md``):
   ``frequency_penalty`` are ``OpenAIPenalties``, OpenAI's formula over the tokens
   generated so far.
 * ``seed`` seeds torch's generator just before the call (calls run one at a time).
+* ``logprobs`` (chat: ``true`` with ``top_logprobs`` 0..20; completions: 0..5 alternatives)
+  asks generate for its raw step logits (``output_logits``); ``logprobs.py`` reports them.
 
 Everything else OpenAI defines that kvstate cannot honour exactly (``n > 1``,
-``logprobs``, ``echo``, ``suffix``, ``best_of``, tools, structured output) is a 400
+``echo``, ``suffix``, ``best_of``, tools, structured output) is a 400
 before any work, never silently ignored; unknown fields are a 400 as in OpenAI.
 """
 
@@ -38,8 +40,6 @@ GREEDY_BELOW = 1e-5  # a smaller temperature overflows the scaled logits to inf,
 # fields OpenAI defines whose non-default value kvstate refuses (value -> is it the default?)
 _REFUSED = {
     "n": lambda v: v in (None, 1),
-    "logprobs": lambda v: v in (None, False),
-    "top_logprobs": lambda v: v in (None, 0),
     "echo": lambda v: v in (None, False),
     "suffix": lambda v: v in (None, ""),
     "best_of": lambda v: v in (None, 1),
@@ -62,13 +62,15 @@ class Limits:
 @dataclass
 class Request:
     """One validated request: ``options`` for ``Session.generate`` (without the tokenizer), the
-    ``stop`` strings to cut from answers, streaming flags and the seed."""
+    ``stop`` strings to cut from answers, streaming flags, the seed and ``logprobs``: None (not asked)
+    or how many alternatives each token's logprob comes with."""
 
     options: dict[str, Any]
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
     seed: int | None
+    logprobs: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,7 +101,32 @@ def parse(body: dict[str, Any], fields: set[str], limits: Limits, default_stop: 
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("'seed' must be an integer", param="seed")
-    return Request(options, stop, bool(body.get("stream")), bool(stream_options.get("include_usage")), seed)
+    logprobs = _logprobs(body, chat="messages" in fields)
+    if logprobs is not None:
+        options.update(output_logits=True, return_dict_in_generate=True)
+    return Request(options, stop, bool(body.get("stream")), bool(stream_options.get("include_usage")), seed,
+                   logprobs)
+
+
+def _logprobs(body: dict[str, Any], *, chat: bool) -> int | None:
+    """How many alternatives to report per token, or None: chat's ``logprobs: true`` with ``top_logprobs``
+    (0..20, only with ``logprobs``), or completions' ``logprobs`` (0..5), as OpenAI bounds them."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if asked is not None and not isinstance(asked, bool):
+            raise BadRequest("'logprobs' must be a boolean", param="logprobs", code="invalid_value")
+        _count(top, "top_logprobs", 20)
+        if top and not asked:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value",
+                             fix="send logprobs=true with top_logprobs, or omit top_logprobs")
+        return (top or 0) if asked else None
+    return None if asked is None else _count(asked, "logprobs", 5)
+
+
+def _count(value: Any, name: str, high: int) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high):
+        raise BadRequest(f"'{name}' must be an integer in [0, {high}]", param=name, code="invalid_value")
+    return value
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float, default: float | None) -> float | None:

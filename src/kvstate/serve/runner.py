@@ -10,7 +10,8 @@ that finds ``max_queue`` jobs waiting or running gets a 429 at once.
 Each job builds a ``Session`` on the shared model whose prefix sources are its
 namespace of the ``StatePool`` and its store (``kvstate.resume`` picks among them),
 and runs it; the session offers the new state back to both. The outcome carries
-the slots reused and the finish reason, so the runner only formats. A cancelled
+the slots reused and the finish reason (and, when a request asks for logprobs, generate's raw
+step logits, reduced here to ``logprobs.TokenLogprob`` s), so the runner only formats. A cancelled
 job (the client went away) stops at its next token by raising from the streamer:
 ``Session.generate`` is transactional, so nothing of the cancelled call is kept anywhere.
 """
@@ -31,6 +32,7 @@ import torch
 from ..session import Session
 from .chat import Prompt
 from .errors import BadRequest, HTTPError
+from .logprobs import TokenLogprob, compute
 from .metrics import Metrics
 from .params import Request
 from .pool import StatePool
@@ -60,6 +62,7 @@ class Result:
     completion_tokens: int
     cached_tokens: int
     seconds: float
+    logprobs: tuple[TokenLogprob, ...] | None = None  # when the request asked for them
 
 
 class Runner:
@@ -155,8 +158,10 @@ class Runner:
         tokens = outcome.tokens[0].tolist()
         text, stopped = streamer.final(tokens)
         finish = "stop" if stopped else outcome.finish_reason[0]
+        k = job.request.logprobs
+        logprobs = None if k is None else compute(outcome.output.logits, tokens, k, self.tokenizer, text)
         result = Result(text, finish, len(job.prompt.ids), len(tokens), outcome.reused,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, logprobs)
         self.metrics.record(result)
         return result
 

@@ -191,6 +191,32 @@ class Usage(BaseModel):
     prompt_tokens_details: CachedTokens
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's ``logprobs`` (``kvstate.serve.logprobs``: the raw model distribution)."""
+
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's ``logprobs``: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str
@@ -199,14 +225,14 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     finish_reason: str
-    logprobs: None
+    logprobs: ChatLogprobs | None
     message: AssistantMessage
 
 
 class CompletionChoice(BaseModel):
     index: int
     finish_reason: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     text: str
 
 
@@ -256,14 +282,14 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: str | None
-    logprobs: None
+    logprobs: ChatLogprobs | None
 
 
 class CompletionChunkChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None
+    logprobs: CompletionLogprobs | None
 
 
 class _Chunk(BaseModel):
