@@ -1,0 +1,106 @@
+"""A packed decode forward: the next token of several conversations in one forward of batch 1 (issue 25).
+
+The rows of ``n`` conversations are laid side by side as one sequence ``[1, P]`` (``P >= n``;
+rows past ``n`` are padding), each with its own ``position_ids``. Two transformers seams keep
+the conversations apart:
+
+* the cache is a ``PackedCache``: ``update`` hands each conversation's key/value row
+  ``[1, Hkv, 1, D]`` to that conversation's own ``DynamicCache`` (what the conversation alone
+  would append) and keeps the K/V each returns (for a sliding layer, the visible window);
+* the attention function ``kvstate_packed`` (registered in ``AttentionInterface`` on first use,
+  never at import) runs the model's own attention once per conversation, over that
+  conversation's K/V only, with the shapes it has alone and no mask (one query row sees every
+  key its cache returns). Its name is not a mask function's name, so transformers builds no
+  mask (``masking_utils`` exits early for such backends).
+
+Segment metadata reaches the attention function through a thread-local set by ``packed``;
+nothing is patched, and the model runs its own backend again when ``packed`` exits.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedError
+from .core import attention_backend, attention_implementation
+
+NAME = "kvstate_packed"
+_LOCAL = threading.local()  # the PackedCache of this thread's packed forward
+
+
+class PackedCache:
+    """The cache of a packed forward: ``caches[i]`` is conversation ``i``'s ``DynamicCache``, fed one row
+    (row ``i`` of the packed sequence); rows from ``len(caches)`` on are padding and stored nowhere."""
+
+    def __init__(self, caches: Sequence[Any]) -> None:
+        self.caches = list(caches)
+        self.seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.attended: set[int] = set()  # layers whose attention ran through kvstate_packed
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [1, Hkv, P, D]; row i belongs to conversation i
+        self.seen[layer_idx] = [cache.update(key_states[:, :, i:i + 1].contiguous(),
+                                             value_states[:, :, i:i + 1].contiguous(), layer_idx)
+                                for i, cache in enumerate(self.caches)]
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # asked only when no position_ids are given
+        raise UnsupportedError("a packed forward needs explicit position_ids", found="none",
+                               fix="pass position_ids for every packed row")
+
+
+@functools.cache
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, _packed_attention)
+
+
+def _own_attention(module: Any, name: str) -> Callable[..., Any]:
+    """The attention function ``module`` runs under backend ``name`` (its family's eager one for eager)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name != "eager":
+        return ALL_ATTENTION_FUNCTIONS[name]
+    found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if found is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as found
+    return found
+
+
+def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``query`` ``[1, H, P, D]``: row ``i`` attends over conversation ``i``'s own K/V; padding rows give 0."""
+    cache: PackedCache = _LOCAL.cache
+    layer = module.layer_idx
+    attend = _own_attention(module, _LOCAL.backend)
+    outs = []
+    for i, (k, v) in enumerate(cache.seen[layer]):
+        out, _ = attend(module, query[:, :, i:i + 1].contiguous(), k, v, None, **kwargs)
+        outs.append(out)  # [1, 1, H, Dv]
+    P = query.shape[2]
+    if P > len(outs):
+        outs.append(outs[0].new_zeros(1, P - len(outs), *outs[0].shape[2:]))
+    cache.attended.add(layer)
+    return torch.cat(outs, dim=1), None
+
+
+@contextmanager
+def packed(model: Any, cache: PackedCache) -> Iterator[None]:
+    """Run ``model``'s forwards inside as packed forwards over ``cache`` (see the module docstring)."""
+    _register()
+    backend = attention_implementation(model)
+    _LOCAL.cache, _LOCAL.backend = cache, backend
+    try:
+        with attention_backend(model, NAME):
+            yield
+    finally:
+        _LOCAL.cache = None

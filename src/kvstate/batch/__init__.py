@@ -1,0 +1,11 @@
+"""Batched generation: many conversations decode in one forward, and each answer is bit for bit
+what it gets alone (issue 25; ``docs/batching.md``).
+
+``generate_many(model, requests)`` answers a list of ``BatchRequest`` s; ``Scheduler`` is the
+continuous-batching loop under it (submit, step, cancel), for servers.
+"""
+
+from .sampling import Choice, Sampling
+from .scheduler import BatchRequest, Completion, Done, Scheduler, Token, generate_many
+
+__all__ = ["BatchRequest", "Choice", "Completion", "Done", "Sampling", "Scheduler", "Token", "generate_many"]

@@ -1,0 +1,257 @@
+"""Continuous batching: many conversations decode together, each answer bit for bit what it gets alone.
+
+``Scheduler`` keeps a FIFO of waiting requests and a set of running streams, and works in
+steps. At each step boundary it drops cancelled requests, admits waiting ones while fewer
+than ``max_batch`` run, then runs one decode step for every running stream:
+
+* **admission** prefills the request's whole history through ``Session.run`` (the canonical
+  schedule, its prefix sources, media, validation: the same forwards a ``Session`` runs), so the
+  prefilled ``State`` is ``Session``'s bit for bit, and picks the first token from its logits;
+* **a decode step** feeds every stream's last token in one packed forward (attention-only
+  families) or one forward per stream (the rest; ``kvstate.batch.decode``) and picks each
+  stream's next token with its own ``Sampler``.
+
+Why a row is what it is alone: a prompt's forwards hold only that prompt; a packed forward has
+a fixed tile shape, its matrix products run per tile and its attention per stream
+(``docs/batching.md`` has the measurements); sampling sees one row and one generator. A
+finished request's ``Completion`` carries its tokens, log-probabilities and its ``State`` after
+the answer (history plus every new token but the last, as ``Session.generate`` leaves it), which
+a ``Session`` continues like any other state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from ..engine import Engine, FeedSettings
+from ..errors import InputError
+from ..protocols import PrefixCache
+from ..state import State
+from .decode import Packed, Single, Stream, packable
+from .sampling import Choice, Sampler, Sampling
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One conversation to continue: its full history ``ids`` (``[L]`` or ``[1, L]``), media ``inputs``
+    for it (``pixel_values``...), an optional ``state`` to resume from, and how to answer."""
+
+    ids: torch.Tensor | Sequence[int]
+    max_new_tokens: int = 16
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_ids: tuple[int, ...] | None = None  # None: the model's end-of-sequence ids
+    top_logprobs: int = 0
+    inputs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    state: State | None = None
+
+    def __post_init__(self) -> None:
+        for name, value, low, high in (("max_new_tokens", self.max_new_tokens, 1, None),
+                                       ("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)):
+            if not _int_in(value, low, high):
+                raise InputError(f"BatchRequest.{name} out of range", expected=f"an int in [{low}, {high or 'inf'}]",
+                                 found=repr(value), fix=f"pass {name} as an int in range")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request: new ``tokens``, each one's ``logprobs`` and ``top_logprobs``, ``finish_reason``
+    (``stop``, ``length`` or ``cancelled``), the ``state`` after the answer (None when cancelled), the
+    state right after the history, and the slots reused from ``BatchRequest.state`` or a source."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    finish_reason: str
+    state: State | None
+    prefilled: State | None
+    reused: int
+
+
+@dataclass(frozen=True)
+class Token:
+    """Event: request ``handle`` chose a token."""
+
+    handle: int
+    choice: Choice
+
+
+@dataclass(frozen=True)
+class Done:
+    """Event: request ``handle`` finished."""
+
+    handle: int
+    completion: Completion
+
+
+Event = Token | Done
+
+
+class _Job:
+    def __init__(self, handle: int, request: BatchRequest, sampler: Sampler) -> None:
+        self.handle, self.request, self.sampler = handle, request, sampler
+        self.choices: list[Choice] = []
+        self.stream: Stream | None = None
+        self.decoder: Packed | Single | None = None
+        self.prefilled: State | None = None
+        self.reused = 0
+
+
+class Scheduler:
+    """Continuous batching on one model (see the module docstring).
+
+    Args:
+        model: a transformers causal LM kvstate supports.
+        max_batch: streams decoding at once; more requests wait in FIFO order.
+        rows: the tile of the packed forward: it always has a multiple of ``rows`` rows, and matrix
+            products run ``rows`` rows at a time. Answers are the same for any batch under one ``rows``.
+        invariant: False packs exactly the running rows with plain kernels (faster when few streams
+            run; a row's bits then depend on its batch). For measuring the invariance tax.
+        canonical_chunk, chunk_size, sources, tokenizer: as for ``Session``.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 8, invariant: bool = True,
+                 canonical_chunk: int = 64, chunk_size: int = 512, sources: Sequence[PrefixCache] = (),
+                 tokenizer: object | None = None, fingerprint: Any = None) -> None:
+        from ..adapters.fingerprinting import fingerprint as digest
+        from ..selfcheck import bind
+
+        for name, value in (("max_batch", max_batch), ("rows", rows)):
+            if not _int_in(value, 1, None):
+                raise InputError(f"Scheduler {name} must be a positive int", expected=">= 1", found=repr(value),
+                                 fix=f"pass {name}=8, say")
+        self.model, self.max_batch = model, max_batch
+        self.canonical_chunk, self.chunk_size, self.sources = canonical_chunk, chunk_size, tuple(sources)
+        self.fingerprint = fingerprint or digest(model, tokenizer)
+        self.engine = Engine(bind(model))
+        self._packed = Packed(self.engine, rows, invariant)
+        self._single = Single(self.engine, FeedSettings(chunk_size, canonical=canonical_chunk))
+        self._handles = itertools.count()
+        self._waiting: deque[_Job] = deque()
+        self._running: list[_Job] = []
+        self._cancelled: set[int] = set()
+
+    @property
+    def busy(self) -> bool:
+        """Requests wait or run."""
+        return bool(self._waiting or self._running)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def submit(self, request: BatchRequest) -> int:
+        """Queue ``request``; it is admitted at a step boundary. Returns its handle."""
+        if not isinstance(request, BatchRequest):
+            raise InputError("Scheduler.submit takes a BatchRequest", expected="BatchRequest",
+                             found=type(request).__name__, fix="wrap the ids in kvstate.batch.BatchRequest")
+        device = next(self.model.parameters()).device
+        job = _Job(next(self._handles), request, Sampler(request.sampling, request.top_logprobs, device))
+        self._waiting.append(job)
+        return job.handle
+
+    def cancel(self, handle: int) -> None:
+        """Stop request ``handle`` at the next step boundary (its ``Done`` says ``cancelled``)."""
+        self._cancelled.add(handle)
+
+    def run(self) -> Iterator[Event]:
+        """Steps until nothing waits or runs, yielding every event."""
+        while self.busy:
+            yield from self.step()
+
+    def step(self) -> list[Event]:
+        """Drop cancelled requests, admit waiting ones, then one decode step for every running stream."""
+        events: list[Event] = [*self._drop_cancelled()]
+        while self._waiting and len(self._running) < self.max_batch:
+            job = self._waiting.popleft()
+            choice = self._admit(job)
+            events += self._took(job, choice)
+        for decoder in (self._packed, self._single):
+            jobs = [j for j in self._running if j.decoder is decoder]
+            if jobs:
+                rows = decoder.step([j.stream for j in jobs], [j.choices[-1].token for j in jobs])  # type: ignore[misc]
+                for job, row in zip(jobs, rows, strict=True):
+                    events += self._took(job, job.sampler.choose(row))
+        return events
+
+    # ----- internals -----------------------------------------------------------------------------
+    def _admit(self, job: _Job) -> Choice:
+        """Prefill ``job``'s history as ``Session`` does; the first token from the prompt's logits."""
+        from ..session import Session
+
+        request = job.request
+        ids = torch.as_tensor(request.ids, dtype=torch.long)
+        ids = ids[None] if ids.dim() == 1 else ids
+        session = Session(self.model, state=request.state, sources=self.sources, chunk_size=self.chunk_size,
+                          canonical_chunk=self.canonical_chunk, _fingerprint=self.fingerprint)
+        outcome = session.run(ids, max_new_tokens=1, do_sample=False, **dict(request.inputs))
+        job.prefilled, job.reused = outcome.prefilled, outcome.reused
+        job.stream = Stream(outcome.prefilled)
+        job.decoder = self._packed if packable(self.engine, outcome.prefilled) else self._single
+        self._running.append(job)
+        return job.sampler.choose(outcome.prefilled.last_logits[0])  # type: ignore[index]
+
+    def _took(self, job: _Job, choice: Choice) -> list[Event]:
+        """Record ``choice``; finish the job when it ends the answer."""
+        job.choices.append(choice)
+        events: list[Event] = [Token(job.handle, choice)]
+        stops = job.request.stop_ids if job.request.stop_ids is not None else _eos_ids(self.model)
+        if choice.token in stops:
+            events.append(self._finish(job, "stop"))
+        elif len(job.choices) >= job.request.max_new_tokens:
+            events.append(self._finish(job, "length"))
+        return events
+
+    def _finish(self, job: _Job, reason: str) -> Done:
+        self._running.remove(job)
+        assert job.decoder is not None and job.stream is not None
+        if reason == "cancelled":
+            job.decoder.close(job.stream)
+            state = None
+        else:
+            state = job.decoder.finish(job.stream)
+        completion = Completion(tuple(c.token for c in job.choices), tuple(c.logprob for c in job.choices),
+                                tuple(c.top for c in job.choices), reason, state, job.prefilled, job.reused)
+        return Done(job.handle, completion)
+
+    def _drop_cancelled(self) -> Iterator[Done]:
+        if not self._cancelled:
+            return
+        for job in [j for j in self._waiting if j.handle in self._cancelled]:
+            self._waiting.remove(job)
+            yield Done(job.handle, Completion((), (), (), "cancelled", None, None, 0))
+        for job in [j for j in self._running if j.handle in self._cancelled]:
+            yield self._finish(job, "cancelled")
+        self._cancelled.clear()
+
+
+def generate_many(model: torch.nn.Module, requests: Sequence[BatchRequest], **settings: Any) -> list[Completion]:
+    """Answer every request, batched (``Scheduler(model, **settings)``); completions in request order."""
+    scheduler = Scheduler(model, **settings)
+    handles = [scheduler.submit(r) for r in requests]
+    done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
+    return [done[h] for h in handles]
+
+
+def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def _int_in(value: object, low: int, high: int | None) -> bool:
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return not isinstance(value, bool) and n >= low and (high is None or n <= high)
