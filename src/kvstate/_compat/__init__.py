@@ -3,7 +3,8 @@
 ``versions`` holds the tested window (checked on ``import kvstate``), ``core`` the cache,
 generation and model-side helpers, ``own_cache`` the models with a cache class of their own,
 ``scan`` the Mamba selective scan, ``watch`` the attention listener that compression scores with,
-``packed`` the batched decode forward (issue 25). ``core`` loads on first attribute access, so the version gate runs before torch or transformers import.
+``packed`` the batched decode forward (issue 25). ``core`` loads on first attribute access, so the
+version gate runs before torch or transformers import.
 """
 
 from __future__ import annotations

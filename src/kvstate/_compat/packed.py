@@ -87,7 +87,7 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         out, _ = attend(module, query[:, :, i:i + 1].contiguous(), k, v, None, **kwargs)
         outs.append(out)  # [1, 1, H, Dv]
     P = query.shape[2]
-    if P > len(outs):
+    if len(outs) < P:
         outs.append(outs[0].new_zeros(1, P - len(outs), *outs[0].shape[2:]))
     cache.attended.add(layer)
     return torch.cat(outs, dim=1), None

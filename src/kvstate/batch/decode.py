@@ -111,8 +111,8 @@ class Packed:
         mask = torch.ones(1, T + q, dtype=torch.bool, device=state.device)
         return replace(state, tokens=torch.cat([state.tokens, fed], dim=1), mask=mask,
                        positions=torch.cat([state.positions, seen], dim=1), layers=layers,
-                       next_position=stream.next_position, last_logits=stream.last[None], extras=MappingProxyType(extras),
-                       canonical=min(state.canonical, T))
+                       next_position=stream.next_position, last_logits=stream.last[None],
+                       extras=MappingProxyType(extras), canonical=min(state.canonical, T))
 
     def close(self, stream: Stream) -> None:
         stream.hold.close()
