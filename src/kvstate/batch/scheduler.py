@@ -164,24 +164,27 @@ class Scheduler:
         self._cancelled.add(handle)
 
     def run(self) -> Iterator[Event]:
-        """Steps until nothing waits or runs, yielding every event."""
+        """Steps until nothing waits or runs, yielding each event as soon as it happens."""
         while self.busy:
-            yield from self.step()
+            yield from self.stepping()
 
     def step(self) -> list[Event]:
         """Drop cancelled requests, admit waiting ones, then one decode step for every running stream."""
-        events: list[Event] = [*self._drop_cancelled()]
+        return list(self.stepping())
+
+    def stepping(self) -> Iterator[Event]:
+        """``step``, yielding each event as soon as it happens (a first token right after its prefill)."""
+        yield from self._drop_cancelled()
         while self._waiting and len(self._running) < self.max_batch:
             job = self._waiting.popleft()
             choice = self._admit(job)
-            events += self._took(job, choice)
+            yield from self._took(job, choice)
         for decoder in (self._packed, self._single):
             jobs = [j for j in self._running if j.decoder is decoder]
             if jobs:
                 rows = decoder.step([j.stream for j in jobs], [j.choices[-1].token for j in jobs])  # type: ignore[misc]
                 for job, row in zip(jobs, rows, strict=True):
-                    events += self._took(job, job.sampler.choose(row))
-        return events
+                    yield from self._took(job, job.sampler.choose(row))
 
     # ----- internals -----------------------------------------------------------------------------
     def _admit(self, job: _Job) -> Choice:
