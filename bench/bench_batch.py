@@ -72,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 tokens, 1 and 2 streams")
     args = parser.parse_args()

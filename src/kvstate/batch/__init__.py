@@ -6,6 +6,6 @@ continuous-batching loop under it (submit, step, cancel), for servers.
 """
 
 from .sampling import Choice, Sampling
-from .scheduler import BatchRequest, Completion, Done, Scheduler, Token, generate_many
+from .scheduler import BatchRequest, Completion, Done, Failed, Scheduler, Token, generate_many
 
-__all__ = ["BatchRequest", "Choice", "Completion", "Done", "Sampling", "Scheduler", "Token", "generate_many"]
+__all__ = ["BatchRequest", "Choice", "Completion", "Done", "Failed", "Sampling", "Scheduler", "Token", "generate_many"]

@@ -8,10 +8,12 @@ turns ``n`` streams' next tokens into ``n`` logits rows ``[V]`` and, at the end,
 
 * ``Packed`` (attention-only families): one forward of batch 1 whose rows are the streams' tokens
   (``kvstate._compat.packed``). Invariant: the forward always has ``P`` rows, a multiple of the
-  tile ``rows`` with at least one padding row at the end (so the vector kernels' scalar tail
-  never lands on a real row), every ``F.linear`` runs in tiles of ``rows`` rows
-  (``kvstate.batch.invariant``), and attention is computed per stream over its own K/V with
-  the shapes it has alone. ``invariant=False`` packs ``n`` rows with plain kernels (the
+  tile ``rows``, every ``F.linear`` runs in tiles of ``rows`` rows (``kvstate.batch.invariant``),
+  and attention is computed per stream over its own K/V with the shapes it has alone. CPU
+  element-wise kernels compute the last ``< 64`` elements of a tensor in a scalar loop whose
+  rounding may differ (measured: ``docs/batching.md``); when ``rows`` times some width of the model
+  is not a multiple of 64, that tail could fall on a real row, so ``P`` then keeps a padding row
+  at the end. ``invariant=False`` packs ``n`` rows with plain kernels (the
   invariance tax's baseline; a row's bits then depend on ``n``).
 * ``Single`` (recurrent and hybrid families, compressed states, families whose decode needs
   more inputs than a token): one ``Engine.feed`` per stream and step, the path
@@ -68,13 +70,14 @@ class Packed:
 
     def __init__(self, engine: Engine, rows: int, invariant: bool = True) -> None:
         self.engine, self.rows, self.invariant = engine, rows, invariant
+        self.spare = not _tail_free(engine.model, rows)
         self._attention = {i for i, layer in enumerate(engine.binding.layout.empty_layers(0))
                            if type(layer) is AttentionLayerState}
 
     def step(self, streams: list[Stream], tokens: list[int]) -> list[torch.Tensor]:
         """Feed ``tokens[i]`` to ``streams[i]``; the logits row after it, per stream."""
         engine, n = self.engine, len(streams)
-        P = self.rows * (n // self.rows + 1) if self.invariant else n
+        P = self.rows * -(-(n + self.spare) // self.rows) if self.invariant else n
         device = streams[0].state.device
         ids = torch.zeros(1, P, dtype=torch.long, device=device)
         ids[0, :n] = torch.tensor(tokens, dtype=torch.long, device=device)
@@ -129,6 +132,14 @@ class Packed:
             raise UnsupportedError(f"{self.engine.binding.caps.name}: a packed decode needs every attention layer "
                                    "to call transformers' attention interface", expected=sorted(expected),
                                    found=sorted(cache.attended), fix="serve it with max_batch=1")
+
+
+def _tail_free(model: torch.nn.Module, rows: int) -> bool:
+    """Whether ``rows`` rows of every width of ``model`` fill whole 64-element vector blocks (no scalar tail)."""
+    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr, operator]
+    names = ("hidden_size", "intermediate_size", "head_dim", "vocab_size")
+    widths = [getattr(config, name, None) for name in names]
+    return all(isinstance(w, int) and rows * w % 64 == 0 for w in widths)
 
 
 class Single:

@@ -93,7 +93,16 @@ class Done:
     completion: Completion
 
 
-Event = Token | Done
+@dataclass(frozen=True)
+class Failed:
+    """Event: request ``handle`` could not start (its history, media or state was refused); nothing ran
+    for it, and the other requests go on."""
+
+    handle: int
+    error: Exception
+
+
+Event = Token | Done | Failed
 
 
 class _Job:
@@ -119,7 +128,7 @@ class Scheduler:
         canonical_chunk, chunk_size, sources, tokenizer: as for ``Session``.
     """
 
-    def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 8, invariant: bool = True,
+    def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
                  canonical_chunk: int = 64, chunk_size: int = 512, sources: Sequence[PrefixCache] = (),
                  tokenizer: object | None = None, fingerprint: Any = None) -> None:
         from ..adapters.fingerprinting import fingerprint as digest
@@ -177,7 +186,11 @@ class Scheduler:
         yield from self._drop_cancelled()
         while self._waiting and len(self._running) < self.max_batch:
             job = self._waiting.popleft()
-            choice = self._admit(job)
+            try:
+                choice = self._admit(job)
+            except Exception as exc:  # the request's own input failed: the batch goes on without it
+                yield Failed(job.handle, exc)
+                continue
             yield from self._took(job, choice)
         for decoder in (self._packed, self._single):
             jobs = [j for j in self._running if j.decoder is decoder]
@@ -200,7 +213,7 @@ class Scheduler:
         job.prefilled, job.reused = outcome.prefilled, outcome.reused
         job.stream = Stream(outcome.prefilled)
         job.decoder = self._packed if packable(self.engine, outcome.prefilled) else self._single
-        self._running.append(job)
+        self._running.append(job)  # only now: a refused request holds nothing
         return job.sampler.choose(outcome.prefilled.last_logits[0])  # type: ignore[index]
 
     def _took(self, job: _Job, choice: Choice) -> list[Event]:
@@ -241,7 +254,12 @@ def generate_many(model: torch.nn.Module, requests: Sequence[BatchRequest], **se
     """Answer every request, batched (``Scheduler(model, **settings)``); completions in request order."""
     scheduler = Scheduler(model, **settings)
     handles = [scheduler.submit(r) for r in requests]
-    done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
+    done = {}
+    for event in scheduler.run():
+        if isinstance(event, Failed):
+            raise event.error
+        if isinstance(event, Done):
+            done[event.handle] = event.completion
     return [done[h] for h in handles]
 
 
