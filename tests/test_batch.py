@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstate import Session
-from kvstate.batch import BatchRequest, Done, Sampling, Scheduler, Token, generate_many
+from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, generate_many
 from kvstate.batch.invariant import tiled
 from kvstate.errors import InputError
 from kvstate.testing.tiny import IMAGE_TOKEN, image_span, tiny_image
@@ -182,6 +182,22 @@ def test_streamed_tokens_are_the_completion_and_a_waiting_request_can_be_cancell
     assert all(len(c.top) == 2 and c.top[0][1] >= c.logprob for c in streamed)
     assert done[second].finish_reason == "cancelled" and done[second].tokens == ()
     assert not any(isinstance(e, Token) and e.handle == second for e in events)
+
+
+def test_a_refused_request_fails_alone_and_the_others_go_on():
+    model = model_in("llama", torch.float32)
+    scheduler = Scheduler(model, rows=ROWS)
+    bad = scheduler.submit(BatchRequest([3, 100_000], max_new_tokens=2))
+    good = scheduler.submit(BatchRequest(prompt(5)[0], max_new_tokens=2))
+    events = list(scheduler.run())
+    failed = [e for e in events if isinstance(e, Failed)]
+    assert [e.handle for e in failed] == [bad] and isinstance(failed[0].error, InputError)
+    done = {e.handle: e.completion for e in events if isinstance(e, Done)}
+    assert list(done) == [good]
+    assert answered(done[good]) == answered(generate_many(model, [BatchRequest(prompt(5)[0], max_new_tokens=2)],
+                                                          rows=ROWS)[0])
+    with pytest.raises(InputError):
+        generate_many(model, [BatchRequest([3, 100_000])])
 
 
 def test_a_stop_id_ends_the_answer():
