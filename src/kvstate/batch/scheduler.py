@@ -44,7 +44,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 @dataclass(frozen=True)
 class BatchRequest:
     """One conversation to continue: its full history ``ids`` (``[L]`` or ``[1, L]``), media ``inputs``
-    for it (``pixel_values``...), an optional ``state`` to resume from, and how to answer."""
+    for it (``pixel_values``...), an optional ``state`` to resume from, prefix ``sources`` of its own
+    (after the scheduler's: a server's pool namespace and store), and how to answer."""
 
     ids: torch.Tensor | Sequence[int]
     max_new_tokens: int = 16
@@ -53,6 +54,7 @@ class BatchRequest:
     top_logprobs: int = 0
     inputs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     state: State | None = None
+    sources: tuple[PrefixCache, ...] = ()
 
     def __post_init__(self) -> None:
         for name, value, low, high in (("max_new_tokens", self.max_new_tokens, 1, None),
@@ -148,6 +150,7 @@ class Scheduler:
         self._waiting: deque[_Job] = deque()
         self._running: list[_Job] = []
         self._cancelled: set[int] = set()
+        self._stopping: set[int] = set()
 
     @property
     def busy(self) -> bool:
@@ -169,8 +172,22 @@ class Scheduler:
         return job.handle
 
     def cancel(self, handle: int) -> None:
-        """Stop request ``handle`` at the next step boundary (its ``Done`` says ``cancelled``)."""
+        """Drop request ``handle`` at the next step boundary (its ``Done`` says ``cancelled``, with no state)."""
         self._cancelled.add(handle)
+
+    def stop(self, handle: int) -> None:
+        """End request ``handle``'s answer at the next step boundary, as a stop id would (``Done`` says
+        ``stop`` and carries the state): a server that found a stop string in the text."""
+        self._stopping.add(handle)
+
+    def abort(self) -> list[int]:
+        """Drop every waiting and running request without events (after a failed step); their handles."""
+        jobs = [*self._waiting, *self._running]
+        for job in self._running:
+            job.decoder.close(job.stream)  # type: ignore[union-attr, arg-type]
+        self._waiting.clear()
+        self._running.clear()
+        return [job.handle for job in jobs]
 
     def run(self) -> Iterator[Event]:
         """Steps until nothing waits or runs, yielding each event as soon as it happens."""
@@ -183,7 +200,7 @@ class Scheduler:
 
     def stepping(self) -> Iterator[Event]:
         """``step``, yielding each event as soon as it happens (a first token right after its prefill)."""
-        yield from self._drop_cancelled()
+        yield from self._ends()
         while self._waiting and len(self._running) < self.max_batch:
             job = self._waiting.popleft()
             try:
@@ -193,7 +210,8 @@ class Scheduler:
                 continue
             yield from self._took(job, choice)
         for decoder in (self._packed, self._single):
-            jobs = [j for j in self._running if j.decoder is decoder]
+            ending = self._cancelled | self._stopping  # asked during this step: they sit its decode out
+            jobs = [j for j in self._running if j.decoder is decoder and j.handle not in ending]
             if jobs:
                 rows = decoder.step([j.stream for j in jobs], [j.choices[-1].token for j in jobs])  # type: ignore[misc]
                 for job, row in zip(jobs, rows, strict=True):
@@ -207,8 +225,9 @@ class Scheduler:
         request = job.request
         ids = torch.as_tensor(request.ids, dtype=torch.long)
         ids = ids[None] if ids.dim() == 1 else ids
-        session = Session(self.model, state=request.state, sources=self.sources, chunk_size=self.chunk_size,
-                          canonical_chunk=self.canonical_chunk, _fingerprint=self.fingerprint)
+        session = Session(self.model, state=request.state, sources=(*self.sources, *request.sources),
+                          chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
+                          _fingerprint=self.fingerprint)
         outcome = session.run(ids, max_new_tokens=1, do_sample=False, **dict(request.inputs))
         job.prefilled, job.reused = outcome.prefilled, outcome.reused
         job.stream = Stream(outcome.prefilled)
@@ -239,15 +258,15 @@ class Scheduler:
                                 tuple(c.top for c in job.choices), reason, state, job.prefilled, job.reused)
         return Done(job.handle, completion)
 
-    def _drop_cancelled(self) -> Iterator[Done]:
-        if not self._cancelled:
-            return
-        for job in [j for j in self._waiting if j.handle in self._cancelled]:
+    def _ends(self) -> Iterator[Done]:
+        """``Done`` for the requests cancelled or stopped since the last step."""
+        for job in [j for j in self._waiting if j.handle in self._cancelled | self._stopping]:
             self._waiting.remove(job)
             yield Done(job.handle, Completion((), (), (), "cancelled", None, None, 0))
-        for job in [j for j in self._running if j.handle in self._cancelled]:
-            yield self._finish(job, "cancelled")
+        for job in [j for j in self._running if j.handle in self._cancelled | self._stopping]:
+            yield self._finish(job, "cancelled" if job.handle in self._cancelled else "stop")
         self._cancelled.clear()
+        self._stopping.clear()
 
 
 def generate_many(model: torch.nn.Module, requests: Sequence[BatchRequest], **settings: Any) -> list[Completion]:
