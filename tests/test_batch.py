@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from kvstate import Session
 from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, generate_many
-from kvstate.batch.invariant import tiled
+from kvstate.engine.invariant import tiled
 from kvstate.errors import InputError
 from kvstate.testing.tiny import IMAGE_TOKEN, image_span, tiny_image
 from tiny import prompt, tiny_model

@@ -8,7 +8,7 @@ than ``max_batch`` run, then runs one decode step for every running stream:
   schedule, its prefix sources, media, validation: the same forwards a ``Session`` runs), so the
   prefilled ``State`` is ``Session``'s bit for bit, and picks the first token from its logits;
 * **a decode step** feeds every stream's last token in one packed forward (attention-only
-  families) or one forward per stream (the rest; ``kvstate.batch.decode``) and picks each
+  families) or one forward per stream (the rest; ``kvstate.engine.decode``) and picks each
   stream's next token with its own ``Sampler``.
 
 Why a row is what it is alone: a prompt's forwards hold only that prompt; a packed forward has
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from ..engine import Engine, FeedSettings
+from ..engine.decode import Packed, Single, Stream, packable
 from ..errors import InputError
 from ..protocols import PrefixCache
 from ..state import State
-from .decode import Packed, Single, Stream, packable
 from .sampling import Choice, Sampler, Sampling
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound

@@ -1,4 +1,5 @@
-"""Decode steps for many conversations: packed into one forward, or one forward each (issue 25).
+"""Decode steps for many conversations (``kvstate.batch``): packed into one forward, or one forward each
+(issue 25).
 
 A ``Stream`` is one conversation past its prompt: its prefilled ``State`` (with the prompt's
 last logits), the token it feeds next, and whatever its decoder keeps between steps. A decoder
@@ -8,7 +9,7 @@ turns ``n`` streams' next tokens into ``n`` logits rows ``[V]`` and, at the end,
 
 * ``Packed`` (attention-only families): one forward of batch 1 whose rows are the streams' tokens
   (``kvstate._compat.packed``). Invariant: the forward always has ``P`` rows, a multiple of the
-  tile ``rows``, every ``F.linear`` runs in tiles of ``rows`` rows (``kvstate.batch.invariant``),
+  tile ``rows``, every ``F.linear`` runs in tiles of ``rows`` rows (``kvstate.engine.invariant``),
   and attention is computed per stream over its own K/V with the shapes it has alone. CPU
   element-wise kernels compute the last ``< 64`` elements of a tensor in a scalar loop whose
   rounding may differ (measured: ``docs/batching.md``); when ``rows`` times some width of the model
@@ -32,11 +33,12 @@ import torch
 
 from .._compat.packed import PackedCache, packed
 from ..adapters.binding import Live
-from ..engine import Engine, FeedSettings
 from ..errors import UnsupportedError
 from ..layers import AttentionLayerState
 from ..state import State, next_position_after
+from .core import Engine
 from .invariant import tiled_linear
+from .values import FeedSettings
 
 
 class Stream:
