@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from kvstate import Session
 from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, generate_many
 from kvstate.engine.invariant import tiled
+from kvstate.engine.decode import packable
 from kvstate.errors import InputError
-from kvstate.testing.tiny import IMAGE_TOKEN, image_span, tiny_image
+from kvstate.testing.tiny import CONFIGS, IMAGE_TOKEN, RECURRENT, image_span, tiny_image
 from tiny import prompt, tiny_model
 
 ROWS = 4  # the packed forward's tile: small, so batches of 1-16 cross several tiles (and keep a spare row)
@@ -117,6 +118,29 @@ def test_sixteen_at_once_are_each_the_answer_alone(arch, dtype, rows):
     done = {e.handle: e.completion for e in [*scheduler.run()] if isinstance(e, Done)}
     for handle, request in zip(handles, requests, strict=True):
         assert answered(done[handle]) == answered(generate_many(model, [request], rows=rows)[0]), handle
+
+
+@pytest.mark.parametrize("arch", sorted(set(CONFIGS) - {"qwen3_vl"}))
+def test_every_family_decodes_batched_as_alone(arch):
+    model = tiny_model(arch)
+    requests = [BatchRequest(prompt(3 + 8 * i, seed=i)[0], max_new_tokens=3,
+                             sampling=Sampling(temperature=1.0, seed=i) if i % 2 else Sampling()) for i in range(4)]
+    scheduler = Scheduler(model, rows=ROWS)
+    handles = [scheduler.submit(r) for r in requests]
+    done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
+    # attention-only families share the forward; recurrent and hybrid ones decode one stream per forward
+    assert packable(scheduler.engine, done[handles[0]].prefilled) == (arch not in RECURRENT)
+    for handle, request in zip(handles, requests, strict=True):
+        assert answered(done[handle]) == answered(generate_many(model, [request], rows=ROWS)[0]), handle
+
+
+def test_a_second_turn_from_a_batch_state_is_the_cold_second_turn():
+    model = model_in("gemma3_text", torch.bfloat16)
+    first = generate_many(model, [BatchRequest(prompt(80, seed=3)[0], max_new_tokens=5)], rows=ROWS)[0]
+    turn = torch.cat([prompt(80, seed=3)[0], torch.tensor(first.tokens), prompt(9, seed=4)[0]])
+    warm, cold = generate_many(model, [BatchRequest(turn, max_new_tokens=5, top_logprobs=3, state=first.state),
+                                       BatchRequest(turn, max_new_tokens=5, top_logprobs=3)], rows=ROWS)
+    assert answered(warm) == answered(cold) and warm.reused == 64 and cold.reused == 0
 
 
 def wide_llama(dtype: torch.dtype) -> torch.nn.Module:
