@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from kvstate import Session
 from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, generate_many
-from kvstate.engine.invariant import tiled
 from kvstate.engine.decode import packable
+from kvstate.engine.invariant import tiled
 from kvstate.errors import InputError
 from kvstate.testing.tiny import CONFIGS, IMAGE_TOKEN, RECURRENT, image_span, tiny_image
 from tiny import prompt, tiny_model

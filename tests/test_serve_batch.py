@@ -106,3 +106,28 @@ def test_a_full_queue_is_a_429_and_a_disconnect_leaves_the_server_healthy(tiny):
 def ask_alone(model, tokenizer) -> str:
     messages = [{"role": "user", "content": f"Tell me about {TOPICS[0]}."}]
     return reference(model, tokenizer, Renderer(tokenizer).chat(messages).ids, 12)
+
+
+def test_concurrent_requests_share_a_system_prompt_computed_once(tiny):
+    model, tokenizer = tiny
+    server = make_server(model, tokenizer, max_batch=4)
+    system = {"role": "system", "content": "You are a terse assistant who answers about the weather in one line."}
+    results: list = [None] * 4
+
+    def one(i: int) -> None:
+        messages = [system, {"role": "user", "content": f"Day {i}?"}]
+        r = client(url).chat.completions.create(model="tiny:llama", messages=messages, max_tokens=6, temperature=0)
+        results[i] = (messages, r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
+
+    with live(server) as url:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    renderer = Renderer(tokenizer)
+    shared = len(renderer.chat([system]).ids) // 8 * 8  # whole canonical chunks of the system prompt
+    cached = [r[2] for r in results]
+    assert sum(c > 0 for c in cached) >= 3 and all(c >= shared for c in cached if c), cached  # all but the first
+    for messages, answer, _ in results:
+        assert answer == reference(model, tokenizer, renderer.chat(messages).ids, 6)
