@@ -24,6 +24,7 @@ from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token
 from kvstate.engine.decode import packable
 from kvstate.engine.invariant import tiled
 from kvstate.errors import InputError
+from kvstate.testing.shrink import tiny_causal_lm
 from kvstate.testing.tiny import CONFIGS, IMAGE_TOKEN, RECURRENT, image_span, tiny_image
 from tiny import prompt, tiny_model
 
@@ -133,6 +134,24 @@ def test_every_family_decodes_batched_as_alone(arch):
     assert packable(scheduler.engine, done[handles[0]].prefilled) == (arch not in RECURRENT)
     for handle, request in zip(handles, requests, strict=True):
         assert answered(done[handle]) == answered(generate_many(model, [request], rows=ROWS)[0]), handle
+
+
+@pytest.mark.parametrize(("arch", "shared"), [("falcon", False), ("xglm", False), ("bloom", False), ("gpt2", True)])
+def test_structural_families_pack_or_fall_back_and_stay_alone_equal(arch, shared):
+    # falcon and xglm ask the cache for one sequence length: the first packed step falls back to one stream
+    # per forward; bloom (ALiBi, no position ids) never packs; gpt2 packs
+    model = tiny_causal_lm(arch).eval()
+    model.generation_config.eos_token_id = None
+    requests = [BatchRequest(prompt(4 + 9 * i, seed=i)[0], max_new_tokens=4) for i in range(4)]
+    scheduler = Scheduler(model, rows=ROWS)
+    handles = [scheduler.submit(r) for r in requests]
+    done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
+    assert (scheduler.packing and packable(scheduler.engine, done[handles[0]].prefilled)) == shared
+    assert scheduler.packing == (arch != "falcon" and arch != "xglm")
+    for handle, request in zip(handles, requests, strict=True):
+        assert answered(done[handle]) == answered(generate_many(model, [request], rows=ROWS)[0]), handle
+        plain = model.generate(torch.as_tensor(request.ids)[None], max_new_tokens=4, do_sample=False)
+        assert list(done[handle].tokens) == plain[0, len(request.ids):].tolist()
 
 
 def test_a_second_turn_from_a_batch_state_is_the_cold_second_turn():

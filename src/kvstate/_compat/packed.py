@@ -35,6 +35,11 @@ NAME = "kvstate_packed"
 _LOCAL = threading.local()  # the PackedCache of this thread's packed forward
 
 
+class Unpackable(UnsupportedError):
+    """The model's forward needs something a packed forward cannot give (its own sequence length, or
+    attention outside ``AttentionInterface``); its conversations decode one per forward instead."""
+
+
 class PackedCache:
     """The cache of a packed forward: ``caches[i]`` is conversation ``i``'s ``DynamicCache``, fed one row
     (row ``i`` of the packed sequence); rows from ``len(caches)`` on are padding and stored nowhere."""
@@ -52,9 +57,10 @@ class PackedCache:
                                 for i, cache in enumerate(self.caches)]
         return key_states, value_states
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:  # asked only when no position_ids are given
-        raise UnsupportedError("a packed forward needs explicit position_ids", found="none",
-                               fix="pass position_ids for every packed row")
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # the conversations have different lengths: a model that asks for one cannot be packed
+        raise Unpackable("a packed forward has no single sequence length", found="the model asked for one",
+                         fix="decode one conversation per forward")
 
 
 @functools.cache

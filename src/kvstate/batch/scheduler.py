@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine, FeedSettings
-from ..engine.decode import Packed, Single, Stream, packable
+from ..engine.decode import Packed, Single, Stream, Unpackable, packable
 from ..errors import InputError
 from ..protocols import PrefixCache
 from ..state import State
@@ -161,6 +161,13 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def packing(self) -> bool:
+        """Whether attention-only conversations share decode forwards on this model: False once the model
+        refused a packed forward (it asked for one sequence length, or attends outside transformers'
+        attention interface); they then decode one per forward, still alone-equal."""
+        return self._packed.usable
+
     def submit(self, request: BatchRequest) -> int:
         """Queue ``request``; it is admitted at a step boundary. Returns its handle."""
         if not isinstance(request, BatchRequest):
@@ -213,11 +220,21 @@ class Scheduler:
             ending = self._cancelled | self._stopping  # asked during this step: they sit its decode out
             jobs = [j for j in self._running if j.decoder is decoder and j.handle not in ending]
             if jobs:
-                rows = decoder.step([j.stream for j in jobs], [j.choices[-1].token for j in jobs])  # type: ignore[misc]
-                for job, row in zip(jobs, rows, strict=True):
+                for job, row in zip(jobs, self._decode(decoder, jobs), strict=True):
                     yield from self._took(job, job.sampler.choose(row))
 
     # ----- internals -----------------------------------------------------------------------------
+    def _decode(self, decoder: Packed | Single, jobs: list[_Job]) -> list[torch.Tensor]:
+        """One decode step of ``jobs``; a model that refuses its first packed forward decodes them one per
+        forward from then on (their prefilled states are untouched)."""
+        streams, tokens = [j.stream for j in jobs], [j.choices[-1].token for j in jobs]
+        try:
+            return decoder.step(streams, tokens)  # type: ignore[arg-type]
+        except Unpackable:
+            for job in jobs:
+                job.decoder = self._single
+            return self._single.step(streams, tokens)  # type: ignore[arg-type]
+
     def _admit(self, job: _Job) -> Choice:
         """Prefill ``job``'s history as ``Session`` does; the first token from the prompt's logits."""
         from ..session import Session
@@ -231,7 +248,8 @@ class Scheduler:
         outcome = session.run(ids, max_new_tokens=1, do_sample=False, **dict(request.inputs))
         job.prefilled, job.reused = outcome.prefilled, outcome.reused
         job.stream = Stream(outcome.prefilled)
-        job.decoder = self._packed if packable(self.engine, outcome.prefilled) else self._single
+        packs = self._packed.usable and packable(self.engine, outcome.prefilled)
+        job.decoder = self._packed if packs else self._single
         self._running.append(job)  # only now: a refused request holds nothing
         return job.sampler.choose(outcome.prefilled.last_logits[0])  # type: ignore[index]
 

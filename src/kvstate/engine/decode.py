@@ -31,7 +31,7 @@ from types import MappingProxyType
 
 import torch
 
-from .._compat.packed import PackedCache, packed
+from .._compat.packed import PackedCache, Unpackable, packed
 from ..adapters.binding import Live
 from ..errors import UnsupportedError
 from ..layers import AttentionLayerState
@@ -55,6 +55,9 @@ class Stream:
         self.hold = ExitStack()  # what keeps ``live`` attached
 
 
+__all__ = ["Packed", "Single", "Stream", "Unpackable", "packable"]
+
+
 def packable(engine: Engine, state: State) -> bool:
     """Whether ``state``'s decode can share a forward: attention layers only, uncompressed, positions
     passed explicitly, and a decode token needs no model input but itself."""
@@ -73,6 +76,7 @@ class Packed:
     def __init__(self, engine: Engine, rows: int, invariant: bool = True) -> None:
         self.engine, self.rows, self.invariant = engine, rows, invariant
         self.spare = not _tail_free(engine.model, rows)
+        self.usable = True  # False once the model refused a packed forward (``Unpackable``)
         self._attention = {i for i, layer in enumerate(engine.binding.layout.empty_layers(0))
                            if type(layer) is AttentionLayerState}
 
@@ -91,9 +95,13 @@ class Packed:
         call = {"input_ids": ids, "position_ids": engine.runtime.model_positions(positions), "use_cache": True,
                 engine.cache_kwarg: cache}
         tiles = tiled_linear(self.rows) if self.invariant else nullcontext()
-        with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles:
-            logits = engine.model(**call).logits[0, :n]  # [n, V]
-        self._check(cache)
+        try:
+            with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles:
+                logits = engine.model(**call).logits[0, :n]  # [n, V]
+            self._check(cache)
+        except Unpackable:
+            self._give_up(streams)
+            raise
         for i, s in enumerate(streams):
             s.fed.append(tokens[i])
             s.positions.append(own[i])
@@ -129,11 +137,21 @@ class Packed:
 
     def _check(self, cache: PackedCache) -> None:
         """Every attention layer ran through the packed attention (else the rows saw each other)."""
-        expected = self._attention
-        if cache.attended != expected:
-            raise UnsupportedError(f"{self.engine.binding.caps.name}: a packed decode needs every attention layer "
-                                   "to call transformers' attention interface", expected=sorted(expected),
-                                   found=sorted(cache.attended), fix="serve it with max_batch=1")
+        if cache.attended != self._attention:
+            raise Unpackable(f"{self.engine.binding.caps.name}: a packed decode needs every attention layer to call "
+                             "transformers' attention interface", expected=sorted(self._attention),
+                             found=sorted(cache.attended), fix="decode one conversation per forward")
+
+    def _give_up(self, streams: list[Stream]) -> None:
+        """After a refused first forward: never pack again, and drop the caches it half filled (each stream's
+        ``state`` is still its prefilled state, so ``Single`` continues it)."""
+        self.usable = False
+        for stream in streams:
+            if stream.fed:  # a model that packed before and refuses now: nothing to fall back on
+                raise UnsupportedError("a packed decode failed after earlier packed steps",
+                                       found=self.engine.binding.caps.name, fix="use max_batch=1")
+            stream.hold.close()
+            stream.live = None
 
 
 def _tail_free(model: torch.nn.Module, rows: int) -> bool:
