@@ -244,6 +244,21 @@ def test_a_refused_request_fails_alone_and_the_others_go_on():
         generate_many(model, [BatchRequest([3, 100_000])])
 
 
+def test_a_prefill_budget_admits_a_burst_over_several_steps():
+    model = model_in("llama", torch.float32)
+    requests = [BatchRequest(prompt(10, seed=i)[0], max_new_tokens=5) for i in range(4)]
+    scheduler = Scheduler(model, rows=ROWS, prefill_tokens=15)
+    handles = [scheduler.submit(r) for r in requests]
+    running = []
+    events = []
+    while scheduler.busy:
+        events += scheduler.step()
+        running.append(scheduler.running)
+    assert running[:2] == [2, 4]  # 10 + 10 prompt tokens reach the budget of 15: two a step
+    done = {e.handle: e.completion for e in events if isinstance(e, Done)}
+    assert [answered(done[h]) for h in handles] == [answered(c) for c in generate_many(model, requests, rows=ROWS)]
+
+
 def test_a_stop_id_ends_the_answer():
     model = model_in("llama", torch.float32)
     free = generate_many(model, [BatchRequest(prompt(7)[0], max_new_tokens=6)])[0]
@@ -274,6 +289,7 @@ ERRORS = {
     "top_p=0": (lambda m: Sampling(top_p=0.0), InputError),
     "top_k=-2": (lambda m: Sampling(top_k=-2), InputError),
     "max_batch=0": (lambda m: Scheduler(m, max_batch=0), InputError),
+    "prefill_tokens=0": (lambda m: Scheduler(m, prefill_tokens=0), InputError),
     "rows=True": (lambda m: Scheduler(m, rows=True), InputError),
     "submit a list": (lambda m: Scheduler(m).submit([3, 4]), InputError),
 }

@@ -127,20 +127,24 @@ class Scheduler:
             products run ``rows`` rows at a time. Answers are the same for any batch under one ``rows``.
         invariant: False packs exactly the running rows with plain kernels (faster when few streams
             run; a row's bits then depend on its batch). For measuring the invariance tax.
+        prefill_tokens: a step admits prompts until this many prompt tokens were admitted (one prompt at
+            least), so the running streams' next tokens never wait for a whole burst of prefills; None:
+            admit every request that fits.
         canonical_chunk, chunk_size, sources, tokenizer: as for ``Session``.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
-                 canonical_chunk: int = 64, chunk_size: int = 512, sources: Sequence[PrefixCache] = (),
-                 tokenizer: object | None = None, fingerprint: Any = None) -> None:
+                 prefill_tokens: int | None = None, canonical_chunk: int = 64, chunk_size: int = 512,
+                 sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None) -> None:
         from ..adapters.fingerprinting import fingerprint as digest
         from ..selfcheck import bind
 
-        for name, value in (("max_batch", max_batch), ("rows", rows)):
+        budget = 1 if prefill_tokens is None else prefill_tokens
+        for name, value in (("max_batch", max_batch), ("rows", rows), ("prefill_tokens", budget)):
             if not _int_in(value, 1, None):
                 raise InputError(f"Scheduler {name} must be a positive int", expected=">= 1", found=repr(value),
                                  fix=f"pass {name}=8, say")
-        self.model, self.max_batch = model, max_batch
+        self.model, self.max_batch, self.prefill_tokens = model, max_batch, prefill_tokens
         self.canonical_chunk, self.chunk_size, self.sources = canonical_chunk, chunk_size, tuple(sources)
         self.fingerprint = fingerprint or digest(model, tokenizer)
         self.engine = Engine(bind(model))
@@ -208,8 +212,10 @@ class Scheduler:
     def stepping(self) -> Iterator[Event]:
         """``step``, yielding each event as soon as it happens (a first token right after its prefill)."""
         yield from self._ends()
-        while self._waiting and len(self._running) < self.max_batch:
+        admitted = 0  # prompt tokens admitted in this step
+        while self._waiting and len(self._running) < self.max_batch and self._room(admitted):
             job = self._waiting.popleft()
+            admitted += torch.as_tensor(job.request.ids).shape[-1]
             try:
                 choice = self._admit(job)
             except Exception as exc:  # the request's own input failed: the batch goes on without it
@@ -224,6 +230,10 @@ class Scheduler:
                     yield from self._took(job, job.sampler.choose(row))
 
     # ----- internals -----------------------------------------------------------------------------
+    def _room(self, admitted: int) -> bool:
+        """Whether this step may admit another prompt after ``admitted`` prompt tokens."""
+        return self.prefill_tokens is None or admitted == 0 or admitted < self.prefill_tokens
+
     def _decode(self, decoder: Packed | Single, jobs: list[_Job]) -> list[torch.Tensor]:
         """One decode step of ``jobs``; a model that refuses its first packed forward decodes them one per
         forward from then on (their prefilled states are untouched)."""

@@ -48,8 +48,10 @@ class BatchRunner(Runner):
 
     def __init__(self, *args: Any, max_batch: int = 8, rows: int = 16, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.scheduler = Scheduler(self.model, max_batch=max_batch, rows=rows, canonical_chunk=self.canonical_chunk,
-                                   chunk_size=self.chunk_size, fingerprint=self.fingerprint)
+        # a burst of prompts is admitted about chunk_size tokens a step, so running answers keep streaming
+        self.scheduler = Scheduler(self.model, max_batch=max_batch, rows=rows, prefill_tokens=self.chunk_size,
+                                   canonical_chunk=self.canonical_chunk, chunk_size=self.chunk_size,
+                                   fingerprint=self.fingerprint)
         self._inbox: deque[tuple[Job, concurrent.futures.Future[Result]]] = deque()
         self._active: dict[int, _Active] = {}
         self._settle_later: list[tuple[str, Any]] = []
