@@ -10,6 +10,7 @@ tokens served alone or in any batch. Log-probabilities are those of the model's 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +57,13 @@ class Sampler:
 
     def __init__(self, sampling: Sampling, top_logprobs: int, device: torch.device) -> None:
         self.sampling, self.top_logprobs = sampling, top_logprobs
-        seed = sampling.seed if sampling.seed is not None else int(torch.seed())
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)  # torch.seed() would reseed
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def choose(self, logits: torch.Tensor) -> Choice:
         """The next token for ``logits`` ``[V]``."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        token = int(logprobs.argmax()) if self.sampling.greedy else self._draw(logits.float())
+        token = int(logits.argmax()) if self.sampling.greedy else self._draw(logits.float())  # greedy as generate
         top: tuple[tuple[int, float], ...] = ()
         if self.top_logprobs:
             values, ids = logprobs.topk(min(self.top_logprobs, logprobs.shape[-1]))

@@ -225,9 +225,10 @@ class Scheduler:
         for decoder in (self._packed, self._single):
             ending = self._cancelled | self._stopping  # asked during this step: they sit its decode out
             jobs = [j for j in self._running if j.decoder is decoder and j.handle not in ending]
-            if jobs:
-                for job, row in zip(jobs, self._decode(decoder, jobs), strict=True):
-                    yield from self._took(job, job.sampler.choose(row))
+            if jobs:  # every choice is recorded before the first event goes out: a caller may stop reading
+                events = [e for job, row in zip(jobs, self._decode(decoder, jobs), strict=True)
+                          for e in self._took(job, job.sampler.choose(row))]
+                yield from events
 
     # ----- internals -----------------------------------------------------------------------------
     def _room(self, admitted: int) -> bool:
