@@ -259,6 +259,22 @@ def test_a_prefill_budget_admits_a_burst_over_several_steps():
     assert [answered(done[h]) for h in handles] == [answered(c) for c in generate_many(model, requests, rows=ROWS)]
 
 
+def test_sampling_truncations_behave_as_their_definitions():
+    model = model_in("llama", torch.float32)
+    ids = prompt(9, seed=5)[0]
+    greedy = generate_many(model, [BatchRequest(ids, max_new_tokens=6)], rows=ROWS)[0]
+    for sampling in (Sampling(temperature=1.5, top_k=1, seed=1), Sampling(temperature=1.5, top_p=1e-6, seed=2)):
+        assert generate_many(model, [BatchRequest(ids, max_new_tokens=6, sampling=sampling)], rows=ROWS)[0].tokens \
+            == greedy.tokens, sampling  # one candidate left: the most likely token
+    draws = [generate_many(model, [BatchRequest(ids, max_new_tokens=6, sampling=Sampling(2.0, seed=seed),
+                                                top_logprobs=4)], rows=ROWS)[0] for seed in (7, 7, 8)]
+    assert answered(draws[0]) == answered(draws[1]) and draws[0].tokens != draws[2].tokens
+    top4 = generate_many(model, [BatchRequest(ids, max_new_tokens=6, sampling=Sampling(2.0, top_k=4, seed=9),
+                                              top_logprobs=4)], rows=ROWS)[0]
+    for token, logprob, top in zip(top4.tokens, top4.logprobs, top4.top_logprobs, strict=True):
+        assert token in [t for t, _ in top] and dict(top)[token] == logprob  # top-k draws from the k best
+
+
 def test_a_stop_id_ends_the_answer():
     model = model_in("llama", torch.float32)
     free = generate_many(model, [BatchRequest(prompt(7)[0], max_new_tokens=6)])[0]
