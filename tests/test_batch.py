@@ -200,17 +200,19 @@ def test_greedy_answers_are_model_generates_tokens(arch):
         assert list(completion.tokens) == plain[0, len(request.ids):].tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_vl", "lfm2"])
 def test_a_batch_state_continues_in_a_session_bitwise_as_a_cold_run(arch):
     model = model_in(arch, torch.bfloat16)
-    requests = [BatchRequest(prompt(n, seed=n)[0], max_new_tokens=6) for n in (70, 100, 5)]
+    made = [history(arch, n, seed=n, image=True, dtype=torch.bfloat16) for n in (140, 100, 5)]
+    requests = [BatchRequest(ids, max_new_tokens=6, inputs=inputs) for ids, inputs in made]
     for request, completion in zip(requests, generate_many(model, requests, rows=ROWS), strict=True):
         turn = torch.cat([torch.as_tensor(request.ids), torch.tensor(completion.tokens), prompt(4, seed=9)[0]])[None]
         warm = Session(model, state=completion.state)
-        options = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+        options = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                       **request.inputs)
         a, b = warm.generate(turn, **options), Session(model).generate(turn, **options)
         assert torch.equal(a.sequences, b.sequences) and torch.equal(torch.cat(a.logits), torch.cat(b.logits))
-        assert warm.last_plan.reused == (64 if len(request.ids) >= 64 else 0)
+        assert warm.last_plan.reused == 64 * (len(request.ids) // 64), len(request.ids)  # the canonical prompt
 
 
 def test_streamed_tokens_are_the_completion_and_a_waiting_request_can_be_cancelled():
