@@ -62,24 +62,13 @@ class BatchRunner(Runner):
         """Queue ``job``; a full queue is a 429 before anything is queued."""
         future: concurrent.futures.Future[Result] = concurrent.futures.Future()
         with self._lock:
-            self._admit_or_refuse(job)
+            self._count(job)
             self._inbox.append((job, future))
             start, self._looping = not self._looping, True
         future.add_done_callback(lambda _: self._done(job))
         if start:
             self._executor.submit(self._loop)
         return future
-
-    def _admit_or_refuse(self, job: Job) -> None:
-        """Count ``job`` as pending, or raise the 429 (``Runner.submit``'s rule); holds ``_lock``."""
-        if self._pending >= self.max_queue:
-            from .errors import HTTPError
-
-            raise HTTPError(f"the server is busy: {self._pending} requests are queued or running "
-                            f"(limit {self.max_queue})", status=429, code="rate_limit_exceeded",
-                            fix="retry after a moment", headers={"Retry-After": "1"})
-        self._pending += 1
-        self._jobs.add(job)
 
     # ----- the model thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -146,9 +135,9 @@ class BatchRunner(Runner):
             self._finish(active, event.completion)
         else:
             del self._active[event.handle]
-            error = event.error
-            active.future.set_exception(error if isinstance(error, KVStateError) else BadRequest(
-                f"invalid request: {error}"))
+            error = event.error  # the request's own mistake is a 400, as Runner reports it; anything else a 500
+            refused = isinstance(error, (ValueError, TypeError)) and not isinstance(error, KVStateError)
+            active.future.set_exception(BadRequest(f"invalid request: {error}") if refused else error)
 
     def _token(self, handle: int, active: _Active, token: int) -> None:
         try:
