@@ -131,3 +131,15 @@ def test_concurrent_requests_share_a_system_prompt_computed_once(tiny):
     assert sum(c > 0 for c in cached) >= 3 and all(c >= shared for c in cached if c), cached  # all but the first
     for messages, answer, _ in results:
         assert answer == reference(model, tokenizer, renderer.chat(messages).ids, 6)
+
+
+def test_options_the_sampler_lacks_run_alone_as_the_one_at_a_time_server_runs_them(tiny):
+    model, tokenizer = tiny
+    body = {"messages": [{"role": "user", "content": "Penalize me."}], "max_tokens": 8, "temperature": 0,
+            "frequency_penalty": 1.5, "logit_bias": {"5": -100}}
+    answers = []
+    for max_batch in (1, 4):
+        with live(make_server(model, tokenizer, max_batch=max_batch)) as url:
+            r = client(url).chat.completions.create(model="tiny:llama", **body)
+            answers.append((r.choices[0].message.content, r.usage.completion_tokens))
+    assert answers[0] == answers[1]
