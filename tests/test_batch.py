@@ -131,15 +131,25 @@ def test_every_family_decodes_batched_as_alone(arch):
     handles = [scheduler.submit(r) for r in requests]
     done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
     # attention-only families share the forward; recurrent and hybrid ones decode one stream per forward
-    assert packable(scheduler.engine, done[handles[0]].prefilled) == (arch not in RECURRENT)
+    assert packable(scheduler.engine, done[handles[0]].prefilled) == (arch not in RECURRENT) and scheduler.packing
     for handle, request in zip(handles, requests, strict=True):
         assert answered(done[handle]) == answered(generate_many(model, [request], rows=ROWS)[0]), handle
 
 
-@pytest.mark.parametrize(("arch", "shared"), [("falcon", False), ("xglm", False), ("bloom", False), ("gpt2", True)])
-def test_structural_families_pack_or_fall_back_and_stay_alone_equal(arch, shared):
-    # falcon and xglm ask the cache for one sequence length: the first packed step falls back to one stream
-    # per forward; bloom (ALiBi, no position ids) never packs; gpt2 packs
+STRUCTURAL = {  # arch: (whether decode steps share forwards, whether the scheduler still packs afterwards)
+    "gpt2": (True, True),
+    "falcon": (False, False),  # asks the cache for one sequence length: falls back at its first packed step
+    "xglm": (False, False),  # the same
+    "deepseek_v3": (False, False),  # MLA attends with K/V expanded from the cached latents: falls back
+    "bloom": (False, True),  # ALiBi, no position ids: never tries
+    "gpt_oss": (True, True),  # MoE through grouped_mm: tiled per expert
+    "qwen3_moe": (True, True),
+}
+
+
+@pytest.mark.parametrize("arch", STRUCTURAL)
+def test_structural_families_pack_or_fall_back_and_stay_alone_equal(arch):
+    shared, packing = STRUCTURAL[arch]
     model = tiny_causal_lm(arch).eval()
     model.generation_config.eos_token_id = None
     requests = [BatchRequest(prompt(4 + 9 * i, seed=i)[0], max_new_tokens=4) for i in range(4)]
@@ -147,7 +157,7 @@ def test_structural_families_pack_or_fall_back_and_stay_alone_equal(arch, shared
     handles = [scheduler.submit(r) for r in requests]
     done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
     assert (scheduler.packing and packable(scheduler.engine, done[handles[0]].prefilled)) == shared
-    assert scheduler.packing == (arch != "falcon" and arch != "xglm")
+    assert scheduler.packing == packing
     for handle, request in zip(handles, requests, strict=True):
         assert answered(done[handle]) == answered(generate_many(model, [request], rows=ROWS)[0]), handle
         plain = model.generate(torch.as_tensor(request.ids)[None], max_new_tokens=4, do_sample=False)

@@ -86,17 +86,41 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                       attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """``query`` ``[1, H, P, D]``: row ``i`` attends over conversation ``i``'s own K/V; padding rows give 0."""
     cache: PackedCache = _LOCAL.cache
-    layer = module.layer_idx
+    layer = getattr(module, "layer_idx", None)
+    if layer not in cache.seen:  # K/V that did not come through this forward's cache update (shared layers)
+        raise Unpackable("an attention layer attends to K/V its cache update did not return", found=layer,
+                         fix="decode one conversation per forward")
     attend = _own_attention(module, _LOCAL.backend)
     outs = []
-    for i, (k, v) in enumerate(cache.seen[layer]):
-        out, _ = attend(module, query[:, :, i:i + 1].contiguous(), k, v, None, **kwargs)
-        outs.append(out)  # [1, 1, H, Dv]
+    _LOCAL.attending = True
+    try:
+        for i, (k, v) in enumerate(cache.seen[layer]):
+            _check_same(key, k, i)
+            _check_same(value, v, i)
+            out, _ = attend(module, query[:, :, i:i + 1].contiguous(), k, v, None, **kwargs)
+            outs.append(out)  # [1, 1, H, Dv]
+    finally:
+        _LOCAL.attending = False
     P = query.shape[2]
     if len(outs) < P:
         outs.append(outs[0].new_zeros(1, P - len(outs), *outs[0].shape[2:]))
     cache.attended.add(layer)
     return torch.cat(outs, dim=1), None
+
+
+def _check_same(packed_rows: torch.Tensor, own: torch.Tensor, i: int) -> None:
+    """Row ``i`` of the K (or V) the model attends with ``[1, Hkv, P, D]`` is the newest slot of stream ``i``'s
+    cache ``[1, Hkv, S, D]``; a model that transforms what its cache returns (MLA's latents) cannot be packed."""
+    same = packed_rows.shape[1] == own.shape[1] and packed_rows.shape[3] == own.shape[3]
+    if not same or not torch.equal(packed_rows[:, :, i], own[:, :, -1]):
+        raise Unpackable("the model attends with K/V other than its cache returns", found=tuple(own.shape),
+                         fix="decode one conversation per forward")
+
+
+def attending() -> bool:
+    """Whether this thread is inside the per-stream attention of a packed forward (its products are the
+    stream's alone, not the packed rows')."""
+    return bool(getattr(_LOCAL, "attending", False))
 
 
 @contextmanager
