@@ -197,6 +197,23 @@ def test_the_plain_packed_forward_differs_where_the_invariant_one_does_not():
         assert (alone == batched) is expect_equal, f"invariant={invariant}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_row_tiles_are_session_decode_bitwise(dtype):
+    # with tiles of one row every product has Session's one-row decode shape: the packing itself (caches, per-stream
+    # attention, positions) then changes no bit, and four conversations decode together as a Session decodes each
+    model = wide_llama(dtype)
+    gen = torch.Generator().manual_seed(0)
+    requests = [BatchRequest(torch.randint(3, 1000, (7 + 30 * i,), generator=gen), max_new_tokens=5)
+                for i in range(4)]
+    for request, completion in zip(requests, generate_many(model, requests, rows=1), strict=True):
+        out = Session(model).generate(torch.as_tensor(request.ids)[None], max_new_tokens=5, do_sample=False,
+                                      return_dict_in_generate=True, output_logits=True)
+        tokens = out.sequences[0].tolist()
+        logprobs = [float(torch.log_softmax(step[0].float(), -1)[t])
+                    for step, t in zip(out.logits, tokens, strict=True)]
+        assert (tokens, logprobs) == (list(completion.tokens), list(completion.logprobs))
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_vl", "lfm2"])
 def test_greedy_answers_are_model_generates_tokens(arch):
     model = model_in(arch, torch.float32)
