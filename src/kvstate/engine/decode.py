@@ -26,8 +26,6 @@ Shapes: one stream, one row; ``positions`` ``[1, 1(, R)]``; logits rows ``[V]``.
 from __future__ import annotations
 
 from contextlib import ExitStack, nullcontext
-from dataclasses import replace
-from types import MappingProxyType
 
 import torch
 
@@ -38,6 +36,7 @@ from ..layers import AttentionLayerState
 from ..state import State, next_position_after
 from .core import Engine
 from .invariant import tiled_linear
+from .recorder import Forward
 from .values import FeedSettings
 
 
@@ -110,22 +109,20 @@ class Packed:
         return [s.last for s in streams]  # type: ignore[misc]
 
     def finish(self, stream: Stream) -> State:
-        """The state after the stream's fed tokens (its K/V read back from its cache)."""
+        """The state after the stream's fed tokens (its K/V read back from its cache, as ``Engine`` reads a
+        ``generate``'s)."""
         state = stream.state
         if not stream.fed:
             stream.hold.close()
             return state
         assert stream.live is not None and stream.last is not None
-        T, q = state.tokens_seen, len(stream.fed)
         fed = torch.tensor([stream.fed], dtype=torch.long, device=state.device)
-        seen = torch.cat(stream.positions, dim=1)
-        layers, extras = stream.live.read(seen, T + q, stream.next_position)
-        stream.hold.close()
-        mask = torch.ones(1, T + q, dtype=torch.bool, device=state.device)
-        return replace(state, tokens=torch.cat([state.tokens, fed], dim=1), mask=mask,
-                       positions=torch.cat([state.positions, seen], dim=1), layers=layers,
-                       next_position=stream.next_position, last_logits=stream.last[None],
-                       extras=MappingProxyType(extras), canonical=min(state.canonical, T))
+        mask = torch.ones(1, state.tokens_seen + len(stream.fed), dtype=torch.bool, device=state.device)
+        seen = Forward(torch.cat(stream.positions, dim=1), stream.last[None])
+        try:
+            return self.engine._advance(state, fed, mask, seen, stream.live)
+        finally:
+            stream.hold.close()
 
     def close(self, stream: Stream) -> None:
         stream.hold.close()
