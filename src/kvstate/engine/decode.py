@@ -9,8 +9,10 @@ turns ``n`` streams' next tokens into ``n`` logits rows ``[V]`` and, at the end,
 
 * ``Packed`` (attention-only families): one forward of batch 1 whose rows are the streams' tokens
   (``kvstate._compat.packed``). Invariant: the forward always has ``P`` rows, a multiple of the
-  tile ``rows``, every ``F.linear`` runs in tiles of ``rows`` rows (``kvstate.engine.invariant``),
-  and attention is computed per stream over its own K/V with the shapes it has alone. CPU
+  tile ``rows``, every matrix product outside attention runs in tiles of ``rows`` rows
+  (``kvstate.engine.invariant``), and attention is computed per stream over its own K/V with the
+  shapes it has alone. A model that cannot be packed so raises ``Unpackable`` at its first packed
+  step, before any stream changed (the scheduler then moves them to ``Single``). CPU
   element-wise kernels compute the last ``< 64`` elements of a tensor in a scalar loop whose
   rounding may differ (measured: ``docs/batching.md``); when ``rows`` times some width of the model
   is not a multiple of 64, that tail could fall on a real row, so ``P`` then keeps a padding row
@@ -39,6 +41,8 @@ from .invariant import tiled_linear
 from .recorder import Forward
 from .values import FeedSettings
 
+__all__ = ["Packed", "Single", "Stream", "Unpackable", "packable"]
+
 
 class Stream:
     """One conversation's decode (see the module docstring); ``state`` is the prefilled state until
@@ -52,9 +56,6 @@ class Stream:
         self.last: torch.Tensor | None = None  # logits row [V] after the last fed token
         self.live: Live | None = None
         self.hold = ExitStack()  # what keeps ``live`` attached
-
-
-__all__ = ["Packed", "Single", "Stream", "Unpackable", "packable"]
 
 
 def packable(engine: Engine, state: State) -> bool:
