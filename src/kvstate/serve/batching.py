@@ -70,6 +70,14 @@ class BatchRunner(Runner):
             self._executor.submit(self._loop)
         return future
 
+    def close(self) -> None:
+        """``Runner.close``; then any job whose loop never started (the executor dropped it) is cancelled too."""
+        super().close()
+        with self._lock:
+            left, self._inbox = list(self._inbox), deque()
+        for _, future in left:
+            future.set_exception(Cancelled())
+
     # ----- the model thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         """Steps while anything waits or runs; then settles the answers and returns the thread."""
