@@ -14,7 +14,9 @@ the conversations apart:
   mask (``masking_utils`` exits early for such backends).
 
 Segment metadata reaches the attention function through a thread-local set by ``packed``;
-nothing is patched, and the model runs its own backend again when ``packed`` exits.
+nothing is patched, and the model runs its own backend again when ``packed`` exits. A model that
+does not fit (it asks the cache for one sequence length, attends with K/V other than its cache
+returned, as MLA does) raises ``Unpackable`` during the forward.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ _LOCAL = threading.local()  # the PackedCache of this thread's packed forward
 
 
 class Unpackable(UnsupportedError):
-    """The model's forward needs something a packed forward cannot give (its own sequence length, or
-    attention outside ``AttentionInterface``); its conversations decode one per forward instead."""
+    """The model's forward needs something a packed forward cannot give (one sequence length, attention
+    outside ``AttentionInterface`` or over K/V its cache did not return, a matrix product the tiles
+    cannot split); its conversations decode one per forward instead."""
 
 
 class PackedCache:
