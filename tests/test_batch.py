@@ -164,12 +164,29 @@ def test_structural_families_pack_or_fall_back_and_stay_alone_equal(arch):
         assert list(done[handle].tokens) == plain[0, len(request.ids):].tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_shared_system_prompt_is_computed_once_and_answers_stay_cold(dtype):
+    model = model_in("gemma3_text", dtype)
+    system = prompt(150, seed=11)[0]
+    requests = [BatchRequest(torch.cat([system, prompt(5 + i, seed=20 + i)[0]]), max_new_tokens=4, top_logprobs=2)
+                for i in range(4)]
+    together = generate_many(model, requests, rows=ROWS)
+    assert [c.reused for c in together] == [0, 128, 128, 128]  # the system prompt's whole canonical chunks
+    for request, completion in zip(requests, together, strict=True):
+        alone = generate_many(model, [request], rows=ROWS)[0]
+        assert answered(completion) == answered(alone) and alone.reused == 0
+    unshared = generate_many(model, requests, rows=ROWS, share_prefixes=False)
+    assert [c.reused for c in unshared] == [0, 0, 0, 0] and list(map(answered, unshared)) == list(map(answered,
+                                                                                                      together))
+
+
 def test_a_second_turn_from_a_batch_state_is_the_cold_second_turn():
     model = model_in("gemma3_text", torch.bfloat16)
     first = generate_many(model, [BatchRequest(prompt(80, seed=3)[0], max_new_tokens=5)], rows=ROWS)[0]
     turn = torch.cat([prompt(80, seed=3)[0], torch.tensor(first.tokens), prompt(9, seed=4)[0]])
-    warm, cold = generate_many(model, [BatchRequest(turn, max_new_tokens=5, top_logprobs=3, state=first.state),
-                                       BatchRequest(turn, max_new_tokens=5, top_logprobs=3)], rows=ROWS)
+    warm = generate_many(model, [BatchRequest(turn, max_new_tokens=5, top_logprobs=3, state=first.state)],
+                         rows=ROWS)[0]
+    cold = generate_many(model, [BatchRequest(turn, max_new_tokens=5, top_logprobs=3)], rows=ROWS)[0]
     assert answered(warm) == answered(cold) and warm.reused == 64 and cold.reused == 0
 
 

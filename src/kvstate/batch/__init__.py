@@ -2,7 +2,8 @@
 what it gets alone (issue 25; ``docs/batching.md``).
 
 ``generate_many(model, requests)`` answers a list of ``BatchRequest`` s; ``Scheduler`` is the
-continuous-batching loop under it (submit, step, cancel), for servers.
+continuous-batching loop under it (submit, step, cancel), for servers. Prompts admitted one after
+another share their common prefix (``prefixes``).
 """
 
 from .sampling import Choice, Sampling

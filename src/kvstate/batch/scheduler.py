@@ -36,6 +36,7 @@ from ..engine.decode import Packed, Single, Stream, Unpackable, packable
 from ..errors import InputError
 from ..protocols import PrefixCache
 from ..state import State
+from .prefixes import RecentPrompts
 from .sampling import Choice, Sampler, Sampling
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -130,11 +131,15 @@ class Scheduler:
         prefill_tokens: a step admits prompts until this many prompt tokens were admitted (one prompt at
             least), so the running streams' next tokens never wait for a whole burst of prefills; None:
             admit every request that fits.
+        share_prefixes: a prompt resumes from the longest prefix it shares with the last ``max_batch``
+            admitted prompts (``kvstate.batch.prefixes``; bitwise the cold answer). A server whose
+            requests belong to different keys turns it off and uses one pool namespace per key.
         canonical_chunk, chunk_size, sources, tokenizer: as for ``Session``.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
-                 prefill_tokens: int | None = None, canonical_chunk: int = 64, chunk_size: int = 512,
+                 prefill_tokens: int | None = None, share_prefixes: bool = True, canonical_chunk: int = 64,
+                 chunk_size: int = 512,
                  sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None) -> None:
         from ..adapters.fingerprinting import fingerprint as digest
         from ..selfcheck import bind
@@ -145,7 +150,8 @@ class Scheduler:
                 raise InputError(f"Scheduler {name} must be a positive int", expected=">= 1", found=repr(value),
                                  fix=f"pass {name}=8, say")
         self.model, self.max_batch, self.prefill_tokens = model, max_batch, prefill_tokens
-        self.canonical_chunk, self.chunk_size, self.sources = canonical_chunk, chunk_size, tuple(sources)
+        self.canonical_chunk, self.chunk_size = canonical_chunk, chunk_size
+        self.sources = (*sources, *((RecentPrompts(max_batch),) if share_prefixes else ()))
         self.fingerprint = fingerprint or digest(model, tokenizer)
         self.engine = Engine(bind(model))
         self._packed = Packed(self.engine, rows, invariant)
@@ -253,7 +259,7 @@ class Scheduler:
         request = job.request
         ids = torch.as_tensor(request.ids, dtype=torch.long)
         ids = ids[None] if ids.dim() == 1 else ids
-        session = Session(self.model, state=request.state, sources=(*self.sources, *request.sources),
+        session = Session(self.model, state=request.state, sources=(*request.sources, *self.sources),
                           chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
                           _fingerprint=self.fingerprint)
         outcome = session.run(ids, max_new_tokens=1, do_sample=False, **dict(request.inputs))

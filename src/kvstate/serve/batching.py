@@ -48,10 +48,11 @@ class BatchRunner(Runner):
 
     def __init__(self, *args: Any, max_batch: int = 8, rows: int = 16, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # a burst of prompts is admitted about chunk_size tokens a step, so running answers keep streaming
+        # a burst of prompts is admitted about chunk_size tokens a step, so running answers keep streaming;
+        # prefixes are shared through each key's pool namespace, never across keys
         self.scheduler = Scheduler(self.model, max_batch=max_batch, rows=rows, prefill_tokens=self.chunk_size,
-                                   canonical_chunk=self.canonical_chunk, chunk_size=self.chunk_size,
-                                   fingerprint=self.fingerprint)
+                                   share_prefixes=False, canonical_chunk=self.canonical_chunk,
+                                   chunk_size=self.chunk_size, fingerprint=self.fingerprint)
         self._inbox: deque[tuple[Job, concurrent.futures.Future[Result]]] = deque()
         self._active: dict[int, _Active] = {}
         self._settle_later: list[tuple[str, Any]] = []
