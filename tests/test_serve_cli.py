@@ -23,7 +23,7 @@ def _kvstate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_help_names_every_option():
     out = _kvstate("serve", "--help").stdout
     for option in ("--model", "--store", "--host", "--port", "--api-key", "--max-queue", "--max-request-bytes",
-                   "--max-prompt-tokens", "KVSTATE_API_KEY"):
+                   "--max-prompt-tokens", "--max-batch", "KVSTATE_API_KEY"):
         assert option in out
 
 
@@ -33,11 +33,11 @@ def test_unusable_store_fails_before_the_model_loads(tmp_path):
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "StoreError" in run.stderr
 
 
-def _start(port: int, store: str) -> subprocess.Popen:
+def _start(port: int, store: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "kvstate.cli", "serve", "--model", "tiny:llama", "--port",
                              str(port), "--store", store, "--store-chunk-tokens", "16", "--canonical-chunk", "16",
-                             "--log-level", "warning"],
+                             "--log-level", "warning", *extra],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -58,13 +58,14 @@ def _wait_ready(proc: subprocess.Popen, url: str) -> None:
     raise AssertionError("kvstate serve did not become ready")
 
 
-def test_process_restart_on_a_folder_store_resumes_the_conversation(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--max-batch", "4")], ids=["one-at-a-time", "batched"])
+def test_process_restart_on_a_folder_store_resumes_the_conversation(tmp_path, extra):
     model, tokenizer = load("tiny:llama")
     renderer, store, messages = Renderer(tokenizer), str(tmp_path / "store"), []
     for turn, text in enumerate(["Hello, server process!", "Still there after a restart?"]):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = _start(port, store)
+        proc = _start(port, store, *extra)
         try:
             _wait_ready(proc, url)
             messages.append({"role": "user", "content": text})

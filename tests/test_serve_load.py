@@ -48,9 +48,10 @@ def _chat(api: openai.OpenAI, script: str, log: list, errors: list) -> None:
         errors.append((script, exc))
 
 
-def test_eight_clients_twenty_turns_two_keys(tiny):
+@pytest.mark.parametrize("max_batch", [1, 8])  # one at a time, and batched (issue 25)
+def test_eight_clients_twenty_turns_two_keys(tiny, max_batch):
     model, tokenizer = tiny
-    server = make_server(model, tokenizer, api_keys=("alpha", "beta"))
+    server = make_server(model, tokenizer, api_keys=("alpha", "beta"), max_batch=max_batch)
     # clients 0 and 4 send the same conversation under different keys: neither may reuse the other's turns
     scripts = ["a", "b", "c", "d", "a", "f", "g", "h"]
     logs: list[list] = [[] for _ in range(CLIENTS)]

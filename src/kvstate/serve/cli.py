@@ -16,7 +16,8 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. Every request "
         "continues the longest matching conversation state (an in-memory pool, then --store), so a turn costs "
         "only its new tokens, and answers equal a fresh run on the whole history. Model work runs one request at "
-        "a time; HTTP, tokenization and streaming run concurrently. Needs: pip install 'kvstate[serve]'.")
+        "a time (or --max-batch at once); HTTP, tokenization and streaming run concurrently. "
+        "Needs: pip install 'kvstate[serve]'.")
     s.add_argument("--model", default="default", help="'default' (embedded Gemma-3-270M), 'tiny:<model_type>' "
                    "(random tiny model with a character tokenizer), or a local folder with a tokenizer")
     model_options(s)
@@ -32,6 +33,9 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
     s.add_argument("--api-key", action="append", default=[], help=f"accepted key (repeatable; or ${API_KEY_ENV}, "
                    "comma-separated). Each key has its own pool and store namespace")
     s.add_argument("--max-queue", type=positive, default=16, help="requests queued or running before a 429")
+    s.add_argument("--max-batch", type=positive, default=1, metavar="N",
+                   help="requests that decode together in one forward, each answer bit for bit what it gets alone "
+                   "(default 1: one request at a time, as before)")
     s.add_argument("--max-request-bytes", type=positive, default=16 << 20, help="larger bodies get a 413")
     s.add_argument("--max-prompt-tokens", type=positive, default=8192, help="longer prompts get a 400")
     s.add_argument("--max-new-tokens", type=positive, default=2048, help="bound on a request's max_tokens")
@@ -60,7 +64,8 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, min(args.default_max_tokens, args.max_new_tokens))
     settings = Settings(store=args.store, api_keys=keys, limits=limits, max_request_bytes=args.max_request_bytes,
                         max_queue=args.max_queue, pool_bytes=args.pool_bytes,
-                        store_chunk_tokens=args.store_chunk_tokens, canonical_chunk=args.canonical_chunk)
+                        store_chunk_tokens=args.store_chunk_tokens, canonical_chunk=args.canonical_chunk,
+                        max_batch=args.max_batch)
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings,
                     image_processor=image_processor(args.model))

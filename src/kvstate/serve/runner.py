@@ -89,15 +89,19 @@ class Runner:
     def submit(self, job: Job) -> concurrent.futures.Future[Result]:
         """Queue ``job``; a full queue is a 429 before anything is queued."""
         with self._lock:
-            if self._pending >= self.max_queue:
-                raise HTTPError(f"the server is busy: {self._pending} requests are queued or running "
-                                f"(limit {self.max_queue})", status=429, code="rate_limit_exceeded",
-                                fix="retry after a moment", headers={"Retry-After": "1"})
-            self._pending += 1
-            self._jobs.add(job)
+            self._count(job)
         future = self._executor.submit(self._run, job)
         future.add_done_callback(lambda _: self._done(job))
         return future
+
+    def _count(self, job: Job) -> None:
+        """Count ``job`` as waiting or running, or raise the 429 of a full queue (holds ``_lock``)."""
+        if self._pending >= self.max_queue:
+            raise HTTPError(f"the server is busy: {self._pending} requests are queued or running "
+                            f"(limit {self.max_queue})", status=429, code="rate_limit_exceeded",
+                            fix="retry after a moment", headers={"Retry-After": "1"})
+        self._pending += 1
+        self._jobs.add(job)
 
     def drain(self) -> None:
         """Wait until the work queued so far, replies and their settling included, has run."""

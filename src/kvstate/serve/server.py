@@ -29,6 +29,7 @@ class Settings:
     store_chunk_tokens: int = 64
     chunk_size: int = 512
     canonical_chunk: int = 64  # the canonical schedule (kvstate.schedule); 0 turns it off
+    max_batch: int = 1  # > 1: requests decode together (kvstate.serve.batching, issue 25)
 
 
 class Server:
@@ -54,8 +55,14 @@ class Server:
         self._stores: dict[str, PrefixStore] = {}
         if settings.store is not None:
             self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
-        self.runner = Runner(model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue,
-                             settings.chunk_size, settings.canonical_chunk)
+        args = (model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue, settings.chunk_size,
+                settings.canonical_chunk)
+        if settings.max_batch > 1:
+            from .batching import BatchRunner
+
+            self.runner: Runner = BatchRunner(*args, max_batch=settings.max_batch)
+        else:
+            self.runner = Runner(*args)
         self.started = int(time.time())
 
     def store_for(self, namespace: str) -> PrefixStore | None:

@@ -1,0 +1,93 @@
+"""Which kernels make a row's bits depend on its batch, on this machine (issue 25; ``docs/batching.md``).
+
+* ``linear``: a row of ``F.linear(X[:M], W)`` against the same row with ``M = 1`` and ``M = 64``, for
+  each ``M``; and, for a fixed tile of ``T`` rows, whether a row's result depends on its place in the
+  tile, on the other rows' contents, or on zero padding (what ``kvstate.engine.invariant`` relies on);
+* ``elementwise``: element-wise kernels on ``[P, H]`` at ``P = 1`` against inside ``P`` rows, and, with
+  ``P`` fixed, which rows differ from row 0 (the vector loop's scalar tail).
+
+    python bench/batch_kernels.py        # seconds; writes bench/results/batch_kernels.json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write_results
+
+ROWS = (1, 2, 3, 4, 5, 7, 8, 12, 16, 24, 32, 48, 64)
+SHAPES = ((640, 2048), (2048, 640), (640, 8192))  # (K, N): the default model's widths
+TILES = (4, 8, 16, 32, 64)
+OPS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "exp": torch.exp, "cos": torch.cos,
+       "tanh": torch.tanh, "rsqrt": torch.rsqrt, "softmax": lambda x: x.softmax(-1),
+       "rms": lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)}
+
+
+def by_rows(W: torch.Tensor, X: torch.Tensor) -> dict[int, str]:
+    """Per ``M``: '1' if rows equal the one-row result, '6' if equal to the 64-row result, '-' otherwise."""
+    alone = torch.stack([F.linear(X[i:i + 1], W)[0] for i in range(64)])
+    full = F.linear(X, W)
+    out = {}
+    for M in ROWS:
+        part = F.linear(X[:M], W)
+        out[M] = ("1" if torch.equal(part, alone[:M]) else "-") + ("6" if torch.equal(part, full[:M]) else "-")
+    return out
+
+
+def tile(W: torch.Tensor, X: torch.Tensor, T: int, gen: torch.Generator) -> dict[str, bool]:
+    base = F.linear(X[:T], W)
+    place = all(torch.equal(torch.roll(F.linear(torch.roll(X[:T], k, 0), W), -k, 0), base) for k in range(1, T))
+    others = X[:T].clone()
+    others[1:] = torch.randn(T - 1, X.shape[1], generator=gen).to(X.dtype)
+    content = torch.equal(F.linear(others, W)[0], base[0])
+    others[1:] = 0
+    return {"place": place, "other_rows": content, "zero_padding": torch.equal(F.linear(others, W)[0], base[0])}
+
+
+def linear(dtype: torch.dtype) -> list[dict[str, object]]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for K, N in SHAPES:
+        W, X = torch.randn(N, K, generator=gen).to(dtype), torch.randn(64, K, generator=gen).to(dtype)
+        rows.append({"K": K, "N": N, "by_rows": by_rows(W, X),
+                     "fixed_tile_invariant": {T: all(tile(W, X, T, gen).values()) for T in TILES}})
+    return rows
+
+
+def elementwise(dtype: torch.dtype) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(1)
+    one_row, fixed = [], []
+    for H in (8, 10, 40, 200, 256, 640):
+        for P in (4, 16):
+            for name, op in OPS.items():
+                x = torch.rand(1, H, generator=gen).to(dtype) + 0.1
+                rows = []
+                for place in range(P):
+                    y = torch.rand(P, H, generator=gen).to(dtype) + 0.1
+                    y[place] = x[0]
+                    rows.append(op(y)[place])
+                if not torch.equal(rows[0], op(x)[0]):
+                    one_row.append(f"{name} H={H} P={P}")
+                odd = [k for k in range(P) if not torch.equal(rows[k], rows[0])]
+                if odd:
+                    fixed.append(f"{name} H={H} P={P} rows {odd}")
+    return {"differs_from_one_row": one_row, "differs_from_row_0_at_fixed_P": fixed}
+
+
+def main() -> None:
+    result: dict[str, object] = {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for dtype in (torch.float32, torch.bfloat16):
+            key = f"{str(dtype).removeprefix('torch.')}_threads{threads}"
+            result[key] = {"linear": linear(dtype), "elementwise": elementwise(dtype)}
+    write_results("batch_kernels", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""A packed decode forward: the next token of several conversations in one forward of batch 1 (issue 25).
+
+The rows of ``n`` conversations are laid side by side as one sequence ``[1, P]`` (``P >= n``;
+rows past ``n`` are padding), each with its own ``position_ids``. Two transformers seams keep
+the conversations apart:
+
+* the cache is a ``PackedCache``: ``update`` hands each conversation's key/value row
+  ``[1, Hkv, 1, D]`` to that conversation's own ``DynamicCache`` (what the conversation alone
+  would append) and keeps the K/V each returns (for a sliding layer, the visible window);
+* the attention function ``kvstate_packed`` (registered in ``AttentionInterface`` on first use,
+  never at import) runs the model's own attention once per conversation, over that
+  conversation's K/V only, with the shapes it has alone and no mask (one query row sees every
+  key its cache returns). Its name is not a mask function's name, so transformers builds no
+  mask (``masking_utils`` exits early for such backends).
+
+Segment metadata reaches the attention function through a thread-local set by ``packed``;
+nothing is patched, and the model runs its own backend again when ``packed`` exits. A model that
+does not fit (it asks the cache for one sequence length, attends with K/V other than its cache
+returned, as MLA does) raises ``Unpackable`` during the forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedError
+from .core import attention_backend, attention_implementation
+
+NAME = "kvstate_packed"
+_LOCAL = threading.local()  # the PackedCache of this thread's packed forward
+
+
+class Unpackable(UnsupportedError):
+    """The model's forward needs something a packed forward cannot give (one sequence length, attention
+    outside ``AttentionInterface`` or over K/V its cache did not return, a matrix product the tiles
+    cannot split); its conversations decode one per forward instead."""
+
+
+class PackedCache:
+    """The cache of a packed forward: ``caches[i]`` is conversation ``i``'s ``DynamicCache``, fed one row
+    (row ``i`` of the packed sequence); rows from ``len(caches)`` on are padding and stored nowhere."""
+
+    def __init__(self, caches: Sequence[Any]) -> None:
+        self.caches = list(caches)
+        self.seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.attended: set[int] = set()  # layers whose attention ran through kvstate_packed
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [1, Hkv, P, D]; row i belongs to conversation i
+        self.seen[layer_idx] = [cache.update(key_states[:, :, i:i + 1].contiguous(),
+                                             value_states[:, :, i:i + 1].contiguous(), layer_idx)
+                                for i, cache in enumerate(self.caches)]
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # the conversations have different lengths: a model that asks for one cannot be packed
+        raise Unpackable("a packed forward has no single sequence length", found="the model asked for one",
+                         fix="decode one conversation per forward")
+
+
+@functools.cache
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, _packed_attention)
+
+
+def _own_attention(module: Any, name: str) -> Callable[..., Any]:
+    """The attention function ``module`` runs under backend ``name`` (its family's eager one for eager)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name != "eager":
+        return ALL_ATTENTION_FUNCTIONS[name]
+    found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if found is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as found
+    return found
+
+
+def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``query`` ``[1, H, P, D]``: row ``i`` attends over conversation ``i``'s own K/V; padding rows give 0."""
+    cache: PackedCache = _LOCAL.cache
+    layer = getattr(module, "layer_idx", None)
+    if layer not in cache.seen:  # K/V that did not come through this forward's cache update (shared layers)
+        raise Unpackable("an attention layer attends to K/V its cache update did not return", found=layer,
+                         fix="decode one conversation per forward")
+    attend = _own_attention(module, _LOCAL.backend)
+    outs = []
+    _LOCAL.attending = True
+    try:
+        for i, (k, v) in enumerate(cache.seen[layer]):
+            _check_same(key, k, i)
+            _check_same(value, v, i)
+            out, _ = attend(module, query[:, :, i:i + 1].contiguous(), k, v, None, **kwargs)
+            outs.append(out)  # [1, 1, H, Dv]
+    finally:
+        _LOCAL.attending = False
+    P = query.shape[2]
+    if len(outs) < P:
+        outs.append(outs[0].new_zeros(1, P - len(outs), *outs[0].shape[2:]))
+    cache.attended.add(layer)
+    return torch.cat(outs, dim=1), None
+
+
+def _check_same(packed_rows: torch.Tensor, own: torch.Tensor, i: int) -> None:
+    """Row ``i`` of the K (or V) the model attends with ``[1, Hkv, P, D]`` is the newest slot of stream ``i``'s
+    cache ``[1, Hkv, S, D]``; a model that transforms what its cache returns (MLA's latents) cannot be packed."""
+    same = packed_rows.shape[1] == own.shape[1] and packed_rows.shape[3] == own.shape[3]
+    if not same or not torch.equal(packed_rows[:, :, i], own[:, :, -1]):
+        raise Unpackable("the model attends with K/V other than its cache returns", found=tuple(own.shape),
+                         fix="decode one conversation per forward")
+
+
+def attending() -> bool:
+    """Whether this thread is inside the per-stream attention of a packed forward (its products are the
+    stream's alone, not the packed rows')."""
+    return bool(getattr(_LOCAL, "attending", False))
+
+
+@contextmanager
+def packed(model: Any, cache: PackedCache) -> Iterator[None]:
+    """Run ``model``'s forwards inside as packed forwards over ``cache`` (see the module docstring)."""
+    _register()
+    backend = attention_implementation(model)
+    _LOCAL.cache, _LOCAL.backend = cache, backend
+    try:
+        with attention_backend(model, NAME):
+            yield
+    finally:
+        _LOCAL.cache = None

@@ -1,0 +1,12 @@
+"""Batched generation: many conversations decode in one forward, and each answer is bit for bit
+what it gets alone (issue 25; ``docs/batching.md``).
+
+``generate_many(model, requests)`` answers a list of ``BatchRequest`` s; ``Scheduler`` is the
+continuous-batching loop under it (submit, step, cancel), for servers. Prompts admitted one after
+another share their common prefix (``prefixes``).
+"""
+
+from .sampling import Choice, Sampling
+from .scheduler import BatchRequest, Completion, Done, Failed, Scheduler, Token, generate_many
+
+__all__ = ["BatchRequest", "Choice", "Completion", "Done", "Failed", "Sampling", "Scheduler", "Token", "generate_many"]

@@ -1,0 +1,85 @@
+"""Choosing each request's next token from its own logits row, with its own generator (issue 25).
+
+Everything here sees one request's logits ``[V]`` only, so a token and its log-probabilities
+depend on that row and the request's ``torch.Generator`` alone: a seeded request draws the same
+tokens served alone or in any batch. Log-probabilities are those of the model's distribution
+(``log_softmax`` of the raw logits in float32), before temperature and truncation, as OpenAI's
+``logprobs`` report them.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request picks tokens: ``temperature`` 0 is greedy; otherwise softmax sampling at that
+    temperature over the ``top_k`` most likely tokens (0: all) within nucleus ``top_p``, drawn from a
+    generator seeded with ``seed`` (None: a fresh random seed, so the draw is not reproducible)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        rules = (("temperature", self.temperature, math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+                 ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0"),
+                 ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"))
+        for name, value, ok, rule in rules:
+            if not ok:
+                raise InputError(f"Sampling.{name} out of range", expected=rule, found=repr(value),
+                                 fix=f"pass {name} {rule}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One chosen token, its log-probability, and the ``top`` most likely ``(token, logprob)`` pairs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Sampler:
+    """One request's token choices (see the module docstring)."""
+
+    def __init__(self, sampling: Sampling, top_logprobs: int, device: torch.device) -> None:
+        self.sampling, self.top_logprobs = sampling, top_logprobs
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)  # torch.seed() would reseed
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def choose(self, logits: torch.Tensor) -> Choice:
+        """The next token for ``logits`` ``[V]``."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        token = int(logits.argmax()) if self.sampling.greedy else self._draw(logits.float())  # greedy as generate
+        top: tuple[tuple[int, float], ...] = ()
+        if self.top_logprobs:
+            values, ids = logprobs.topk(min(self.top_logprobs, logprobs.shape[-1]))
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        return Choice(token, float(logprobs[token]), top)
+
+    def _draw(self, scores: torch.Tensor) -> int:
+        s = self.sampling
+        scores = scores / s.temperature
+        if s.top_k and s.top_k < scores.shape[-1]:
+            kth = scores.topk(s.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if s.top_p < 1:
+            ordered, order = scores.sort(descending=True)
+            cumulative = ordered.softmax(-1).cumsum(-1)
+            drop = cumulative - ordered.softmax(-1) >= s.top_p  # keep the smallest prefix reaching top_p
+            scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
+        probs = scores.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,332 @@
+"""Continuous batching: many conversations decode together, each answer bit for bit what it gets alone.
+
+``Scheduler`` keeps a FIFO of waiting requests and a set of running streams, and works in
+steps. At each step boundary it drops cancelled requests, admits waiting ones while fewer
+than ``max_batch`` run, then runs one decode step for every running stream:
+
+* **admission** prefills the request's whole history through ``Session.run`` (the canonical
+  schedule, its prefix sources, media, validation: the same forwards a ``Session`` runs), so the
+  prefilled ``State`` is ``Session``'s bit for bit, and picks the first token from its logits;
+* **a decode step** feeds every stream's last token in one packed forward (attention-only
+  families) or one forward per stream (the rest; ``kvstate.engine.decode``) and picks each
+  stream's next token with its own ``Sampler``.
+
+Why a row is what it is alone: a prompt's forwards hold only that prompt; a packed forward has
+a fixed tile shape, its matrix products run per tile and its attention per stream
+(``docs/batching.md`` has the measurements); sampling sees one row and one generator. A
+finished request's ``Completion`` carries its tokens, log-probabilities and its ``State`` after
+the answer (history plus every new token but the last, as ``Session.generate`` leaves it), which
+a ``Session`` continues like any other state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from ..engine import Engine, FeedSettings
+from ..engine.decode import Packed, Single, Stream, Unpackable, packable
+from ..errors import InputError
+from ..protocols import PrefixCache
+from ..state import State
+from .prefixes import RecentPrompts
+from .sampling import Choice, Sampler, Sampling
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One conversation to continue: its full history ``ids`` (``[L]`` or ``[1, L]``), media ``inputs``
+    for it (``pixel_values``...), an optional ``state`` to resume from, prefix ``sources`` of its own
+    (after the scheduler's: a server's pool namespace and store), and how to answer."""
+
+    ids: torch.Tensor | Sequence[int]
+    max_new_tokens: int = 16
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_ids: tuple[int, ...] | None = None  # None: the model's end-of-sequence ids
+    top_logprobs: int = 0
+    inputs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    state: State | None = None
+    sources: tuple[PrefixCache, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, value, low, high in (("max_new_tokens", self.max_new_tokens, 1, None),
+                                       ("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)):
+            if not _int_in(value, low, high):
+                raise InputError(f"BatchRequest.{name} out of range", expected=f"an int in [{low}, {high or 'inf'}]",
+                                 found=repr(value), fix=f"pass {name} as an int in range")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request: new ``tokens``, each one's ``logprobs`` and ``top_logprobs``, ``finish_reason``
+    (``stop``, ``length`` or ``cancelled``), the ``state`` after the answer (None when cancelled), the
+    state right after the history, and the slots reused from ``BatchRequest.state`` or a source."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    finish_reason: str
+    state: State | None
+    prefilled: State | None
+    reused: int
+
+
+@dataclass(frozen=True)
+class Token:
+    """Event: request ``handle`` chose a token."""
+
+    handle: int
+    choice: Choice
+
+
+@dataclass(frozen=True)
+class Done:
+    """Event: request ``handle`` finished."""
+
+    handle: int
+    completion: Completion
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Event: request ``handle`` could not start (its history, media or state was refused); nothing ran
+    for it, and the other requests go on."""
+
+    handle: int
+    error: Exception
+
+
+Event = Token | Done | Failed
+
+
+class _Job:
+    def __init__(self, handle: int, request: BatchRequest, sampler: Sampler) -> None:
+        self.handle, self.request, self.sampler = handle, request, sampler
+        self.choices: list[Choice] = []
+        self.stream: Stream | None = None
+        self.decoder: Packed | Single | None = None
+        self.prefilled: State | None = None
+        self.reused = 0
+
+
+class Scheduler:
+    """Continuous batching on one model (see the module docstring).
+
+    Args:
+        model: a transformers causal LM kvstate supports.
+        max_batch: streams decoding at once; more requests wait in FIFO order.
+        rows: the tile of the packed forward: it always has a multiple of ``rows`` rows, and matrix
+            products run ``rows`` rows at a time. Answers are the same for any batch under one ``rows``.
+        invariant: False packs exactly the running rows with plain kernels (faster when few streams
+            run; a row's bits then depend on its batch). For measuring the invariance tax.
+        prefill_tokens: a step admits prompts until this many prompt tokens were admitted (one prompt at
+            least), so the running streams' next tokens never wait for a whole burst of prefills; None:
+            admit every request that fits.
+        share_prefixes: a prompt resumes from the longest prefix it shares with the last ``max_batch``
+            admitted prompts (``kvstate.batch.prefixes``; bitwise the cold answer). A server whose
+            requests belong to different keys turns it off and uses one pool namespace per key.
+        canonical_chunk, chunk_size, sources, tokenizer: as for ``Session``.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
+                 prefill_tokens: int | None = None, share_prefixes: bool = True, canonical_chunk: int = 64,
+                 chunk_size: int = 512,
+                 sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None) -> None:
+        from ..adapters.fingerprinting import fingerprint as digest
+        from ..selfcheck import bind
+
+        budget = 1 if prefill_tokens is None else prefill_tokens
+        for name, value in (("max_batch", max_batch), ("rows", rows), ("prefill_tokens", budget)):
+            if not _int_in(value, 1, None):
+                raise InputError(f"Scheduler {name} must be a positive int", expected=">= 1", found=repr(value),
+                                 fix=f"pass {name}=8, say")
+        self.model, self.max_batch, self.prefill_tokens = model, max_batch, prefill_tokens
+        self.canonical_chunk, self.chunk_size = canonical_chunk, chunk_size
+        self.sources = (*sources, *((RecentPrompts(max_batch),) if share_prefixes else ()))
+        self.fingerprint = fingerprint or digest(model, tokenizer)
+        self.engine = Engine(bind(model))
+        self._packed = Packed(self.engine, rows, invariant)
+        self._single = Single(self.engine, FeedSettings(chunk_size, canonical=canonical_chunk))
+        self._handles = itertools.count()
+        self._waiting: deque[_Job] = deque()
+        self._running: list[_Job] = []
+        self._cancelled: set[int] = set()
+        self._stopping: set[int] = set()
+
+    @property
+    def busy(self) -> bool:
+        """Requests wait or run."""
+        return bool(self._waiting or self._running)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def packing(self) -> bool:
+        """Whether attention-only conversations share decode forwards on this model: False once the model
+        refused a packed forward (it asked for one sequence length, or attends outside transformers'
+        attention interface); they then decode one per forward, still alone-equal."""
+        return self._packed.usable
+
+    def submit(self, request: BatchRequest) -> int:
+        """Queue ``request``; it is admitted at a step boundary. Returns its handle."""
+        if not isinstance(request, BatchRequest):
+            raise InputError("Scheduler.submit takes a BatchRequest", expected="BatchRequest",
+                             found=type(request).__name__, fix="wrap the ids in kvstate.batch.BatchRequest")
+        device = next(self.model.parameters()).device
+        job = _Job(next(self._handles), request, Sampler(request.sampling, request.top_logprobs, device))
+        self._waiting.append(job)
+        return job.handle
+
+    def cancel(self, handle: int) -> None:
+        """Drop request ``handle`` at the next step boundary (its ``Done`` says ``cancelled``, with no state)."""
+        self._cancelled.add(handle)
+
+    def stop(self, handle: int) -> None:
+        """End request ``handle``'s answer at the next step boundary, as a stop id would (``Done`` says
+        ``stop`` and carries the state): a server that found a stop string in the text."""
+        self._stopping.add(handle)
+
+    def abort(self) -> list[int]:
+        """Drop every waiting and running request without events (after a failed step); their handles."""
+        jobs = [*self._waiting, *self._running]
+        for job in self._running:
+            job.decoder.close(job.stream)  # type: ignore[union-attr, arg-type]
+        self._waiting.clear()
+        self._running.clear()
+        return [job.handle for job in jobs]
+
+    def run(self) -> Iterator[Event]:
+        """Steps until nothing waits or runs, yielding each event as soon as it happens."""
+        while self.busy:
+            yield from self.stepping()
+
+    def step(self) -> list[Event]:
+        """Drop cancelled requests, admit waiting ones, then one decode step for every running stream."""
+        return list(self.stepping())
+
+    def stepping(self) -> Iterator[Event]:
+        """``step``, yielding each event as soon as it happens (a first token right after its prefill)."""
+        yield from self._ends()
+        admitted = 0  # prompt tokens admitted in this step
+        while self._waiting and len(self._running) < self.max_batch and self._room(admitted):
+            job = self._waiting.popleft()
+            admitted += torch.as_tensor(job.request.ids).shape[-1]
+            try:
+                choice = self._admit(job)
+            except Exception as exc:  # the request's own input failed: the batch goes on without it
+                yield Failed(job.handle, exc)
+                continue
+            yield from self._took(job, choice)
+        for decoder in (self._packed, self._single):
+            ending = self._cancelled | self._stopping  # asked during this step: they sit its decode out
+            jobs = [j for j in self._running if j.decoder is decoder and j.handle not in ending]
+            if jobs:  # every choice is recorded before the first event goes out: a caller may stop reading
+                events = [e for job, row in zip(jobs, self._decode(decoder, jobs), strict=True)
+                          for e in self._took(job, job.sampler.choose(row))]
+                yield from events
+
+    # ----- internals -----------------------------------------------------------------------------
+    def _room(self, admitted: int) -> bool:
+        """Whether this step may admit another prompt after ``admitted`` prompt tokens."""
+        return self.prefill_tokens is None or admitted == 0 or admitted < self.prefill_tokens
+
+    def _decode(self, decoder: Packed | Single, jobs: list[_Job]) -> list[torch.Tensor]:
+        """One decode step of ``jobs``; a model that refuses its first packed forward decodes them one per
+        forward from then on (their prefilled states are untouched)."""
+        streams, tokens = [j.stream for j in jobs], [j.choices[-1].token for j in jobs]
+        try:
+            return decoder.step(streams, tokens)  # type: ignore[arg-type]
+        except Unpackable:
+            for job in jobs:
+                job.decoder = self._single
+            return self._single.step(streams, tokens)  # type: ignore[arg-type]
+
+    def _admit(self, job: _Job) -> Choice:
+        """Prefill ``job``'s history as ``Session`` does; the first token from the prompt's logits."""
+        from ..session import Session
+
+        request = job.request
+        ids = torch.as_tensor(request.ids, dtype=torch.long)
+        ids = ids[None] if ids.dim() == 1 else ids
+        session = Session(self.model, state=request.state, sources=(*request.sources, *self.sources),
+                          chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
+                          _fingerprint=self.fingerprint)
+        outcome = session.run(ids, max_new_tokens=1, do_sample=False, **dict(request.inputs))
+        job.prefilled, job.reused = outcome.prefilled, outcome.reused
+        job.stream = Stream(outcome.prefilled)
+        packs = self._packed.usable and packable(self.engine, outcome.prefilled)
+        job.decoder = self._packed if packs else self._single
+        self._running.append(job)  # only now: a refused request holds nothing
+        return job.sampler.choose(outcome.prefilled.last_logits[0])  # type: ignore[index]
+
+    def _took(self, job: _Job, choice: Choice) -> list[Event]:
+        """Record ``choice``; finish the job when it ends the answer."""
+        job.choices.append(choice)
+        events: list[Event] = [Token(job.handle, choice)]
+        stops = job.request.stop_ids if job.request.stop_ids is not None else _eos_ids(self.model)
+        if choice.token in stops:
+            events.append(self._finish(job, "stop"))
+        elif len(job.choices) >= job.request.max_new_tokens:
+            events.append(self._finish(job, "length"))
+        return events
+
+    def _finish(self, job: _Job, reason: str) -> Done:
+        self._running.remove(job)
+        assert job.decoder is not None and job.stream is not None
+        if reason == "cancelled":
+            job.decoder.close(job.stream)
+            state = None
+        else:
+            state = job.decoder.finish(job.stream)
+        completion = Completion(tuple(c.token for c in job.choices), tuple(c.logprob for c in job.choices),
+                                tuple(c.top for c in job.choices), reason, state, job.prefilled, job.reused)
+        return Done(job.handle, completion)
+
+    def _ends(self) -> Iterator[Done]:
+        """``Done`` for the requests cancelled or stopped since the last step."""
+        for job in [j for j in self._waiting if j.handle in self._cancelled | self._stopping]:
+            self._waiting.remove(job)
+            yield Done(job.handle, Completion((), (), (), "cancelled", None, None, 0))
+        for job in [j for j in self._running if j.handle in self._cancelled | self._stopping]:
+            yield self._finish(job, "cancelled" if job.handle in self._cancelled else "stop")
+        self._cancelled.clear()
+        self._stopping.clear()
+
+
+def generate_many(model: torch.nn.Module, requests: Sequence[BatchRequest], **settings: Any) -> list[Completion]:
+    """Answer every request, batched (``Scheduler(model, **settings)``); completions in request order."""
+    scheduler = Scheduler(model, **settings)
+    handles = [scheduler.submit(r) for r in requests]
+    done = {}
+    for event in scheduler.run():
+        if isinstance(event, Failed):
+            raise event.error
+        if isinstance(event, Done):
+            done[event.handle] = event.completion
+    return [done[h] for h in handles]
+
+
+def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def _int_in(value: object, low: int, high: int | None) -> bool:
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return not isinstance(value, bool) and n >= low and (high is None or n <= high)

@@ -1,0 +1,184 @@
+"""Decode steps for many conversations (``kvstate.batch``): packed into one forward, or one forward each
+(issue 25).
+
+A ``Stream`` is one conversation past its prompt: its prefilled ``State`` (with the prompt's
+last logits), the token it feeds next, and whatever its decoder keeps between steps. A decoder
+turns ``n`` streams' next tokens into ``n`` logits rows ``[V]`` and, at the end, a stream into the
+``State`` after its answer (the history and every new token but the last, as
+``Session.generate`` leaves it).
+
+* ``Packed`` (attention-only families): one forward of batch 1 whose rows are the streams' tokens
+  (``kvstate._compat.packed``). Invariant: the forward always has ``P`` rows, a multiple of the
+  tile ``rows``, every matrix product outside attention runs in tiles of ``rows`` rows
+  (``kvstate.engine.invariant``), and attention is computed per stream over its own K/V with the
+  shapes it has alone. A model that cannot be packed so raises ``Unpackable`` at its first packed
+  step, before any stream changed (the scheduler then moves them to ``Single``). CPU
+  element-wise kernels compute the last ``< 64`` elements of a tensor in a scalar loop whose
+  rounding may differ (measured: ``docs/batching.md``); when ``rows`` times some width of the model
+  is not a multiple of 64, that tail could fall on a real row, so ``P`` then keeps a padding row
+  at the end. ``invariant=False`` packs ``n`` rows with plain kernels (the
+  invariance tax's baseline; a row's bits then depend on ``n``).
+* ``Single`` (recurrent and hybrid families, compressed states, families whose decode needs
+  more inputs than a token): one ``Engine.feed`` per stream and step, the path
+  ``Session`` takes; trivially invariant, since no forward holds two streams.
+
+Shapes: one stream, one row; ``positions`` ``[1, 1(, R)]``; logits rows ``[V]``.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, nullcontext
+
+import torch
+
+from .._compat.packed import PackedCache, Unpackable, packed
+from ..adapters.binding import Live
+from ..errors import UnsupportedError
+from ..layers import AttentionLayerState
+from ..state import State, next_position_after
+from .core import Engine
+from .invariant import tiled_linear
+from .recorder import Forward
+from .values import FeedSettings
+
+__all__ = ["Packed", "Single", "Stream", "Unpackable", "packable"]
+
+
+class Stream:
+    """One conversation's decode (see the module docstring); ``state`` is the prefilled state until
+    ``Single`` replaces it step by step."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.fed: list[int] = []  # tokens fed so far, in order
+        self.positions: list[torch.Tensor] = []  # their positions, [1, 1(, R)] each
+        self.next_position = state.next_position
+        self.last: torch.Tensor | None = None  # logits row [V] after the last fed token
+        self.live: Live | None = None
+        self.hold = ExitStack()  # what keeps ``live`` attached
+
+
+def packable(engine: Engine, state: State) -> bool:
+    """Whether ``state``'s decode can share a forward: attention layers only, uncompressed, positions
+    passed explicitly, and a decode token needs no model input but itself."""
+    caps = engine.binding.caps
+    if caps.stepwise or not caps.position_ids or state.is_compressed or state.batch_size != 1:
+        return False
+    if not all(type(layer) is AttentionLayerState for layer in state.layers):
+        return False
+    token = state.tokens.new_zeros(1, 1)
+    return not engine.runtime.forward_inputs(state.tokens, token, {})
+
+
+class Packed:
+    """Decode steps of attention-only streams in one forward (see the module docstring)."""
+
+    def __init__(self, engine: Engine, rows: int, invariant: bool = True) -> None:
+        self.engine, self.rows, self.invariant = engine, rows, invariant
+        self.spare = not _tail_free(engine.model, rows)
+        self.usable = True  # False once the model refused a packed forward (``Unpackable``)
+        self._attention = {i for i, layer in enumerate(engine.binding.layout.empty_layers(0))
+                           if type(layer) is AttentionLayerState}
+
+    def step(self, streams: list[Stream], tokens: list[int]) -> list[torch.Tensor]:
+        """Feed ``tokens[i]`` to ``streams[i]``; the logits row after it, per stream."""
+        engine, n = self.engine, len(streams)
+        P = self.rows * -(-(n + self.spare) // self.rows) if self.invariant else n
+        device = streams[0].state.device
+        ids = torch.zeros(1, P, dtype=torch.long, device=device)
+        ids[0, :n] = torch.tensor(tokens, dtype=torch.long, device=device)
+        ones = torch.ones(1, 1, dtype=torch.bool, device=device)
+        own = [engine.binding.inputs.positions(s.next_position, ids[:, i:i + 1], ones, {})
+               for i, s in enumerate(streams)]
+        positions = torch.cat([*own, *[torch.zeros_like(own[0])] * (P - n)], dim=1)
+        cache = PackedCache([self._live(s).cache for s in streams])
+        call = {"input_ids": ids, "position_ids": engine.runtime.model_positions(positions), "use_cache": True,
+                engine.cache_kwarg: cache}
+        tiles = tiled_linear(self.rows) if self.invariant else nullcontext()
+        try:
+            with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles:
+                logits = engine.model(**call).logits[0, :n]  # [n, V]
+            self._check(cache)
+        except Unpackable:
+            self._give_up(streams)
+            raise
+        for i, s in enumerate(streams):
+            s.fed.append(tokens[i])
+            s.positions.append(own[i])
+            s.next_position = next_position_after(own[i], ones, s.next_position)
+            s.last = logits[i].clone()
+        return [s.last for s in streams]  # type: ignore[misc]
+
+    def finish(self, stream: Stream) -> State:
+        """The state after the stream's fed tokens (its K/V read back from its cache, as ``Engine`` reads a
+        ``generate``'s)."""
+        state = stream.state
+        if not stream.fed:
+            stream.hold.close()
+            return state
+        assert stream.live is not None and stream.last is not None
+        fed = torch.tensor([stream.fed], dtype=torch.long, device=state.device)
+        mask = torch.ones(1, state.tokens_seen + len(stream.fed), dtype=torch.bool, device=state.device)
+        seen = Forward(torch.cat(stream.positions, dim=1), stream.last[None])
+        try:
+            return self.engine._advance(state, fed, mask, seen, stream.live)
+        finally:
+            stream.hold.close()
+
+    def close(self, stream: Stream) -> None:
+        stream.hold.close()
+
+    def _live(self, stream: Stream) -> Live:
+        if stream.live is None:
+            stream.live = stream.hold.enter_context(self.engine.runtime.attached(stream.state))
+        return stream.live
+
+    def _check(self, cache: PackedCache) -> None:
+        """Every attention layer ran through the packed attention (else the rows saw each other)."""
+        if cache.attended != self._attention:
+            raise Unpackable(f"{self.engine.binding.caps.name}: a packed decode needs every attention layer to call "
+                             "transformers' attention interface", expected=sorted(self._attention),
+                             found=sorted(cache.attended), fix="decode one conversation per forward")
+
+    def _give_up(self, streams: list[Stream]) -> None:
+        """After a refused first forward: never pack again, and drop the caches it half filled (each stream's
+        ``state`` is still its prefilled state, so ``Single`` continues it)."""
+        self.usable = False
+        for stream in streams:
+            if stream.fed:  # a model that packed before and refuses now: nothing to fall back on
+                raise UnsupportedError("a packed decode failed after earlier packed steps",
+                                       found=self.engine.binding.caps.name, fix="use max_batch=1")
+            stream.hold.close()
+            stream.live = None
+
+
+def _tail_free(model: torch.nn.Module, rows: int) -> bool:
+    """Whether ``rows`` rows of every width of ``model`` fill whole 64-element vector blocks (no scalar tail)."""
+    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr, operator]
+    names = ("hidden_size", "intermediate_size", "head_dim", "vocab_size")
+    widths = [getattr(config, name, None) for name in names]
+    return all(isinstance(w, int) and rows * w % 64 == 0 for w in widths)
+
+
+class Single:
+    """Decode steps one stream per forward, through ``Engine.feed`` (see the module docstring)."""
+
+    def __init__(self, engine: Engine, settings: FeedSettings) -> None:
+        self.engine, self.settings = engine, settings
+
+    def step(self, streams: list[Stream], tokens: list[int]) -> list[torch.Tensor]:
+        rows = []
+        for stream, token in zip(streams, tokens, strict=True):
+            state = stream.state
+            ids = torch.tensor([[token]], dtype=torch.long, device=state.device)
+            mask = torch.ones(1, state.tokens_seen + 1, dtype=torch.bool, device=state.device)
+            stream.state = self.engine.feed(state, self.engine.feed_for(state, ids, mask, {}), self.settings)
+            stream.fed.append(token)
+            rows.append(stream.state.last_logits[0].clone())  # type: ignore[index]
+        return rows
+
+    def finish(self, stream: Stream) -> State:
+        return stream.state
+
+    def close(self, stream: Stream) -> None:
+        """Nothing is held between steps."""

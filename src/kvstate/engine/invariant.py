@@ -1,0 +1,118 @@
+"""Batch-invariant linear layers: every matrix product runs on tiles of exactly ``rows`` rows (issue 25).
+
+A CPU or GPU matrix kernel is chosen by the number of rows: measured on this project's CPU
+(``docs/batching.md``), a row of ``F.linear`` over ``M`` rows differs from the same row over
+``M'`` rows for most ``M != M'`` (fp32 and bf16, 1 and 2 threads). For a *fixed* row count the
+result of a row did not depend on its place among the rows, on the other rows' contents, or on
+zero padding. So inside ``tiled_linear(rows)`` each ``F.linear`` pads its input to a multiple of
+``rows`` and runs one product per tile of ``rows`` rows: a row's bits are those of the tile
+kernel, whoever shares its forward.
+
+Other matrix products outside the per-stream attention: ``[M, K] @ [K, N]`` (MoE experts over the rows
+routed to them) is tiled the same way; a product over one term (RoPE's angles) is exact as it is;
+any other raises ``Unpackable``, and the conversations then decode one per forward.
+
+The mode is a ``torch.overrides.TorchFunctionMode``: it applies to the calling thread only, and only
+inside the ``with`` block (nothing is patched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .._compat.packed import Unpackable, attending
+
+
+def tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed in tiles of ``rows`` rows (``x`` ``[..., K]``, zero-padded)."""
+    K = x.shape[-1]
+    flat = x.reshape(-1, K)
+    M = flat.shape[0]
+    pad = -M % rows
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, K)])
+    out = torch.cat([F.linear(flat[i:i + rows], weight, bias) for i in range(0, M + pad, rows)])
+    return out[:M].reshape(*x.shape[:-1], out.shape[-1])
+
+
+def tiled_mm(a: torch.Tensor, b: torch.Tensor, rows: int,
+             product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.mm) -> torch.Tensor:
+    """``product(a, b)`` (``a @ b``) for ``a`` ``[M, K]``, ``b`` ``[K, N]``, in tiles of ``rows`` rows of ``a``
+    (zero-padded)."""
+    M, pad = a.shape[0], -a.shape[0] % rows
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+    return torch.cat([product(a[i:i + rows], b) for i in range(0, M + pad, rows)])[:M]
+
+
+def tiled_grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """``grouped_mm``: rows ``[offs[g-1], offs[g])`` of ``a`` ``[S, K]`` times ``b[g]`` ``[K, N]`` (MoE experts),
+    each group in tiles of ``rows`` rows."""
+    out, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out.append(tiled_mm(a[start:end], b[g], rows))
+        start = end
+    return torch.cat(out) if out else a.new_zeros(0, b.shape[-1])
+
+
+def _plain_grouped(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """A grouped product of 2-D rows by 3-D expert weights with offsets, nothing else (no bias, no out dtype)."""
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    rest = {k: v for k, v in kwargs.items() if k != "offs" and v is not None}
+    return (len(args) >= 2 and isinstance(offs, torch.Tensor) and args[0].dim() == 2 and args[1].dim() == 3
+            and not rest and len(args) <= 3)
+
+
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
+_GROUPED = tuple(f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None)
+_PRODUCTS = {torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.addmm, torch.Tensor.addmm,
+             torch.addbmm, torch.Tensor.addbmm, torch.einsum, torch.Tensor.__rmatmul__, *_GROUPED, *_MATMUL}
+
+
+class _TiledLinear(TorchFunctionMode):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:  # the mode is off inside this call, so the tiles run the plain kernel
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            return tiled(x, weight, bias, self.rows)
+        if func in _PRODUCTS and not attending():
+            return self._product(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _product(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A matrix product outside attention: tiled when it is ``[M, K] @ [K, N]`` (MoE experts over their
+        routed rows), exact as is when it sums over one term (RoPE's angles), refused otherwise."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func in _MATMUL and len(tensors) == 2 and not kwargs and all(t.dim() == 2 for t in tensors):
+            return tiled_mm(tensors[0], tensors[1], self.rows)
+        if func in (torch.addmm, torch.Tensor.addmm) and len(tensors) == 3 and not kwargs and \
+                tensors[0].dim() <= 1 and tensors[1].dim() == tensors[2].dim() == 2:  # GPT-2's Conv1D
+            bias, a, b = tensors
+            return tiled_mm(a, b, self.rows, lambda x, w: torch.addmm(bias, x, w))
+        if func in _GROUPED and _plain_grouped(args, kwargs):
+            return tiled_grouped(*args[:2], args[2] if len(args) > 2 else kwargs["offs"], self.rows)
+        if func in _MATMUL and len(tensors) == 2 and tensors[0].shape[-1] == 1:
+            return func(*args, **kwargs)
+        raise Unpackable(f"a matrix product ({getattr(func, '__name__', func)}) whose rows the packed forward "
+                         "cannot tile", found=[tuple(t.shape) for t in tensors],
+                         fix="decode one conversation per forward")
+
+
+@contextmanager
+def tiled_linear(rows: int) -> Iterator[None]:
+    """Inside, every ``F.linear`` (``nn.Linear`` included) on this thread runs in tiles of ``rows`` rows."""
+    with _TiledLinear(rows):
+        yield

@@ -1,0 +1,181 @@
+"""``kvstate serve --max-batch N``: requests decode together, each answer bit for bit what it gets alone.
+
+``BatchRunner`` is a ``Runner`` whose model thread drives one ``kvstate.batch.Scheduler``
+(continuous batching, issue 25) instead of one ``Session`` per request. The HTTP side is the
+same: one bounded queue (``max_queue`` waiting or running, then a 429), streamed text, and
+cancel-on-disconnect (a cancelled request leaves the batch at the next step and commits
+nothing). The loop on the model thread takes new jobs, cancels the ones whose clients left,
+runs one scheduler step (admissions, then one decode step for every running request), and
+hands each token to its request's streamer.
+
+What runs batched: greedy and plain sampling (``temperature``, ``top_p``, ``top_k``, ``seed``)
+with ``stop`` strings. A request with options the per-request sampler does not have (penalties,
+``logit_bias``, ``min_p``, ``repetition_penalty``) runs through ``Session.generate`` between two
+steps, as ``Runner`` runs it: alone, so its answer is its answer alone too. Each finished
+answer's state joins the namespace's pool (its prompt's state went to the pool and the store
+at admission), and is settled into canonical chunks when the model is idle.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from ..batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token
+from ..batch.scheduler import Completion
+from ..errors import KVStateError
+from .errors import BadRequest
+from .runner import Cancelled, Job, Result, Runner, _Streamer
+
+_BATCHED_OPTIONS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "stop_strings"}
+
+
+class _Active:
+    """A job inside the scheduler: its future, its streamer and when it started."""
+
+    def __init__(self, job: Job, future: concurrent.futures.Future[Result], streamer: _Streamer) -> None:
+        self.job, self.future, self.streamer = job, future, streamer
+        self.started = time.perf_counter()
+
+
+class BatchRunner(Runner):
+    """``Runner``'s queue, cancellation and pool, with batched decoding (see the module docstring)."""
+
+    def __init__(self, *args: Any, max_batch: int = 8, rows: int = 16, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # a burst of prompts is admitted about chunk_size tokens a step, so running answers keep streaming;
+        # prefixes are shared through each key's pool namespace, never across keys
+        self.scheduler = Scheduler(self.model, max_batch=max_batch, rows=rows, prefill_tokens=self.chunk_size,
+                                   share_prefixes=False, canonical_chunk=self.canonical_chunk,
+                                   chunk_size=self.chunk_size, fingerprint=self.fingerprint)
+        self._inbox: deque[tuple[Job, concurrent.futures.Future[Result]]] = deque()
+        self._active: dict[int, _Active] = {}
+        self._settle_later: list[tuple[str, Any]] = []
+        self._looping = False
+        self.peak = 0  # the most requests that ever decoded together
+
+    def submit(self, job: Job) -> concurrent.futures.Future[Result]:
+        """Queue ``job``; a full queue is a 429 before anything is queued."""
+        future: concurrent.futures.Future[Result] = concurrent.futures.Future()
+        with self._lock:
+            self._count(job)
+            self._inbox.append((job, future))
+            start, self._looping = not self._looping, True
+        future.add_done_callback(lambda _: self._done(job))
+        if start:
+            self._executor.submit(self._loop)
+        return future
+
+    def close(self) -> None:
+        """``Runner.close``; then any job whose loop never started (the executor dropped it) is cancelled too."""
+        super().close()
+        with self._lock:
+            left, self._inbox = list(self._inbox), deque()
+        for _, future in left:
+            future.set_exception(Cancelled())
+
+    # ----- the model thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        """Steps while anything waits or runs; then settles the answers and returns the thread."""
+        while True:
+            with self._lock:
+                new = list(self._inbox)
+                self._inbox.clear()
+                if not new and not self.scheduler.busy:
+                    self._looping = False
+                    break
+            for job, future in new:
+                self._take(job, future)
+            for handle, active in self._active.items():
+                if active.job.cancelled.is_set():
+                    self.scheduler.cancel(handle)
+            self.peak = max(self.peak, self.scheduler.running)
+            try:
+                for event in self.scheduler.stepping():
+                    self._dispatch(event)
+            except Exception as exc:  # a shared forward failed: every running request fails with it
+                logging.getLogger("kvstate.serve").error("a batched step failed", exc_info=True)
+                self._fail_all(exc)
+        for namespace, state in self._settle_later:
+            self._settle(namespace, state)
+        self._settle_later.clear()
+
+    def _take(self, job: Job, future: concurrent.futures.Future[Result]) -> None:
+        """Hand ``job`` to the scheduler, or run it alone now when its options are not the sampler's."""
+        if job.cancelled.is_set():
+            future.set_exception(Cancelled())
+            return
+        request = self._batch_request(job)
+        if request is None:
+            try:
+                future.set_result(self._run(job))
+            except Exception as exc:
+                future.set_exception(exc)
+            return
+        handle = self.scheduler.submit(request)
+        streamer = _Streamer(self.tokenizer, job)
+        streamer.put(torch.tensor(job.prompt.ids))  # what generate's streamer sees first: the history
+        self._active[handle] = _Active(job, future, streamer)
+
+    def _batch_request(self, job: Job) -> BatchRequest | None:
+        options = dict(job.request.options)
+        if set(options) - _BATCHED_OPTIONS:
+            return None
+        sampling = Sampling(options["temperature"], options.get("top_k", 0), options.get("top_p", 1.0),
+                            seed=job.request.seed) if options.get("do_sample") else Sampling()
+        store = self.store_for(job.namespace)
+        sources = (self.pool.source(job.namespace), *(() if store is None else (store,)))
+        return BatchRequest(torch.tensor(job.prompt.ids), max_new_tokens=options["max_new_tokens"],
+                            sampling=sampling, inputs=job.inputs, sources=sources)
+
+    def _dispatch(self, event: Token | Done | Failed) -> None:
+        active = self._active.get(event.handle)
+        if active is None:
+            return
+        if isinstance(event, Token):
+            self._token(event.handle, active, event.choice.token)
+        elif isinstance(event, Done):
+            del self._active[event.handle]
+            self._finish(active, event.completion)
+        else:
+            del self._active[event.handle]
+            error = event.error  # the request's own mistake is a 400, as Runner reports it; anything else a 500
+            refused = isinstance(error, (ValueError, TypeError)) and not isinstance(error, KVStateError)
+            active.future.set_exception(BadRequest(f"invalid request: {error}") if refused else error)
+
+    def _token(self, handle: int, active: _Active, token: int) -> None:
+        try:
+            active.streamer.put(torch.tensor([token]))
+        except Cancelled:
+            self.scheduler.cancel(handle)
+            return
+        if active.streamer.stop and active.streamer._text(active.streamer.tokens)[1]:
+            self.scheduler.stop(handle)  # the answer is complete; it keeps its state, as generate's stop does
+
+    def _finish(self, active: _Active, completion: Completion) -> None:
+        job = active.job
+        if completion.finish_reason == "cancelled":
+            active.future.set_exception(Cancelled())
+            return
+        tokens = list(completion.tokens)
+        text, stopped = active.streamer.final(tokens)
+        finish = "stop" if stopped else completion.finish_reason
+        if completion.state is not None:
+            self.pool.put(job.namespace, completion.state)
+            if self.canonical_chunk:
+                self._settle_later.append((job.namespace, completion.state))
+        result = Result(text, finish, len(job.prompt.ids), len(tokens), completion.reused,
+                        time.perf_counter() - active.started)
+        self.metrics.record(result)
+        active.future.set_result(result)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for handle in self.scheduler.abort():
+            active = self._active.pop(handle, None)
+            if active is not None:
+                active.future.set_exception(exc)

@@ -1,0 +1,145 @@
+"""Issue 25 in the server: ``kvstate serve --max-batch N`` answers concurrent requests, each bit for bit
+as it answers the request alone, with the queue, 429s and cancel-on-disconnect of the one-at-a-time server.
+
+"Alone" is the same server asked one request at a time; greedy answers are also checked against
+plain ``model.generate`` (an oracle kvstate does not produce), cut at the stop strings by the test's rule.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from tests.serving import client, live, make_server, reference
+
+from kvstate.serve.chat import Renderer
+from kvstate.serve.cli import load
+
+TOPICS = ["the sea", "bread", "owls", "rain", "maps", "tea", "salt", "ferns"]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple:
+    return load("tiny:llama")
+
+
+def ask(api, i: int, stream: bool) -> tuple[str, str, int]:
+    """Request ``i``: even ones greedy, odd ones sampled with seed ``i``; ``(text, finish, completion tokens)``."""
+    options = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": i}
+    messages = [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}]
+    if not stream:
+        r = api.chat.completions.create(model="tiny:llama", messages=messages, max_tokens=12, **options)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+    parts, finish, used = [], None, None
+    for chunk in api.chat.completions.create(model="tiny:llama", messages=messages, max_tokens=12, stream=True,
+                                             stream_options={"include_usage": True}, **options):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            used = chunk.usage.completion_tokens
+    return "".join(parts), finish, used
+
+
+def test_concurrent_requests_get_their_answers_alone(tiny):
+    model, tokenizer = tiny
+    server = make_server(model, tokenizer, max_batch=8)
+    with live(server) as url:
+        api = client(url)
+        alone = [ask(api, i, stream=bool(i % 3)) for i in range(8)]
+        together: list = [None] * 8
+        threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, ask(client(url), i, bool(i % 3))))
+                   for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert server.runner.peak > 1, "the requests never shared a forward"
+    assert together == alone
+    renderer = Renderer(tokenizer)
+    for i in range(0, 8, 2):
+        messages = [{"role": "user", "content": f"Tell me about {TOPICS[i]}."}]
+        assert alone[i][0] == reference(model, tokenizer, renderer.chat(messages).ids, 12), i
+
+
+def test_a_conversation_resumes_from_the_pool(tiny):
+    model, tokenizer = tiny
+    server = make_server(model, tokenizer, max_batch=4)
+    with live(server) as url:
+        api = client(url)
+        messages = [{"role": "user", "content": "Hello there, tell me a story."}]
+        first = api.chat.completions.create(model="tiny:llama", messages=messages, max_tokens=8, temperature=0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And then?"}]
+        second = api.chat.completions.create(model="tiny:llama", messages=messages, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    ids = Renderer(tokenizer).chat(messages).ids
+    assert second.choices[0].message.content == reference(model, tokenizer, ids, 8)
+
+
+def test_a_full_queue_is_a_429_and_a_disconnect_leaves_the_server_healthy(tiny):
+    import openai
+
+    model, tokenizer = tiny
+    server = make_server(model, tokenizer, max_batch=4, max_queue=2)
+    long = {"temperature": 0, "logit_bias": None, "stop": None}
+    with live(server) as url:
+        api = client(url)
+        streams = [api.chat.completions.create(model="tiny:llama", messages=[{"role": "user", "content": "Talk."}],
+                                               max_tokens=2000, stream=True, **long) for _ in range(2)]
+        for s in streams:
+            next(iter(s))  # both are running
+        with pytest.raises(openai.RateLimitError):
+            api.chat.completions.create(model="tiny:llama", messages=[{"role": "user", "content": "Hi"}],
+                                        max_tokens=2)
+        for s in streams:
+            s.close()  # the clients go away
+        deadline = time.monotonic() + 30
+        while server.runner.pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.runner.pending == 0, "a cancelled request never left the batch"
+        text, finish, _ = ask(api, 0, stream=False)
+    assert finish in ("stop", "length") and text == ask_alone(model, tokenizer)
+
+
+def ask_alone(model, tokenizer) -> str:
+    messages = [{"role": "user", "content": f"Tell me about {TOPICS[0]}."}]
+    return reference(model, tokenizer, Renderer(tokenizer).chat(messages).ids, 12)
+
+
+def test_concurrent_requests_share_a_system_prompt_computed_once(tiny):
+    model, tokenizer = tiny
+    server = make_server(model, tokenizer, max_batch=4)
+    system = {"role": "system", "content": "You are a terse assistant who answers about the weather in one line."}
+    results: list = [None] * 4
+
+    def one(i: int) -> None:
+        messages = [system, {"role": "user", "content": f"Day {i}?"}]
+        r = client(url).chat.completions.create(model="tiny:llama", messages=messages, max_tokens=6, temperature=0)
+        results[i] = (messages, r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
+
+    with live(server) as url:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    renderer = Renderer(tokenizer)
+    shared = len(renderer.chat([system]).ids) // 8 * 8  # whole canonical chunks of the system prompt
+    cached = [r[2] for r in results]
+    assert sum(c > 0 for c in cached) >= 3 and all(c >= shared for c in cached if c), cached  # all but the first
+    for messages, answer, _ in results:
+        assert answer == reference(model, tokenizer, renderer.chat(messages).ids, 6)
+
+
+def test_options_the_sampler_lacks_run_alone_as_the_one_at_a_time_server_runs_them(tiny):
+    model, tokenizer = tiny
+    body = {"messages": [{"role": "user", "content": "Penalize me."}], "max_tokens": 8, "temperature": 0,
+            "frequency_penalty": 1.5, "logit_bias": {"5": -100}}
+    answers = []
+    for max_batch in (1, 4):
+        with live(make_server(model, tokenizer, max_batch=max_batch)) as url:
+            r = client(url).chat.completions.create(model="tiny:llama", **body)
+            answers.append((r.choices[0].message.content, r.usage.completion_tokens))
+    assert answers[0] == answers[1]
