@@ -24,22 +24,29 @@ def tiny() -> tuple:
     return load("tiny:llama")
 
 
-def ask(api, i: int, stream: bool) -> tuple[str, str, int]:
-    """Request ``i``: even ones greedy, odd ones sampled with seed ``i``; ``(text, finish, completion tokens)``."""
+def ask(api, i: int, stream: bool) -> tuple:
+    """Request ``i``: even ones greedy, odd ones sampled with seed ``i``; every fourth from 1 and 2 also asks for
+    logprobs with 3 alternatives. ``(text, finish, completion tokens, logprobs as plain data)``."""
     options = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": i}
+    if i % 4 in (1, 2):
+        options.update(logprobs=True, top_logprobs=3)
     messages = [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}]
     if not stream:
         r = api.chat.completions.create(model="tiny:llama", messages=messages, max_tokens=12, **options)
-        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
-    parts, finish, used = [], None, None
+        lp = r.choices[0].logprobs
+        return (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens,
+                None if lp is None else [t.model_dump() for t in lp.content])
+    parts, finish, used, lps = [], None, None, []
     for chunk in api.chat.completions.create(model="tiny:llama", messages=messages, max_tokens=12, stream=True,
                                              stream_options={"include_usage": True}, **options):
         if chunk.choices:
             parts.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
+            if chunk.choices[0].logprobs is not None:
+                lps += [t.model_dump() for t in chunk.choices[0].logprobs.content]
         if chunk.usage is not None:
             used = chunk.usage.completion_tokens
-    return "".join(parts), finish, used
+    return "".join(parts), finish, used, lps or None
 
 
 def test_concurrent_requests_get_their_answers_alone(tiny):
@@ -56,7 +63,13 @@ def test_concurrent_requests_get_their_answers_alone(tiny):
         for t in threads:
             t.join(timeout=300)
         assert server.runner.peak > 1, "the requests never shared a forward"
-    assert together == alone
+    assert together == alone  # text, finish, usage and every logprob, bit for bit
+    for i, answer in enumerate(alone):
+        assert (answer[3] is not None) == (i % 4 in (1, 2)), i
+        for token in answer[3] or ():  # the chosen token's logprob is in place among the alternatives
+            assert token["top_logprobs"] and token["logprob"] <= token["top_logprobs"][0]["logprob"], i
+        if i % 4 == 2:  # greedy: the chosen token is the most likely one
+            assert all(t["token"] == t["top_logprobs"][0]["token"] for t in answer[3]), i
     renderer = Renderer(tokenizer)
     for i in range(0, 8, 2):
         messages = [{"role": "user", "content": f"Tell me about {TOPICS[i]}."}]
@@ -99,7 +112,7 @@ def test_a_full_queue_is_a_429_and_a_disconnect_leaves_the_server_healthy(tiny):
         while server.runner.pending and time.monotonic() < deadline:
             time.sleep(0.02)
         assert server.runner.pending == 0, "a cancelled request never left the batch"
-        text, finish, _ = ask(api, 0, stream=False)
+        text, finish, _, _ = ask(api, 0, stream=False)
     assert finish in ("stop", "length") and text == ask_alone(model, tokenizer)
 
 

@@ -9,7 +9,8 @@ runs one scheduler step (admissions, then one decode step for every running requ
 hands each token to its request's streamer.
 
 What runs batched: greedy and plain sampling (``temperature``, ``top_p``, ``top_k``, ``seed``)
-with ``stop`` strings. A request with options the per-request sampler does not have (penalties,
+with ``stop`` strings and ``logprobs`` (the scheduler's own, the same ``log_softmax`` of the raw
+float32 logits that ``logprobs.compute`` takes of generate's). A request with options the per-request sampler does not have (penalties,
 ``logit_bias``, ``min_p``, ``repetition_penalty``) runs through ``Session.generate`` between two
 steps, as ``Runner`` runs it: alone, so its answer is its answer alone too. Each finished
 answer's state joins the namespace's pool (its prompt's state went to the pool and the store
@@ -30,9 +31,11 @@ from ..batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token
 from ..batch.scheduler import Completion
 from ..errors import KVStateError
 from .errors import BadRequest
+from .logprobs import build
 from .runner import Cancelled, Job, Result, Runner, _Streamer
 
-_BATCHED_OPTIONS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "stop_strings"}
+_BATCHED_OPTIONS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "stop_strings",
+                    "output_logits", "return_dict_in_generate"}  # the last two: logprobs, which the sampler gives
 
 
 class _Active:
@@ -131,7 +134,8 @@ class BatchRunner(Runner):
         store = self.store_for(job.namespace)
         sources = (self.pool.source(job.namespace), *(() if store is None else (store,)))
         return BatchRequest(torch.tensor(job.prompt.ids), max_new_tokens=options["max_new_tokens"],
-                            sampling=sampling, inputs=job.inputs, sources=sources)
+                            sampling=sampling, inputs=job.inputs, sources=sources,
+                            top_logprobs=job.request.logprobs or 0)
 
     def _dispatch(self, event: Token | Done | Failed) -> None:
         active = self._active.get(event.handle)
@@ -169,8 +173,11 @@ class BatchRunner(Runner):
             self.pool.put(job.namespace, completion.state)
             if self.canonical_chunk:
                 self._settle_later.append((job.namespace, completion.state))
+        k = job.request.logprobs
+        logprobs = None if k is None else build(
+            tokens, lambda i: (completion.logprobs[i], completion.top_logprobs[i]), self.tokenizer, text)
         result = Result(text, finish, len(job.prompt.ids), len(tokens), completion.reused,
-                        time.perf_counter() - active.started)
+                        time.perf_counter() - active.started, logprobs)
         self.metrics.record(result)
         active.future.set_result(result)
 

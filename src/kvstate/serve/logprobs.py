@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,20 +49,33 @@ class TokenLogprob:
     top: tuple[Alternative, ...]
 
 
+Step = tuple[float, tuple[tuple[int, float], ...]]  # a token's logprob and the top (id, logprob) pairs
+
+
 def compute(logits: tuple[torch.Tensor, ...], tokens: list[int], k: int, tokenizer: Any,
             text: str) -> tuple[TokenLogprob, ...]:
     """``logits``: generate's raw per-step logits (each ``[1, V]``), ``tokens`` the generated ids, ``k``
     the alternatives per step, ``text`` the answer as returned (cut at a stop string)."""
+    def step(i: int) -> Step:
+        scores = torch.log_softmax(logits[i][0].float(), dim=-1)  # [V]
+        values, ids = torch.topk(scores, k)
+        return scores[tokens[i]].item(), tuple(zip(ids.tolist(), values.tolist(), strict=True))
+
+    return build(tokens, step, tokenizer, text)
+
+
+def build(tokens: list[int], step: Callable[[int], Step], tokenizer: Any, text: str) -> tuple[TokenLogprob, ...]:
+    """The reported tokens of an answer ``text`` made of ``tokens``; ``step(i)`` gives token ``i``'s logprob
+    and its alternatives (computed only for the tokens reported). The batched scheduler computes them
+    itself, with the same ``log_softmax`` of the raw float32 logits."""
     offsets = _offsets(tokenizer, tokens, len(text))
     out = []
-    for step, (token, offset) in enumerate(zip(tokens, offsets, strict=True)):
+    for i, (token, offset) in enumerate(zip(tokens, offsets, strict=True)):
         if offset >= len(text):  # past the answer: a stop string's tokens, the end token
             break
-        scores = torch.log_softmax(logits[step][0].float(), dim=-1)  # [V]
-        values, ids = torch.topk(scores, k)
-        top = tuple(Alternative(*_token(tokenizer, i), _finite(v)) for i, v in zip(ids.tolist(), values.tolist(),
-                                                                                  strict=True))
-        out.append(TokenLogprob(*_token(tokenizer, token), _finite(scores[token].item()), offset, top))
+        logprob, top = step(i)
+        alternatives = tuple(Alternative(*_token(tokenizer, t), _finite(v)) for t, v in top)
+        out.append(TokenLogprob(*_token(tokenizer, token), _finite(logprob), offset, alternatives))
     return tuple(out)
 
 
