@@ -10,11 +10,12 @@ hands each token to its request's streamer.
 
 What runs batched: greedy and plain sampling (``temperature``, ``top_p``, ``top_k``, ``seed``)
 with ``stop`` strings and ``logprobs`` (the scheduler's own, the same ``log_softmax`` of the raw
-float32 logits that ``logprobs.compute`` takes of generate's). A request with options the per-request sampler does not have (penalties,
-``logit_bias``, ``min_p``, ``repetition_penalty``) runs through ``Session.generate`` between two
-steps, as ``Runner`` runs it: alone, so its answer is its answer alone too. Each finished
-answer's state joins the namespace's pool (its prompt's state went to the pool and the store
-at admission), and is settled into canonical chunks when the model is idle.
+float32 logits that ``logprobs.compute`` takes of generate's). A request with options the
+per-request sampler does not have (penalties, ``logit_bias``, ``min_p``, ``repetition_penalty``)
+runs through ``Session.generate`` between two steps, as ``Runner`` runs it: alone, so its answer
+is its answer alone too. Each finished answer's state joins the namespace's pool (its prompt's
+state went to the pool and the store at admission), and is settled into canonical chunks when
+the model is idle.
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ class _Active:
 class BatchRunner(Runner):
     """``Runner``'s queue, cancellation and pool, with batched decoding (see the module docstring)."""
 
-    def __init__(self, *args: Any, max_batch: int = 8, rows: int = 16, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_batch: int = 8, rows: int = 16, invariant: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # a burst of prompts is admitted about chunk_size tokens a step, so running answers keep streaming;
         # prefixes are shared through each key's pool namespace, never across keys
-        self.scheduler = Scheduler(self.model, max_batch=max_batch, rows=rows, prefill_tokens=self.chunk_size,
+        self.scheduler = Scheduler(self.model, max_batch=max_batch, rows=rows, invariant=invariant,
+                                   prefill_tokens=self.chunk_size,
                                    share_prefixes=False, canonical_chunk=self.canonical_chunk,
                                    chunk_size=self.chunk_size, fingerprint=self.fingerprint)
         self._inbox: deque[tuple[Job, concurrent.futures.Future[Result]]] = deque()

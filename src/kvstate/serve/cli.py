@@ -36,6 +36,9 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
     s.add_argument("--max-batch", type=positive, default=1, metavar="N",
                    help="requests that decode together in one forward, each answer bit for bit what it gets alone "
                    "(default 1: one request at a time, as before)")
+    s.add_argument("--batch-invariance", choices=["on", "off"], default="on",
+                   help="on (default): batched forwards run in fixed 16-row tiles, so an answer never depends on "
+                   "the other requests; off: plain kernels, for measuring what that costs (docs/batching.md)")
     s.add_argument("--max-request-bytes", type=positive, default=16 << 20, help="larger bodies get a 413")
     s.add_argument("--max-prompt-tokens", type=positive, default=8192, help="longer prompts get a 400")
     s.add_argument("--max-new-tokens", type=positive, default=2048, help="bound on a request's max_tokens")
@@ -65,7 +68,7 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
     settings = Settings(store=args.store, api_keys=keys, limits=limits, max_request_bytes=args.max_request_bytes,
                         max_queue=args.max_queue, pool_bytes=args.pool_bytes,
                         store_chunk_tokens=args.store_chunk_tokens, canonical_chunk=args.canonical_chunk,
-                        max_batch=args.max_batch)
+                        max_batch=args.max_batch, batch_invariant=args.batch_invariance == "on")
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings,
                     image_processor=image_processor(args.model))

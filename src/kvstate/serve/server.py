@@ -30,6 +30,7 @@ class Settings:
     chunk_size: int = 512
     canonical_chunk: int = 64  # the canonical schedule (kvstate.schedule); 0 turns it off
     max_batch: int = 1  # > 1: requests decode together (kvstate.serve.batching, issue 25)
+    batch_invariant: bool = True  # False: plain kernels in the batched forward (measures the invariance tax)
 
 
 class Server:
@@ -60,7 +61,8 @@ class Server:
         if settings.max_batch > 1:
             from .batching import BatchRunner
 
-            self.runner: Runner = BatchRunner(*args, max_batch=settings.max_batch)
+            self.runner: Runner = BatchRunner(*args, max_batch=settings.max_batch,
+                                              invariant=settings.batch_invariant)
         else:
             self.runner = Runner(*args)
         self.started = int(time.time())
