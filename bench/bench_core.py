@@ -36,6 +36,10 @@ from kvstate._compat import CACHE_KWARG
 from kvstate.compress import KNorm, PerLayerBudget
 from kvstate.testing import load_default_model
 
+# Core v2's schedule (reuse every processed slot) by default, so a rerun compares the code like for like;
+# the canonical schedule's own cost is bench_canonical.py's (issue 23).
+SCHEDULE = [0]
+
 
 def text_ids(tokenizer, n: int) -> torch.Tensor:
     text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog near river {i % 17}." for i in range(n))
@@ -56,7 +60,7 @@ def median(xs: list[float]) -> float:
 
 # ----- TTFT -----------------------------------------------------------------------------------------------
 def bench_ttft(model, ids: torch.Tensor, history: int, turns: tuple[int, ...], repeats: int, folder: Path):
-    base = Session(model)
+    base = Session(model, canonical_chunk=SCHEDULE[0])
     base.extend(ids[:, :history])
     path = folder / f"history-{history}.kvs"
     base.save(path)
@@ -86,7 +90,8 @@ def ttft_methods(model, full: torch.Tensor, base: Session, path: Path, cache) ->
     ones = torch.ones_like(full)
     return {
         "kvstate_memory": (lambda s: s.generate(full, max_new_tokens=1, do_sample=False), base.fork),
-        "kvstate_file": (lambda _: Session.load(path, model).generate(full, max_new_tokens=1, do_sample=False), None),
+        "kvstate_file": (lambda _: Session.load(path, model, canonical_chunk=SCHEDULE[0]).generate(
+            full, max_new_tokens=1, do_sample=False), None),
         "plain_cache": (lambda c: model.generate(full, attention_mask=ones, max_new_tokens=1, do_sample=False,
                                                  **{CACHE_KWARG: c}), lambda: copy.deepcopy(cache)),
         "plain_reprefill": (lambda _: model.generate(full, attention_mask=ones, max_new_tokens=1, do_sample=False),
@@ -104,7 +109,7 @@ def shared_copy(cache):
 
 def bench_fork(model, ids: torch.Tensor, repeats: int):
     cache = plain_cache(model, ids)
-    session = Session(model)
+    session = Session(model, canonical_chunk=SCHEDULE[0])
     session.extend(ids)
     # the shared copy is correct: continuing the original does not change what the copy continues with
     more, other = ids[:, :4], ids[:, 4:8]
@@ -129,7 +134,7 @@ def bench_fork(model, ids: torch.Tensor, repeats: int):
 def decode_case(name: str, model, history: torch.Tensor, steps: int, repeats: int, *, compress=None,
                 plain_history: torch.Tensor | None = None, suffix_only: bool = False):
     """Per-token decode time of kvstate and of plain generate continuing the same history."""
-    base = Session(model)
+    base = Session(model, canonical_chunk=SCHEDULE[0])
     base.extend(history[:, :-1])
     if compress is not None:
         base.compress(compress(base.state))
@@ -198,7 +203,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, to check the script")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-repeats", type=int, default=7, help="decode differences are small: more repeats")
+    parser.add_argument("--canonical-chunk", type=int, default=0, help="the sessions' schedule (default 0: off)")
+    parser.add_argument("--out", default="core", help="results name under bench/results/")
     args = parser.parse_args()
+    SCHEDULE[0] = args.canonical_chunk
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model()
     histories, turns = ((128, 256), (1, 8)) if args.quick else ((1024, 4096), (1, 8, 64))
@@ -207,6 +215,7 @@ def main() -> None:
         ttft = [row for h in histories for row in bench_ttft(model, ids, h, turns, args.repeats, Path(folder))]
     result = {
         "model": "gemma3-270m (fp32, sdpa), CPU",
+        "canonical_chunk": args.canonical_chunk,
         "ttft": ttft,
         "fork": bench_fork(model, ids[:, :histories[0]], args.repeats),
         "decode": bench_decode(model, ids, 256 if args.quick else 1024, 8 if args.quick else 32,
@@ -215,7 +224,7 @@ def main() -> None:
     if args.quick:  # a check of the script, not a result
         print(result)
     else:
-        write_results("core", result)
+        write_results(args.out, result)
 
 
 if __name__ == "__main__":
