@@ -29,6 +29,7 @@ class Settings:
     store_chunk_tokens: int = 64
     chunk_size: int = 512
     canonical_chunk: int = 64  # the canonical schedule (kvstate.schedule); 0 turns it off
+    reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
 
 
 class Server:
@@ -50,9 +51,9 @@ class Server:
         self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None,
                                  vocab=self.vocab)
         self.metrics = Metrics()
-        self.pool = StatePool(settings.pool_bytes)
+        self.pool = StatePool(settings.pool_bytes if settings.reuse else 0)  # a zero budget keeps nothing
         self._stores: dict[str, PrefixStore] = {}
-        if settings.store is not None:
+        if settings.store is not None and settings.reuse:
             self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
         self.runner = Runner(model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue,
                              settings.chunk_size, settings.canonical_chunk)
@@ -60,7 +61,7 @@ class Server:
 
     def store_for(self, namespace: str) -> PrefixStore | None:
         """The namespace's view of the store (same backend, keys salted by the namespace)."""
-        if self.settings.store is None:
+        if self.settings.store is None or not self.settings.reuse:
             return None
         if namespace not in self._stores:
             self._stores[namespace] = PrefixStore(self.settings.store, chunk_tokens=self.settings.store_chunk_tokens,
