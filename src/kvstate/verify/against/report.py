@@ -19,6 +19,8 @@ from .client import Reply
 from .scenarios import Probe
 
 SCHEMA_VERSION = 1
+# a reference may share a chat template's opening with earlier requests (a radix cache hits a few tokens)
+TEMPLATE_SLACK = 32
 EXIT = {"consistent": 0, "divergence": 1, "inconclusive": 3}
 
 
@@ -68,6 +70,8 @@ def judge(probe: Probe, cold: Reply, warm: Reply, floor: Floor, tolerance: float
     base = dict(name=probe.name, full=full, control=probe.control, position=probe.position, hit=warm.cached,
                 prompt_tokens=warm.prompt_tokens, cold_hit=cold.cached, warm_text=warm.text[:300],
                 cold_text=cold.text[:300])
+    control = probe.control and not warm.hit  # a control that hit something (a template's opening) is a probe
+    base["control"] = control
     if warm.error or cold.error:
         return ProbeResult(verdict="inconclusive", note=f"request failed: {warm.error or cold.error}", **base)
     char = _first_difference(warm.text, cold.text)
@@ -76,7 +80,7 @@ def judge(probe: Probe, cold: Reply, warm: Reply, floor: Floor, tolerance: float
     drifts = drift is not None and drift > allowed
     diverged = char is not None or token is not None or drifts
     facts = dict(agree=not diverged, first_divergence=char, token_divergence=token, drift=drift, **base)
-    if cold.cached and not probe.control:
+    if (cold.cached or 0) > TEMPLATE_SLACK and not control:
         return ProbeResult(verdict="inconclusive", note=f"the reference reported {cold.cached} cached tokens: "
                            "it was not cold", **facts)
     if diverged and not floor.stable:
@@ -84,12 +88,12 @@ def judge(probe: Probe, cold: Reply, warm: Reply, floor: Floor, tolerance: float
     if diverged:
         why = f"logprob drift {drift:.3g} > allowed {allowed:.3g}" if char is None and token is None else \
             f"answers part at character {char}" if token is None else f"answers part at token {token}"
-        if probe.control:
+        if control:
             why += "; no cache hit was involved: the two servers differ on their own"
         elif not warm.hit:
             why += "; the server reported no hit"
         return ProbeResult(verdict="fail", note=why, **facts)
-    if probe.control:
+    if control:
         return ProbeResult(verdict="pass", note="nothing to hit: the servers agree without a cache", **facts)
     if not warm.hit:
         return ProbeResult(verdict="inconclusive", note="agrees, but no hit was reported" if warm.cached == 0

@@ -76,8 +76,9 @@ class Context:
     filler_tokens: float | None = None  # tokens per filler word (measured)
 
     def header(self, tag: int) -> str:
-        """A fixed-width line no other probe (or run) starts with, so each probe's cache entries are its own."""
-        return f"[session {self.nonce}-{tag:03d}]\n"
+        """A fixed-width line no other probe (or run) starts with, so each probe's cache entries are its own:
+        the tag comes first, so two probes share at most the template's opening and a character or two."""
+        return f"[{tag:03d}.{self.nonce}]\n"
 
     def chat(self, tag: int, user: Any, *history: dict[str, Any], system: str = SYSTEM) -> Call:
         messages = ({"role": "system", "content": self.header(tag) + system}, *history,
