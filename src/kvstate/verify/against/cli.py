@@ -56,8 +56,9 @@ def add_options(parser: argparse.ArgumentParser, positive: Any) -> None:
     g.add_argument("--served-model", metavar="NAME", help="the model id to request (default: the first of /v1/models)")
     g.add_argument("--api-key", metavar="K", help="sent as 'Authorization: Bearer K' to both servers")
     g.add_argument("--timeout", type=_seconds, default=60.0, metavar="S", help="seconds per request (default 60)")
-    g.add_argument("--time-limit", type=_seconds, default=540.0, metavar="S",
-                   help="stop starting probes after S seconds; the rest is inconclusive (default 540)")
+    g.add_argument("--time-limit", type=_seconds, default=480.0, metavar="S",
+                   help="start no probe after S seconds; what is left is inconclusive (default 480: with one "
+                   "--timeout more, a run ends within 10 minutes)")
     g.add_argument("--max-requests", type=positive, default=400, metavar="N", help="requests in all (default 400)")
     g.add_argument("--clients", type=positive, default=4, metavar="N", help="concurrent clients (default 4, max 16)")
     g.add_argument("--rounds", type=positive, default=2, metavar="N", help="concurrent rounds (default 2)")

@@ -46,7 +46,7 @@ class Options:
     api_key: str | None = None
     model: str | None = None
     timeout: float = 60.0
-    time_limit: float = 540.0
+    time_limit: float = 480.0
     max_requests: int = 400
     max_tokens: int = 16
     clients: int = 4
@@ -143,14 +143,13 @@ class _Runner:
         self.say(f"scenario {scenario.name}")
         self.sent.clear()
         probes: list[ProbeResult] = []
+        refused = self._refused(scenario.check(ctx)) if scenario.check else None
+        if refused:
+            return ScenarioResult(scenario.name, scenario.title, skipped=refused)
         for group, answer in groups(scenario.plan(ctx)):
             over = self._over_limit()
             if over:
                 return ScenarioResult(scenario.name, scenario.title, probes=probes, cut=over)
-            if scenario.optional and not probes:
-                refused = self._refused(group)
-                if refused:
-                    return ScenarioResult(scenario.name, scenario.title, skipped=refused)
             pairs = self._group(group)
             answer([warm for _, warm in pairs])
             full = self.mode == "first-occurrence"  # there, the first send primed the very prompt
@@ -158,13 +157,12 @@ class _Runner:
                        for p, (cold, warm) in zip(group, pairs, strict=True)]
         return ScenarioResult(scenario.name, scenario.title, probes=probes)
 
-    def _refused(self, group: tuple[Probe, ...]) -> str | None:
-        """Why the server refuses this group's first primer (an image on a text-only server), or None."""
-        probe = group[0]
-        target = self.cold or self.warm
-        reply = target.send(probe.reference)
-        if reply.error and reply.status in (400, 404, 415, 422, 501):
-            return f"the server refused it: {reply.error}"
+    def _refused(self, call: Call) -> str | None:
+        """Why the servers refuse ``call`` (an image on a text-only server), or None."""
+        for server in [self.warm] + ([self.cold] if self.cold else []):
+            reply = server.send(call)
+            if reply.error and reply.status in (400, 404, 415, 422, 501):
+                return f"{'the cold server' if server is self.cold else 'the server'} refused it: {reply.error}"
         return None
 
     def _over_limit(self) -> str | None:
