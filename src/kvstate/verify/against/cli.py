@@ -73,6 +73,8 @@ def add_options(parser: argparse.ArgumentParser, positive: Any) -> None:
     g.add_argument("--logprob-tolerance", type=_fraction, default=1e-3, metavar="X",
                    help="logprob drift allowed above the cold floor when the servers return logprobs (default "
                    "1e-3; bf16 engines whose warm path is not bitwise need about 0.1)")
+    g.add_argument("--floor-repeats", type=positive, default=2, metavar="N",
+                   help="extra cold sends of one request that measure the floor (default 2)")
     g.add_argument("--no-reset", action="store_true", help="never call a cache-reset route")
 
 
@@ -91,8 +93,8 @@ def command(args: argparse.Namespace, user_error: type[Exception], save_target: 
                       timeout=args.timeout, time_limit=args.time_limit, max_requests=args.max_requests,
                       max_tokens=args.new_tokens, clients=args.clients, rounds=args.rounds,
                       long_chars=args.long_chars, restart_cmd=args.restart_cmd, restart_wait=args.restart_wait,
-                      logprob_tolerance=args.logprob_tolerance, use_reset=not args.no_reset,
-                      scenarios=args.scenarios)
+                      logprob_tolerance=args.logprob_tolerance, floor_repeats=args.floor_repeats,
+                      use_reset=not args.no_reset, scenarios=args.scenarios)
     report = run_against(options, progress=lambda text: print(f"[against] {text}", file=sys.stderr))
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
     if args.markdown:

@@ -45,7 +45,7 @@ class Call:
     stream: bool = False
 
     def body(self, model: str, logprobs: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": 0, "seed": 0}
+        body: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": 0}
         if self.prompt is None:
             body["messages"] = list(self.messages)
             if logprobs:
