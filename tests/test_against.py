@@ -16,6 +16,7 @@ from tests.fault_servers import Engine, serve, tiny_llama
 from tests.serving import live
 
 from kvstate.cli import main
+from kvstate.errors import AgainstError
 from kvstate.serve import Server, Settings
 from kvstate.serve.cli import load
 from kvstate.verify.against import Options, run_against
@@ -163,3 +164,13 @@ def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys):
 ])
 def test_hit_fields_of_each_engine(payload, expected):
     assert hit_tokens(payload) == expected
+
+
+def test_restart_command_runs_between_primer_and_warm_request(tiny, cold, tmp_path):
+    marker = tmp_path / "restarted"
+    with serve(Engine(*tiny)) as url:
+        report = run_against(Options(url, cold_url=cold, **SMALL, scenarios=("restart",),
+                                     restart_cmd=f"touch {marker}", restart_wait=30))
+        assert marker.exists() and report.exit_code == 0, report.table()  # this server keeps its cache
+        with pytest.raises(AgainstError, match="--restart-cmd failed"):
+            run_against(Options(url, cold_url=cold, **SMALL, scenarios=("restart",), restart_cmd="exit 3"))
