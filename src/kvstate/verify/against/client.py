@@ -11,6 +11,7 @@ that engine uses (``HIT_FIELDS``); ``None`` means the server reports no hit fiel
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -136,7 +137,7 @@ class Client:
         """The served model ids; an unreachable server or a refused key is an ``AgainstError``."""
         try:
             status, data = self.get_json("GET", "/v1/models")
-        except (OSError, urllib.error.URLError) as exc:
+        except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
             raise AgainstError(f"cannot reach {self.root}: {getattr(exc, 'reason', exc)}",
                                fix="start the server, or check the URL and port") from exc
         if status != 200 or not isinstance(data, dict):
@@ -153,7 +154,7 @@ class Client:
                 return Reply(error=f"HTTP {status}: {response}", status=status)
             with response:
                 payloads = _events(response) if call.stream else [_read_json(response)]
-        except (OSError, urllib.error.URLError, ValueError) as exc:
+        except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError) as exc:
             return Reply(error=f"{type(exc).__name__}: {exc}"[:300])
         return _reply(payloads, time.perf_counter() - started)
 
@@ -178,7 +179,7 @@ class Client:
                 return False
             return all(self.get_json("POST", f"/slots/{int(s.get('id', i))}?action=erase", {})[0] == 200
                        for i, s in enumerate(slots) if isinstance(s, dict))
-        except (OSError, urllib.error.URLError, ValueError, TypeError):
+        except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError, TypeError):
             return False
 
 

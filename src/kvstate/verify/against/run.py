@@ -11,6 +11,7 @@ inconclusive. The run is bounded by a request count and a wall-clock limit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import subprocess
@@ -106,21 +107,30 @@ class _Runner:
                       long_chars=opts.long_chars, restart=opts.restart_cmd is not None,
                       key_lengths=opts.key_lengths)
         servers = [self.warm] + ([self.cold] if self.cold else [])
-        check = ctx.chat(0, "Say hello.")
         for server in servers:
-            server.logprobs = True
-            reply = server.send(check)
-            if reply.error and reply.status in (400, 404, 415, 422):
-                server.logprobs = False
-                reply = server.send(check)
-            if reply.error:
-                raise AgainstError(f"{server.root} did not answer a chat request: {reply.error}",
-                                   fix="check --served-model and --api-key")
-            server.logprobs = server.logprobs and reply.logprobs is not None
+            ctx = self._capabilities(server, ctx)
         both = all(s.logprobs for s in servers)
         for server in servers:
             server.logprobs = both
         return self._calibrate(ctx)
+
+    def _capabilities(self, server: Client, ctx: Context) -> Context:
+        """Does ``server`` take logprobs, and a system message? A refusal (4xx) turns each off in turn."""
+        server.logprobs = True
+        reply = server.send(ctx.chat(0, "Say hello."))
+        for fallback in ("logprobs", "system"):
+            if not (reply.error and reply.status in (400, 404, 415, 422)):
+                break
+            if fallback == "logprobs":
+                server.logprobs = False
+            else:
+                ctx = replace(ctx, system_role=False)
+            reply = server.send(ctx.chat(0, "Say hello."))
+        if reply.error:
+            raise AgainstError(f"{server.root} did not answer a chat request: {reply.error}",
+                               fix="check --served-model and --api-key")
+        server.logprobs = server.logprobs and reply.logprobs is not None
+        return ctx
 
     def _calibrate(self, ctx: Context) -> Context:
         """Tokens before the first filler word, and per filler word, from two completions' prompt_tokens."""
@@ -188,7 +198,8 @@ class _Runner:
         barrier = threading.Barrier(len(group))
 
         def send(call: Call) -> Reply:
-            barrier.wait(timeout=self.options.timeout)
+            with contextlib.suppress(threading.BrokenBarrierError):  # a late client still sends
+                barrier.wait(timeout=self.options.timeout)
             return self._warm(call, again=True)
         with ThreadPoolExecutor(max_workers=len(group)) as pool:
             warms = list(pool.map(send, [p.call for p in group]))

@@ -74,6 +74,7 @@ class Context:
     key_lengths: tuple[int, ...] = (16, 32, 64, 256)
     start_tokens: int | None = None  # tokens before the first filler word (measured), completions only
     filler_tokens: float | None = None  # tokens per filler word (measured)
+    system_role: bool = True  # the server takes a system message
 
     def header(self, tag: int) -> str:
         """A fixed-width line no other probe (or run) starts with, so each probe's cache entries are its own:
@@ -81,9 +82,15 @@ class Context:
         return f"[{tag:03d}.{self.nonce}]\n"
 
     def chat(self, tag: int, user: Any, *history: dict[str, Any], system: str = SYSTEM) -> Call:
-        messages = ({"role": "system", "content": self.header(tag) + system}, *history,
-                    {"role": "user", "content": user})
-        return Call(messages=messages, max_tokens=self.max_tokens)
+        """A chat request: the header and system prompt as a system message, or, where the server refuses that
+        role (``system_role``), at the head of the first user message."""
+        lead = self.header(tag) + system
+        turns = [*history, {"role": "user", "content": user}]
+        if self.system_role:
+            return Call(messages=({"role": "system", "content": lead}, *turns), max_tokens=self.max_tokens)
+        first = turns[0]["content"]
+        first = lead + "\n\n" + first if isinstance(first, str) else [{"type": "text", "text": lead + "\n\n"}, *first]
+        return Call(messages=({**turns[0], "content": first}, *turns[1:]), max_tokens=self.max_tokens)
 
 
 Group = tuple[Probe, ...]
@@ -132,8 +139,11 @@ def divergence_steps(ctx: Context) -> dict[int, str]:
 
 def _relative(at: int, key: int) -> str:
     offset = at % key
-    return f"{key}-token boundary" if offset == 0 else f"{key}k{'+' if offset <= key // 2 else '-'}" \
-        f"{offset if offset <= key // 2 else key - offset}"
+    if offset == 0:
+        return f"on a {key}-token boundary"
+    if offset <= key // 2:
+        return f"{offset} past a {key}-token boundary"
+    return f"{key - offset} before a {key}-token boundary"
 
 
 def multi_turn(ctx: Context) -> Plan:
@@ -186,12 +196,20 @@ def image(ctx: Context) -> Plan:
 
 def long_prompt(ctx: Context) -> Plan:
     """A prompt across sliding windows, pages and block sizes: a repeat, and a different late ending."""
-    facts = "".join(f"Berth {i}: the {_COLOURS[i % 7]} boat there is {10 + i * 7 % 23} metres long and leaves "
-                    f"on day {i % 28 + 1}. " for i in range(ctx.long_chars // 80 + 1))[:ctx.long_chars]
-    same = ctx.chat(600, facts + "\nWhich boat is the longest?")
+    same = ctx.chat(600, _facts(ctx) + "\nWhich boat is the longest?")
     yield (Probe("long, repeated", same, (same,), FULL),)
-    other = ctx.chat(601, facts + "\nWhich boat leaves first?")
-    yield (Probe("long, different ending", other, (ctx.chat(601, facts + "\nWhich boat is blue?"),), PARTIAL),)
+    other = ctx.chat(601, _facts(ctx) + "\nWhich boat leaves first?")
+    yield (Probe("long, different ending", other, (ctx.chat(601, _facts(ctx) + "\nWhich boat is blue?"),), PARTIAL),)
+
+
+def long_check(ctx: Context) -> Call:
+    """The long prompt on its own: a server whose context is shorter refuses it, and the scenario is skipped."""
+    return replace(ctx.chat(609, _facts(ctx) + "\nWhich boat is red?"), max_tokens=1)
+
+
+def _facts(ctx: Context) -> str:
+    return "".join(f"Berth {i}: the {_COLOURS[i % 7]} boat there is {10 + i * 7 % 23} metres long and leaves "
+                   f"on day {i % 28 + 1}. " for i in range(ctx.long_chars // 80 + 1))[:ctx.long_chars]
 
 
 _COLOURS = ("red", "blue", "green", "white", "black", "yellow", "grey")
@@ -237,7 +255,7 @@ SCENARIOS = (
     Scenario("multi-turn", "multi-turn chat", multi_turn),
     Scenario("edited-turn", "edited earlier turn", edited_turn),
     Scenario("image", "same text, different image", image, check=image_check),
-    Scenario("long", "long prompt", long_prompt),
+    Scenario("long", "long prompt", long_prompt, check=long_check),
     Scenario("streaming", "streaming vs whole", streaming),
     Scenario("concurrent", "concurrent clients", concurrent),
     Scenario("restart", "after a restart", restart,
