@@ -194,7 +194,7 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], media_in_key: bool = 
     return ids, key
 
 
-def create_app(engine: Engine, name: str = "tiny-fault", images: bool = True) -> Any:
+def create_app(engine: Engine, name: str = "tiny-fault", images: bool = True, system_role: bool = True) -> Any:
     app = FastAPI()
     tokenizer = engine.tokenizer
 
@@ -208,6 +208,8 @@ def create_app(engine: Engine, name: str = "tiny-fault", images: bool = True) ->
         return {"ok": True}
 
     def complete(body: dict[str, Any], chat: bool) -> Any:
+        if chat and not system_role and any(m["role"] == "system" for m in body["messages"]):
+            return JSONResponse({"error": {"message": "System role not supported"}}, status_code=400)
         if chat:
             has_image = any(isinstance(m["content"], list) and any(p.get("type") == "image_url" for p in m["content"])
                             for m in body["messages"])

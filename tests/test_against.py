@@ -105,6 +105,15 @@ def test_without_a_cold_server(tiny, fault, use_reset, mode, code):
     assert all(s.hits == len(s.scored) for s in report.scenarios), report.table()
 
 
+def test_servers_that_refuse_images_or_a_system_message(tiny):
+    with serve(Engine(*tiny), images=False, system_role=False) as url, \
+            serve(Engine(*tiny, cache=False), images=False, system_role=False) as cold_url:
+        report = run_against(Options(url, cold_url=cold_url, **SMALL, scenarios=("multi-turn", "image")))
+    assert report.exit_code == 0, report.table()  # the system prompt travels in the first user turn
+    assert _verdicts(report) == {"multi-turn": "pass", "image": "skipped"}
+    assert "this model takes no images" in report.scenarios[1].skipped
+
+
 def test_cli_json_follows_the_schema_and_markdown_is_written(tiny, cold, tmp_path, capsys):
     markdown = tmp_path / "report.md"
     with serve(Engine(*tiny, fault="refeed-last")) as url:
