@@ -1,0 +1,92 @@
+"""`kvstate verify --against` on llama-cpp-python's OpenAI server, prompt cache on (issue 26, acceptance 4).
+
+The server (``pip install 'llama-cpp-python[server]'``, from the package index) loads the
+embedded default model's GGUF (Gemma-3-270M Q4_K_M, ``kvstate.models.default.gguf_path``)
+with its prompt cache on (``--cache true``, in RAM). There is no ``--cold`` twin: this
+server cannot turn off the reuse of the previous prompt's prefix, so the cold reference is
+each request's first occurrence (the weakest, stated in the report). The JSON report goes to
+``bench/results/against_llamacpp.json`` and its Markdown to ``bench/results/against_llamacpp.md``,
+whatever it finds.
+
+    python bench/against_llamacpp.py --server-python /path/to/venv/bin/python   # a few minutes on 2 cores
+
+``--server-python`` is the interpreter that has llama-cpp-python (default: this one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, write_results
+
+
+@contextlib.contextmanager
+def llama_server(python: str, gguf: Path, port: int, threads: int, log: Path) -> Iterator[str]:
+    """llama-cpp-python's server on loopback, prompt cache on; yields its base URL, stops it after."""
+    command = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "--n_ctx", "8192", "--n_threads", str(threads), "--cache", "true", "--cache_type", "ram",
+               "--seed", "0"]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited ({process.returncode}); see {log}")
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(url + "/v1/models", timeout=2).read()
+                break
+            time.sleep(1)
+        else:
+            raise RuntimeError(f"the server did not answer within 180 s; see {log}")
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+def _version(python: str) -> str:
+    script = "import importlib.metadata as m; print(m.version('llama-cpp-python'))"
+    return subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=60).stdout.strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server-python", default=sys.executable, help="interpreter with llama-cpp-python[server]")
+    parser.add_argument("--port", type=int, default=18080)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    args = parser.parse_args()
+
+    from kvstate.models.default import gguf_path
+    from kvstate.verify.against import Options, run_against
+
+    gguf = gguf_path(progress=True)
+    RESULTS.mkdir(exist_ok=True)
+    with llama_server(args.server_python, gguf, args.port, args.threads, RESULTS / "against_llamacpp.log") as url:
+        options = Options(url, max_tokens=args.new_tokens)
+        report = run_against(options, progress=lambda text: print(f"[against] {text}", file=sys.stderr))
+    print(report.table(), file=sys.stderr)
+    server = {"package": "llama-cpp-python", "version": _version(args.server_python), "gguf": gguf.name,
+              "flags": "--n_ctx 8192 --cache true --cache_type ram --seed 0", "threads": args.threads,
+              "cold": "none (--cold off): each request's first occurrence"}
+    write_results("against_llamacpp", {"server": server, "options": {"new_tokens": args.new_tokens},
+                                       "report": report.to_dict()})
+    (RESULTS / "against_llamacpp.md").write_text(report.markdown())
+    print(json.dumps({"outcome": report.outcome, "exit_code": report.exit_code}))
+
+
+if __name__ == "__main__":
+    main()
