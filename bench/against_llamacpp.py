@@ -8,7 +8,7 @@ each request's first occurrence (the weakest, stated in the report). The JSON re
 ``bench/results/against_llamacpp.json`` and its Markdown to ``bench/results/against_llamacpp.md``,
 whatever it finds.
 
-    python bench/against_llamacpp.py --server-python /path/to/venv/bin/python   # a few minutes on 2 cores
+    python bench/against_llamacpp.py --server-python /path/to/venv/bin/python   # about 20 minutes on 2 cores
 
 ``--server-python`` is the interpreter that has llama-cpp-python (default: this one).
 """
@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18080)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--time-limit", type=float, default=1500.0,
+                        help="seconds (default 1500: this CPU needs about 20 minutes for every scenario)")
     args = parser.parse_args()
 
     from kvstate.models.default import gguf_path
@@ -76,13 +78,14 @@ def main() -> None:
     gguf = gguf_path(progress=True)
     RESULTS.mkdir(exist_ok=True)
     with llama_server(args.server_python, gguf, args.port, args.threads, RESULTS / "against_llamacpp.log") as url:
-        options = Options(url, max_tokens=args.new_tokens)
+        options = Options(url, max_tokens=args.new_tokens, time_limit=args.time_limit)
         report = run_against(options, progress=lambda text: print(f"[against] {text}", file=sys.stderr))
     print(report.table(), file=sys.stderr)
     server = {"package": "llama-cpp-python", "version": _version(args.server_python), "gguf": gguf.name,
               "flags": "--n_ctx 8192 --cache true --cache_type ram --seed 0", "threads": args.threads,
               "cold": "none (--cold off): each request's first occurrence"}
-    write_results("against_llamacpp", {"server": server, "options": {"new_tokens": args.new_tokens},
+    write_results("against_llamacpp", {"server": server,
+                                       "options": {"new_tokens": args.new_tokens, "time_limit": args.time_limit},
                                        "report": report.to_dict()})
     (RESULTS / "against_llamacpp.md").write_text(report.markdown())
     print(json.dumps({"outcome": report.outcome, "exit_code": report.exit_code}))

@@ -55,8 +55,25 @@ NEXT = {
 ONLY = ("restart", "concurrent", "image", "multi-turn", "streaming", "long")
 
 
-def diagnose(scenarios: list[ScenarioResult]) -> list[Finding]:
-    """Findings for the failing probes (none when nothing fails)."""
+def diagnose(scenarios: list[ScenarioResult], mode: str = "cold-server") -> list[Finding]:
+    """Findings for the failing probes (none when nothing fails), then what limits them."""
+    findings = _pattern(scenarios)
+    failing = [p for s in scenarios for p in s.probes if p.verdict == "fail" and not p.control]
+    if failing and all(p.hit is None for p in failing):
+        findings.append(Finding("no hit reported", "the server reports no cached-token field, so a divergence "
+                                "cannot be tied to a cache hit: it may come from numerics that depend on how much "
+                                "of the prompt one forward takes (batch-size dependence), not from a wrong cache",
+                                "compare against a --cold twin of the same server, and ask the engine to report "
+                                "cached tokens"))
+    if failing and mode == "first-occurrence":
+        findings.append(Finding("reference is the first occurrence", "every warm request repeated its own first "
+                                "send, so full and partial hits cannot be told apart and no floor was measured",
+                                "rerun with --cold URL (the same engine with caching off), or enable the engine's "
+                                "cache-reset route"))
+    return findings
+
+
+def _pattern(scenarios: list[ScenarioResult]) -> list[Finding]:
     findings = []
     probes = [(s.name, p) for s in scenarios for p in s.probes]
     if any(p.control and p.verdict == "fail" for _, p in probes):

@@ -96,7 +96,7 @@ class _Runner:
         return Report(url=self.warm.root, cold=MODES[mode].format(route=route), mode=mode, model=self.warm.model,
                       logprobs=self.warm.logprobs, floor=self.floor, tolerance=opts.logprob_tolerance,
                       requests=self.warm.sent + (self.cold.sent if self.cold else 0),
-                      seconds=time.monotonic() - self.started, scenarios=results, findings=diagnose(results),
+                      seconds=time.monotonic() - self.started, scenarios=results, findings=diagnose(results, mode),
                       calibration=_calibration_text(ctx))
 
     # ----- set-up ---------------------------------------------------------------------------------------
