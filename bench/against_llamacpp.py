@@ -6,7 +6,9 @@ with its prompt cache on (``--cache true``, in RAM). There is no ``--cold`` twin
 server cannot turn off the reuse of the previous prompt's prefix, so the cold reference is
 each request's first occurrence (the weakest, stated in the report). The JSON report goes to
 ``bench/results/against_llamacpp.json`` and its Markdown to ``bench/results/against_llamacpp.md``,
-whatever it finds.
+whatever it finds, with the server's peak resident memory: with ``--n_ctx 8192`` its RAM cache grew by
+about 320 MiB a request here (a whole context per entry, beyond ``--cache_size``), and the kernel killed
+it after about 70 requests, so the default context is 3072 (the long prompt fits).
 
     python bench/against_llamacpp.py --server-python /path/to/venv/bin/python   # about 20 minutes on 2 cores
 
@@ -22,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -31,11 +34,34 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, write_results
 
 
+class Watch:
+    """The server's resident memory, sampled every second (its RAM prompt cache grows per request), and how it
+    ended."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak_kb, self.samples, self.exit = pid, 0, 0, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                status = Path(f"/proc/{self.pid}/status").read_text()
+                rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+                self.peak_kb, self.samples = max(self.peak_kb, rss), self.samples + 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @contextlib.contextmanager
-def llama_server(python: str, gguf: Path, port: int, threads: int, log: Path) -> Iterator[str]:
-    """llama-cpp-python's server on loopback, prompt cache on; yields its base URL, stops it after."""
+def llama_server(python: str, gguf: Path, port: int, threads: int, n_ctx: int,
+                 log: Path) -> Iterator[tuple[str, Watch]]:
+    """llama-cpp-python's server on loopback, prompt cache on; yields its base URL and memory watch."""
     command = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "--n_ctx", "8192", "--n_threads", str(threads), "--cache", "true", "--cache_type", "ram",
+               "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--cache", "true", "--cache_type", "ram",
                "--seed", "0"]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -51,9 +77,13 @@ def llama_server(python: str, gguf: Path, port: int, threads: int, log: Path) ->
             time.sleep(1)
         else:
             raise RuntimeError(f"the server did not answer within 180 s; see {log}")
-        yield url
+        watch = Watch(process.pid)
+        yield url, watch
+        watch.stop()
+        watch.exit = process.poll()  # None: still running; -9: killed (the kernel's OOM killer, here)
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
 
 
@@ -68,6 +98,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18080)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--n-ctx", type=int, default=3072, help="the server's context (default 3072: the long "
+                        "prompt fits, and the RAM cache, which keeps a whole context per request, fits in memory)")
     parser.add_argument("--time-limit", type=float, default=1500.0,
                         help="seconds (default 1500: this CPU needs about 20 minutes for every scenario)")
     args = parser.parse_args()
@@ -77,13 +109,15 @@ def main() -> None:
 
     gguf = gguf_path(progress=True)
     RESULTS.mkdir(exist_ok=True)
-    with llama_server(args.server_python, gguf, args.port, args.threads, RESULTS / "against_llamacpp.log") as url:
+    log = RESULTS / "against_llamacpp.log"
+    with llama_server(args.server_python, gguf, args.port, args.threads, args.n_ctx, log) as (url, watch):
         options = Options(url, max_tokens=args.new_tokens, time_limit=args.time_limit)
         report = run_against(options, progress=lambda text: print(f"[against] {text}", file=sys.stderr))
     print(report.table(), file=sys.stderr)
     server = {"package": "llama-cpp-python", "version": _version(args.server_python), "gguf": gguf.name,
-              "flags": "--n_ctx 8192 --cache true --cache_type ram --seed 0", "threads": args.threads,
-              "cold": "none (--cold off): each request's first occurrence"}
+              "flags": f"--n_ctx {args.n_ctx} --cache true --cache_type ram --seed 0", "threads": args.threads,
+              "cold": "none (--cold off): each request's first occurrence",
+              "peak_rss_mib": round(watch.peak_kb / 1024), "exit_status_after_run": watch.exit}
     write_results("against_llamacpp", {"server": server,
                                        "options": {"new_tokens": args.new_tokens, "time_limit": args.time_limit},
                                        "report": report.to_dict()})
