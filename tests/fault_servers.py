@@ -194,13 +194,16 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], media_in_key: bool = 
     return ids, key
 
 
-def create_app(engine: Engine, name: str = "tiny-fault", images: bool = True, system_role: bool = True) -> Any:
+def create_app(engine: Engine, name: str = "tiny-fault", images: bool = True, system_role: bool = True,
+               strict: bool = False) -> Any:
+    """The OpenAI routes over ``engine``; ``strict``: no ``/v1/models``, and ``stream_options`` is refused."""
     app = FastAPI()
     tokenizer = engine.tokenizer
 
-    @app.get("/v1/models")
-    def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model"}]}
+    if not strict:
+        @app.get("/v1/models")
+        def models() -> dict[str, Any]:
+            return {"object": "list", "data": [{"id": name, "object": "model"}]}
 
     @app.post("/reset_prefix_cache")
     def reset() -> dict[str, Any]:
@@ -208,6 +211,8 @@ def create_app(engine: Engine, name: str = "tiny-fault", images: bool = True, sy
         return {"ok": True}
 
     def complete(body: dict[str, Any], chat: bool) -> Any:
+        if strict and "stream_options" in body:
+            return JSONResponse({"error": {"message": "unknown field stream_options"}}, status_code=422)
         if chat and not system_role and any(m["role"] == "system" for m in body["messages"]):
             return JSONResponse({"error": {"message": "System role not supported"}}, status_code=400)
         if chat:

@@ -114,6 +114,15 @@ def test_servers_that_refuse_images_or_a_system_message(tiny):
     assert "this model takes no images" in report.scenarios[1].skipped
 
 
+def test_a_strict_server_without_a_models_route_needs_the_model_name(tiny, capsys):
+    with serve(Engine(*tiny), strict=True) as url, serve(Engine(*tiny, cache=False), strict=True) as cold_url:
+        assert main(["verify", "--against", url, "--cold", cold_url]) == 2
+        assert "lists no models" in capsys.readouterr().err
+        report = run_against(Options(url, cold_url=cold_url, model="tiny-fault", **SMALL, scenarios=("streaming",)))
+    # streamed without stream_options: no usage chunk, so no hit can be seen: inconclusive, never a pass
+    assert report.exit_code == 3 and all(p.agree and p.hit is None for p in report.scenarios[0].probes)
+
+
 def test_cli_json_follows_the_schema_and_markdown_is_written(tiny, cold, tmp_path, capsys):
     markdown = tmp_path / "report.md"
     with serve(Engine(*tiny, fault="refeed-last")) as url:

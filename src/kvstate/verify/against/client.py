@@ -140,6 +140,8 @@ class Client:
         except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
             raise AgainstError(f"cannot reach {self.root}: {getattr(exc, 'reason', exc)}",
                                fix="start the server, or check the URL and port") from exc
+        if status == 404:  # a server without the route: the model id must come from --served-model
+            return []
         if status != 200 or not isinstance(data, dict):
             raise AgainstError(f"{self.root}/v1/models answered {status}: {str(data)[:200]}",
                                fix="check --api-key and that the URL is an OpenAI-compatible server")
@@ -148,8 +150,12 @@ class Client:
     def send(self, call: Call) -> Reply:
         """Run ``call``; a transport failure or an error status becomes ``Reply.error``, never an exception."""
         started = time.perf_counter()
+        body = call.body(self.model, self.logprobs)
         try:
-            status, response = self._request("POST", call.route, call.body(self.model, self.logprobs))
+            status, response = self._request("POST", call.route, body)
+            if status in (400, 422) and "stream_options" in body:  # a server that knows no stream_options
+                del body["stream_options"]
+                status, response = self._request("POST", call.route, body)
             if status != 200:
                 return Reply(error=f"HTTP {status}: {response}", status=status)
             with response:

@@ -261,8 +261,10 @@ def _pick_model(client: Client, wanted: str | None, fallback: bool = False) -> s
         return wanted
     if fallback and len(served) == 1:
         return served[0]
-    raise AgainstError(f"{client.root} lists {served if served else 'no models'} and not {wanted!r}",
-                       fix="pass --served-model with the id the server serves")
+    if not served:
+        raise AgainstError(f"{client.root} lists no models (GET /v1/models)", fix="pass --served-model NAME")
+    raise AgainstError(f"{client.root} does not serve {wanted!r}", expected=served, found=wanted,
+                       fix="pass --served-model with one of the listed ids")
 
 
 def _calibration_text(ctx: Context) -> str:
