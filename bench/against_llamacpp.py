@@ -6,9 +6,10 @@ with its prompt cache on (``--cache true``, in RAM). There is no ``--cold`` twin
 server cannot turn off the reuse of the previous prompt's prefix, so the cold reference is
 each request's first occurrence (the weakest, stated in the report). The JSON report goes to
 ``bench/results/against_llamacpp.json`` and its Markdown to ``bench/results/against_llamacpp.md``,
-whatever it finds, with the server's peak resident memory: with ``--n_ctx 8192`` its RAM cache grew by
-about 320 MiB a request here (a whole context per entry, beyond ``--cache_size``), and the kernel killed
-it after about 70 requests, so the default context is 3072 (the long prompt fits).
+whatever it finds, with the server's peak resident memory. Its RAM cache (``--cache_type ram``) grew by
+about 320 MiB a request here, beyond ``--cache_size``: with ``--n_ctx 8192`` the kernel killed the server
+after about 70 requests, and with 3072 it held 16 GB after 41. So the cache is on disk by default
+(``--cache-type``), in a temporary folder, and the context is 3072 (the long prompt fits).
 
     python bench/against_llamacpp.py --server-python /path/to/venv/bin/python   # about 20 minutes on 2 cores
 
@@ -24,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -57,14 +59,17 @@ class Watch:
 
 
 @contextlib.contextmanager
-def llama_server(python: str, gguf: Path, port: int, threads: int, n_ctx: int,
+def llama_server(python: str, gguf: Path, port: int, threads: int, n_ctx: int, cache_type: str,
                  log: Path) -> Iterator[tuple[str, Watch]]:
-    """llama-cpp-python's server on loopback, prompt cache on; yields its base URL and memory watch."""
+    """llama-cpp-python's server on loopback, prompt cache on (its disk cache lives in a temporary folder);
+    yields its base URL and memory watch."""
     command = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--cache", "true", "--cache_type", "ram",
+               "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--cache", "true", "--cache_type", cache_type,
                "--seed", "0"]
+    folder = tempfile.TemporaryDirectory(prefix="kvstate-llama-cache-")
     with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                   cwd=folder.name)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -85,6 +90,7 @@ def llama_server(python: str, gguf: Path, port: int, threads: int, n_ctx: int,
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
+        folder.cleanup()
 
 
 def _version(python: str) -> str:
@@ -98,6 +104,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18080)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--cache-type", choices=("disk", "ram"), default="disk",
+                        help="the prompt cache's tier (default disk: the RAM one outgrew this machine, see above)")
     parser.add_argument("--n-ctx", type=int, default=3072, help="the server's context (default 3072: the long "
                         "prompt fits, and the RAM cache, which keeps a whole context per request, fits in memory)")
     parser.add_argument("--time-limit", type=float, default=1500.0,
@@ -110,12 +118,13 @@ def main() -> None:
     gguf = gguf_path(progress=True)
     RESULTS.mkdir(exist_ok=True)
     log = RESULTS / "against_llamacpp.log"
-    with llama_server(args.server_python, gguf, args.port, args.threads, args.n_ctx, log) as (url, watch):
+    with llama_server(args.server_python, gguf, args.port, args.threads, args.n_ctx, args.cache_type,
+                      log) as (url, watch):
         options = Options(url, max_tokens=args.new_tokens, time_limit=args.time_limit)
         report = run_against(options, progress=lambda text: print(f"[against] {text}", file=sys.stderr))
     print(report.table(), file=sys.stderr)
     server = {"package": "llama-cpp-python", "version": _version(args.server_python), "gguf": gguf.name,
-              "flags": f"--n_ctx {args.n_ctx} --cache true --cache_type ram --seed 0", "threads": args.threads,
+              "flags": f"--n_ctx {args.n_ctx} --cache true --cache_type {args.cache_type} --seed 0", "threads": args.threads,
               "cold": "none (--cold off): each request's first occurrence",
               "peak_rss_mib": round(watch.peak_kb / 1024), "exit_status_after_run": watch.exit}
     write_results("against_llamacpp", {"server": server,
