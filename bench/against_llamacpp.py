@@ -124,7 +124,8 @@ def main() -> None:
         report = run_against(options, progress=lambda text: print(f"[against] {text}", file=sys.stderr))
     print(report.table(), file=sys.stderr)
     server = {"package": "llama-cpp-python", "version": _version(args.server_python), "gguf": gguf.name,
-              "flags": f"--n_ctx {args.n_ctx} --cache true --cache_type {args.cache_type} --seed 0", "threads": args.threads,
+              "flags": f"--n_ctx {args.n_ctx} --cache true --cache_type {args.cache_type} --seed 0",
+              "threads": args.threads,
               "cold": "none (--cold off): each request's first occurrence",
               "peak_rss_mib": round(watch.peak_kb / 1024), "exit_status_after_run": watch.exit}
     write_results("against_llamacpp", {"server": server,
