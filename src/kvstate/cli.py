@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .models.load import DEVICES, DTYPES
+from .verify.against import cli as against
 from .verify.faults import FAULTS
 
 EPILOG = """examples:
@@ -23,6 +24,7 @@ EPILOG = """examples:
   kvstate verify --backends eager,sdpa --markdown report.md
   kvstate verify --inject drop-mask     # plant a known bug: see how the diagnosis reads
   kvstate verify --list                 # registered families (any other causal LM: self-check)
+  kvstate verify --against http://127.0.0.1:8000 --cold http://127.0.0.1:8001   # a server's cache hits exact?
   kvstate prefill --prompt-file doc.txt --out doc.kvs     # prompt caching from the shell
   kvstate generate --state doc.kvs --prompt " Summary:"   # starts answering at once
   kvstate inspect doc.kvs [--json]
@@ -121,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--inject", choices=FAULTS, help="plant one known bug in the kvstate rows (self-test)")
     v.add_argument("--list", action="store_true", help="list the registered model families and exit (any other "
                    "causal LM goes through the structural adapter and its self-check; docs/coverage.md lists all)")
+    against.add_options(v, positive)
     i = sub.add_parser("inspect", help="describe a state file (header only)")
     i.add_argument("file", type=Path)
     i.add_argument("--json", action="store_true", help="JSON (schema: docs/inspect.schema.json)")
@@ -209,6 +212,10 @@ def _verify(args: argparse.Namespace) -> int:
     from . import supported_model_types
     from .verify import verify
 
+    if args.against is not None:
+        return against.command(args, UserError, _check_save_path)
+    if args.cold is not None:
+        raise UserError("--cold names the cold twin of a server: pass it with --against URL")
     if args.list:
         print("\n".join(supported_model_types()))
         print("# any other causal LM: structural adapter after a self-check (docs/coverage.md)", file=sys.stderr)

@@ -109,3 +109,7 @@ class SaveTargetError(StateFileError):
 
 class InputFileError(KVStateError):
     """A file to read (a prompt file) is not a regular file, is over the size cap, or cannot be read."""
+
+
+class AgainstError(KVStateError):
+    """``kvstate verify --against`` cannot use a server: a malformed URL, no answer, a refused key or model."""

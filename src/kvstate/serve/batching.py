@@ -174,7 +174,7 @@ class BatchRunner(Runner):
         finish = "stop" if stopped else completion.finish_reason
         if completion.state is not None:
             self.pool.put(job.namespace, completion.state)
-            if self.canonical_chunk:
+            if self.canonical_chunk and self.pool.max_bytes:  # nothing to settle for without a pool
                 self._settle_later.append((job.namespace, completion.state))
         k = job.request.logprobs
         logprobs = None if k is None else build(

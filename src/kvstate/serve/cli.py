@@ -45,6 +45,8 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
     s.add_argument("--default-max-tokens", type=positive, default=256,
                    help="max_tokens of a chat request that names none (completions: 16, as OpenAI)")
     s.add_argument("--pool-bytes", type=positive, default=2 << 30, help="memory for recent conversation states")
+    s.add_argument("--no-reuse", action="store_true", help="no pool and no store: every request runs cold and "
+                   "reports cached_tokens 0 (the cold twin for `kvstate verify --against URL --cold URL2`)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -60,6 +62,8 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
     from .server import model_id_for
 
     keys = tuple(args.api_key) + tuple(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
+    if args.no_reuse and args.store is not None:
+        raise user_error("--no-reuse runs every request cold: drop --store (or --no-reuse)")
     if args.store is not None:
         from ..store import PrefixStore
 
@@ -68,7 +72,8 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
     settings = Settings(store=args.store, api_keys=keys, limits=limits, max_request_bytes=args.max_request_bytes,
                         max_queue=args.max_queue, pool_bytes=args.pool_bytes,
                         store_chunk_tokens=args.store_chunk_tokens, canonical_chunk=args.canonical_chunk,
-                        max_batch=args.max_batch, batch_invariant=args.batch_invariance == "on")
+                        max_batch=args.max_batch, batch_invariant=args.batch_invariance == "on",
+                        reuse=not args.no_reuse)
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings,
                     image_processor=image_processor(args.model))

@@ -156,7 +156,7 @@ class Runner:
             # transformers validates some options only when generate builds its processors (5.14 refuses a
             # logit_bias on token 0, say): still the request's mistake, and nothing was committed
             raise BadRequest(f"invalid generation options: {exc}") from exc
-        if self.canonical_chunk:  # queued behind the reply, ahead of any later job
+        if self.canonical_chunk and self.pool.max_bytes:  # queued behind the reply (a pool of 0 bytes: no reuse)
             with contextlib.suppress(RuntimeError):  # the executor is shutting down: nothing to settle for
                 self._executor.submit(self._settle, job.namespace, outcome.state)
         tokens = outcome.tokens[0].tolist()

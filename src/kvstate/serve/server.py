@@ -31,6 +31,7 @@ class Settings:
     canonical_chunk: int = 64  # the canonical schedule (kvstate.schedule); 0 turns it off
     max_batch: int = 1  # > 1: requests decode together (kvstate.serve.batching, issue 25)
     batch_invariant: bool = True  # False: plain kernels in the batched forward (measures the invariance tax)
+    reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
 
 
 class Server:
@@ -52,9 +53,9 @@ class Server:
         self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None,
                                  vocab=self.vocab)
         self.metrics = Metrics()
-        self.pool = StatePool(settings.pool_bytes)
+        self.pool = StatePool(settings.pool_bytes if settings.reuse else 0)  # a zero budget keeps nothing
         self._stores: dict[str, PrefixStore] = {}
-        if settings.store is not None:
+        if settings.store is not None and settings.reuse:
             self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
         args = (model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue, settings.chunk_size,
                 settings.canonical_chunk)
@@ -69,7 +70,7 @@ class Server:
 
     def store_for(self, namespace: str) -> PrefixStore | None:
         """The namespace's view of the store (same backend, keys salted by the namespace)."""
-        if self.settings.store is None:
+        if self.settings.store is None or not self.settings.reuse:
             return None
         if namespace not in self._stores:
             self._stores[namespace] = PrefixStore(self.settings.store, chunk_tokens=self.settings.store_chunk_tokens,
