@@ -129,6 +129,12 @@ def _max_length(model: torch.nn.Module, kwargs: dict[str, Any], config: Any) -> 
     return config.max_length
 
 
+def end_ids(config: Any) -> frozenset[int]:
+    """The end-of-sequence ids of a generation config (``eos_token_id``: None, an id or a list of ids)."""
+    eos = getattr(config, "eos_token_id", None)
+    return frozenset() if eos is None else frozenset(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
 def _check_config(config: Any) -> None:
     mode = str(config.get_generation_mode().value)
     refusals = {

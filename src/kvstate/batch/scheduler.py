@@ -34,6 +34,7 @@ import torch
 from ..engine import Engine, FeedSettings
 from ..engine.decode import Packed, Single, Stream, Unpackable, packable
 from ..errors import InputError
+from ..options import end_ids
 from ..protocols import PrefixCache
 from ..state import State
 from .prefixes import RecentPrompts
@@ -109,8 +110,8 @@ Event = Token | Done | Failed
 
 
 class _Job:
-    def __init__(self, handle: int, request: BatchRequest, sampler: Sampler) -> None:
-        self.handle, self.request, self.sampler = handle, request, sampler
+    def __init__(self, handle: int, request: BatchRequest, sampler: Sampler, stops: frozenset[int]) -> None:
+        self.handle, self.request, self.sampler, self.stops = handle, request, sampler, stops
         self.choices: list[Choice] = []
         self.stream: Stream | None = None
         self.decoder: Packed | Single | None = None
@@ -184,7 +185,9 @@ class Scheduler:
             raise InputError("Scheduler.submit takes a BatchRequest", expected="BatchRequest",
                              found=type(request).__name__, fix="wrap the ids in kvstate.batch.BatchRequest")
         device = next(self.model.parameters()).device
-        job = _Job(next(self._handles), request, Sampler(request.sampling, request.top_logprobs, device))
+        stops = end_ids(getattr(self.model, "generation_config", None)) if request.stop_ids is None \
+            else frozenset(request.stop_ids)
+        job = _Job(next(self._handles), request, Sampler(request.sampling, request.top_logprobs, device), stops)
         self._waiting.append(job)
         return job.handle
 
@@ -274,8 +277,7 @@ class Scheduler:
         """Record ``choice``; finish the job when it ends the answer."""
         job.choices.append(choice)
         events: list[Event] = [Token(job.handle, choice)]
-        stops = job.request.stop_ids if job.request.stop_ids is not None else _eos_ids(self.model)
-        if choice.token in stops:
+        if choice.token in job.stops:
             events.append(self._finish(job, "stop"))
         elif len(job.choices) >= job.request.max_new_tokens:
             events.append(self._finish(job, "length"))
@@ -315,13 +317,6 @@ def generate_many(model: torch.nn.Module, requests: Sequence[BatchRequest], **se
         if isinstance(event, Done):
             done[event.handle] = event.completion
     return [done[h] for h in handles]
-
-
-def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
 
 def _int_in(value: object, low: int, high: int | None) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError, UnsupportedError
-from ..options import GenerateOptions
+from ..options import GenerateOptions, end_ids
 from ..protocols import AttentionObserver
 from ..state import State
 from .apply import check_budget, compress_state
@@ -82,7 +82,5 @@ def plan_rounds(budget: Budget, options: GenerateOptions) -> Budget:
         why = "; ".join(f"{k}: {_REFUSED_ARGS.get(k) or _REFUSED_FIELDS[k]}" for k in found)
         raise UnsupportedError(f"not supported with compress=: {why}", found=found,
                                fix="drop these options, or generate without compress")
-    eos = config.eos_token_id
-    ends = frozenset() if eos is None else frozenset(int(e) for e in (eos if isinstance(eos, (list, tuple))
-                                                                      else [eos]))
-    return replace(budget, max_new_tokens=config.max_new_tokens, max_length=int(config.max_length or 0), ends=ends)
+    return replace(budget, max_new_tokens=config.max_new_tokens, max_length=int(config.max_length or 0),
+                   ends=end_ids(config))

@@ -31,20 +31,14 @@ from .._compat.packed import Unpackable, attending
 
 def tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed in tiles of ``rows`` rows (``x`` ``[..., K]``, zero-padded)."""
-    K = x.shape[-1]
-    flat = x.reshape(-1, K)
-    M = flat.shape[0]
-    pad = -M % rows
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad, K)])
-    out = torch.cat([F.linear(flat[i:i + rows], weight, bias) for i in range(0, M + pad, rows)])
-    return out[:M].reshape(*x.shape[:-1], out.shape[-1])
+    out = tiled_mm(x.reshape(-1, x.shape[-1]), weight, rows, lambda tile, w: F.linear(tile, w, bias))
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def tiled_mm(a: torch.Tensor, b: torch.Tensor, rows: int,
              product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.mm) -> torch.Tensor:
-    """``product(a, b)`` (``a @ b``) for ``a`` ``[M, K]``, ``b`` ``[K, N]``, in tiles of ``rows`` rows of ``a``
-    (zero-padded)."""
+    """``product(a, b)`` (``a @ b``) for ``a`` ``[M, K]`` and any ``b`` (``[K, N]``, or ``F.linear``'s ``[N, K]``),
+    in tiles of ``rows`` rows of ``a`` (zero-padded)."""
     M, pad = a.shape[0], -a.shape[0] % rows
     if pad:
         a = torch.cat([a, a.new_zeros(pad, a.shape[1])])

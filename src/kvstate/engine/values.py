@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..options import GenerateOptions
+from ..options import GenerateOptions, end_ids
 from ..state import MediaItem, State
 
 
@@ -61,8 +61,7 @@ def finish_reasons(new: torch.Tensor, options: GenerateOptions, history_length: 
     end-of-sequence id, else ``stop`` (an end id, a stop string or a stopping criterion)."""
     config = options.config
     limit = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - history_length
-    eos = config.eos_token_id
-    ends = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    ends = end_ids(config)
     out = []
     for row in new.tolist():
         stopped = any(token in ends for token in row) or len(row) < limit

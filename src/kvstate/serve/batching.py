@@ -161,7 +161,7 @@ class BatchRunner(Runner):
         except Cancelled:
             self.scheduler.cancel(handle)
             return
-        if active.streamer.stop and active.streamer._text(active.streamer.tokens)[1]:
+        if active.streamer.stopped:
             self.scheduler.stop(handle)  # the answer is complete; it keeps its state, as generate's stop does
 
     def _finish(self, active: _Active, completion: Completion) -> None:

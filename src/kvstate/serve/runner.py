@@ -180,6 +180,7 @@ class _Streamer:
         self.tokens: list[int] = []
         self.sent = 0
         self._prompt_seen = False
+        self._decoded: tuple[int, str, bool] = (0, "", False)  # (tokens, text, stopped) of the last decode
 
     def put(self, value: torch.Tensor) -> None:
         if self.job.cancelled.is_set():
@@ -205,10 +206,20 @@ class _Streamer:
             self.job.on_text(text[self.sent:])
         return text, stopped
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the answer so far holds a stop string (decoded once per token, whoever asks)."""
+        return bool(self.stop) and self._text(self.tokens)[1]
+
     def _text(self, tokens: list[int]) -> tuple[str, bool]:
+        if self._decoded[0] == len(tokens) and tokens is self.tokens:
+            return self._decoded[1:]  # type: ignore[return-value]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return (text[:min(cuts)], True) if cuts else (text, False)
+        text, stopped = (text[:min(cuts)], True) if cuts else (text, False)
+        if tokens is self.tokens:
+            self._decoded = (len(tokens), text, stopped)
+        return text, stopped
 
     def _held(self, text: str) -> int:
         """Characters at the end of ``text`` not yet final: a partial UTF-8 character, or a stop string's start."""
