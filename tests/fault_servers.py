@@ -31,6 +31,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from tests.serving import uvicorn_app
 
 FAULTS = ("refeed-last", "drop-last", "stale-key", "media-key", "leak", "shift-positions")
 BLOCK, KEY_TOKENS, IMAGE_TOKENS, PLACEHOLDER = 32, 48, 64, 3
@@ -280,18 +281,5 @@ def _stream(pieces: list[str], logprobs: list[float] | None, usage: dict[str, An
 @contextlib.contextmanager
 def serve(engine: Engine, **app: Any) -> Iterator[str]:
     """The engine's app on a free loopback port (uvicorn in a thread); yields the base URL."""
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, **app), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with uvicorn_app(create_app(engine, **app)) as url:
+        yield url

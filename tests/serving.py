@@ -16,12 +16,11 @@ from kvstate.serve.chat import FALLBACK_STOP
 
 
 @contextlib.contextmanager
-def live(server: Server) -> Iterator[str]:
-    """Serve ``server`` on a free loopback port; yields the base URL (``http://127.0.0.1:PORT``)."""
+def uvicorn_app(app: Any) -> Iterator[str]:
+    """Serve the ASGI ``app`` on a free loopback port (uvicorn in a thread); yields the base URL."""
     import uvicorn
 
-    config = uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning")
-    runner = uvicorn.Server(config)
+    runner = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=runner.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -35,6 +34,15 @@ def live(server: Server) -> Iterator[str]:
     finally:
         runner.should_exit = True
         thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def live(server: Server) -> Iterator[str]:
+    """Serve ``server`` on a free loopback port; yields the base URL (``http://127.0.0.1:PORT``)."""
+    try:
+        with uvicorn_app(create_app(server)) as url:
+            yield url
+    finally:
         server.close()
 
 
