@@ -421,6 +421,25 @@ def rope_inv_freq(model: Any) -> torch.Tensor:
     return rotary.inv_freq
 
 
+@contextmanager
+def without_logits(model: Any) -> Iterator[None]:
+    """Forwards inside compute no logits: the output head gets zero rows (``[B, 0, V]`` logits).
+
+    For a chunk whose logits nobody reads (issue 23): the head reads all of its ``V x H``
+    weights for even one row, and Gemma-3's 262k-token head is 60% of that model. Only a
+    ``Linear`` head is trimmed (an ``Embedding`` returned as the head also embeds the input).
+    """
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if not isinstance(head, torch.nn.Linear):
+        yield
+        return
+    handle = head.register_forward_pre_hook(lambda _module, args: (args[0][..., :0, :], *args[1:]) if args else None)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def empty_cache(config: object) -> DynamicCache:
     """An empty transformers cache for ``config`` (a placeholder that ``generate`` never reads)."""
     return DynamicCache(config=config)  # type: ignore[arg-type]

@@ -203,7 +203,7 @@ class Engine:
                                               checkpointed), Q)
             inputs = feed.inputs if ends is None else self._chunk_inputs(feed, start, end)
             state = self._forward(state, feed.ids[:, start:end], feed.mask[:, :T + end],
-                                  feed.positions[:, start:end], inputs)
+                                  feed.positions[:, start:end], inputs, logits=end >= Q)
             if ends is not None:  # every slot so far is the cold run's (issue 23)
                 state = replace(state, canonical=state.tokens_seen, canonical_chunk=settings.canonical,
                                 canonical_device=state.device.type)
@@ -246,8 +246,10 @@ class Engine:
         return size
 
     def _forward(self, state: State, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 inputs: ModelInputs) -> State:
-        """One forward over ``ids`` ``[B, q]``; ``mask`` ``[B, T + q]``; ``positions`` ``[B, q(, R)]``."""
+                 inputs: ModelInputs, logits: bool = True) -> State:
+        """One forward over ``ids`` ``[B, q]``; ``mask`` ``[B, T + q]``; ``positions`` ``[B, q(, R)]``. Without
+        ``logits`` (a feed's inner chunk: the next chunk replaces them) the output head is skipped and the
+        state's ``last_logits`` is None; the K/V are the same bits either way."""
         extra = self.runtime.forward_inputs(state.tokens, ids, inputs)
         with self.runtime.attached(state) as live:
             kwargs = dict(extra, input_ids=ids, attention_mask=_mask_arg(mask), use_cache=True, **self._keep_one(),
@@ -256,7 +258,9 @@ class Engine:
                 kwargs["position_ids"] = self.runtime.model_positions(positions)
             recorder = Recorder(self.runtime, state.next_position)
             begin = time.perf_counter()
-            with recorder.attached(self.model), self._masks(state.layers, recorder), self.runtime.forward_context():
+            head = nullcontext() if logits else _compat.without_logits(self.model)
+            with recorder.attached(self.model), self._masks(state.layers, recorder), self.runtime.forward_context(), \
+                    head:
                 self.model(**kwargs)
             if ids.shape[1] > 8:
                 self.seconds_per_token = (time.perf_counter() - begin) / ids.shape[1]

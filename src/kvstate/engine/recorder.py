@@ -28,7 +28,7 @@ class Forward:
     """One recorded forward: the positions of its tokens ``[B, Q(, R)]`` and its last logits ``[B, V]``."""
 
     positions: torch.Tensor
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None where the forward computed none (``without_logits``)
 
 
 class Recorder:
@@ -65,7 +65,8 @@ class Recorder:
     def _after(self, _module: torch.nn.Module, _args: tuple, _kwargs: dict[str, object], output: object) -> None:
         assert self.current is not None
         logits = output.logits  # type: ignore[attr-defined]
-        self.forwards.append(Forward(self.current, logits[:, -1, :].detach().clone()))
+        last = logits[:, -1, :].detach().clone() if logits is not None and logits.shape[1] else None
+        self.forwards.append(Forward(self.current, last))
 
     def fed(self, n: int) -> Forward:
         """Positions of the first ``n`` recorded tokens, and the logits after the ``n``-th."""
