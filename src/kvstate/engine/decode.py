@@ -77,6 +77,7 @@ class Packed:
         self.engine, self.rows, self.invariant = engine, rows, invariant
         self.spare = not _tail_free(engine.model, rows)
         self.usable = True  # False once the model refused a packed forward (``Unpackable``)
+        self.verified = False  # a packed forward ran with every check (the model's code path is fixed after)
         self._attention = {i for i, layer in enumerate(engine.binding.layout.empty_layers(0))
                            if type(layer) is AttentionLayerState}
 
@@ -91,7 +92,7 @@ class Packed:
         own = [engine.binding.inputs.positions(s.next_position, ids[:, i:i + 1], ones, {})
                for i, s in enumerate(streams)]
         positions = torch.cat([*own, *[torch.zeros_like(own[0])] * (P - n)], dim=1)
-        cache = PackedCache([self._live(s).cache for s in streams])
+        cache = PackedCache([self._live(s).cache for s in streams], verify=not self.verified)
         call = {"input_ids": ids, "position_ids": engine.runtime.model_positions(positions), "use_cache": True,
                 engine.cache_kwarg: cache}
         tiles = tiled_linear(self.rows) if self.invariant else nullcontext()
@@ -99,6 +100,7 @@ class Packed:
             with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles:
                 logits = engine.model(**call).logits[0, :n]  # [n, V]
             self._check(cache)
+            self.verified = True
         except Unpackable:
             self._give_up(streams)
             raise
