@@ -275,10 +275,66 @@ def test_reported_tokens_spell_the_answer_with_real_tokenizers(kind, case):
         assert b"".join(bytes(i.bytes) for i in items) == text.encode("utf-8")
     if "byte tokens" in case:  # the partial-character path ran
         assert any(i.token == "\ufffd" and len(i.bytes) == 1 for i in items)
+    streamed = _stream(tokenizer, tokens, logits, stop)
+    assert "".join(piece for piece, _ in streamed) == text and tuple(item for _, item in streamed) == items
     for item, token, step in zip(items, tokens, logits, strict=False):
         expected = torch.log_softmax(step[0], -1)
         assert item.logprob == expected[token].item() and item.token == tokenizer.decode([token])
         assert [a.logprob for a in item.top] == expected.topk(3).values.tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", sorted(ANSWERS))
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_the_servers_streamer_sends_only_final_text(kind, case, logprobs):
+    """The server's streamer, fed one token at a time: text (or per-token pieces with logprobs) goes out only
+    once final, never a replacement character of a split character nor the start of a stop string, and
+    what went out is the answer (and its logprobs)."""
+    from kvstate.serve.runner import Job, _Streamer
+
+    tokenizer = _tokenizer(kind)
+    generated, stop = ANSWERS[case]
+    tokens = [*tokenizer(generated, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    body = {"model": MODEL, "messages": [], "max_tokens": len(tokens), "stop": [stop] if stop else None}
+    if logprobs is not None:
+        body.update(logprobs=True, top_logprobs=logprobs)
+    request = parse(body, CHAT_FIELDS, Limits(), ())
+    out: list = []
+    job = Job("default", None, request, on_text=None if logprobs else out.append,  # type: ignore[arg-type]
+              on_token=(lambda piece, item: out.append((piece, item))) if logprobs else None)
+    streamer = _Streamer(tokenizer, job)
+    streamer.put(torch.tensor([1, 2]))  # the history echo
+    torch.manual_seed(0)
+    for token in tokens:
+        if logprobs is not None:
+            streamer.put_logits(torch.randn(1, len(tokenizer)))
+        streamer.put(torch.tensor([token]))
+        pieces_so_far = [p if isinstance(p, str) else p[0] for p in out]
+        assert "\ufffd" not in "".join(pieces_so_far)  # no answer here holds one
+        assert not stop or stop not in "".join(pieces_so_far)
+    text, _ = streamer.final(tokens)
+    assert "".join(p if isinstance(p, str) else p[0] for p in out) == text
+    if logprobs is not None:
+        assert streamer.complete and tuple(item for _, item in out) == streamer.logprobs
+
+
+def _stream(tokenizer, tokens: list[int], logits, stop: str | None) -> list:
+    """What a stream sends: tokens reported one at a time as their text is final (a tail that may still
+    become ``stop`` and a partial character held back, as the server's streamer does), then the rest."""
+    from kvstate.serve.logprobs import Reporter, step_of
+
+    reporter, sent = Reporter(tokenizer), []
+    for i, token in enumerate(tokens):
+        reporter.add(token, step_of(logits[i][0], token, 3))
+        text = tokenizer.decode(tokens[:i + 1], skip_special_tokens=True)
+        if stop and stop in text:
+            text = text[:text.find(stop)]
+            sent += reporter.ready(text, len(text))
+            continue
+        held = max([k for k in range(1, len(stop or "")) if text.endswith(stop[:k])] + [len(text) - len(text.rstrip("\ufffd"))])
+        sent += reporter.ready(text, len(text) - held)
+    full = tokenizer.decode(tokens, skip_special_tokens=True)
+    return sent + reporter.rest(full[:full.find(stop)] if stop and stop in full else full)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -295,3 +351,31 @@ def test_logprobs_equal_plain_generate_in_low_precision(dtype):
             assert turn == 0 or cached > 0
             assert items == _expect(model, tokenizer, Renderer(tokenizer).chat(messages).ids, body, answer)
             messages.append({"role": "assistant", "content": answer})
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_streamed_logprobs_go_out_token_by_token(max_batch):
+    """A stream with logprobs sends each token's piece as soon as it is final, while later tokens are still
+    being generated (one-at-a-time and batched runners); the pieces and items are the whole answer's."""
+    from kvstate.serve.runner import Job
+
+    model, tokenizer = load(MODEL)
+    server = make_server(model, tokenizer, max_batch=max_batch)
+    try:
+        messages = [{"role": "user", "content": "Hello there, what is new?"}]
+        prompt, inputs = server.render(messages, True)
+        body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 8, "logprobs": True,
+                "top_logprobs": 2, "stream": True}
+        request = parse(body, CHAT_FIELDS, server.limits, prompt.default_stop, None)
+        sent = []
+        with count_forwards(model) as calls:
+            job = Job("default", prompt, request, inputs,
+                      on_token=lambda piece, item: sent.append((calls[0], piece, item)))
+            result = server.runner.submit(job).result(timeout=60)
+            total = calls[0]
+        assert result.completion_tokens >= 3, "the answer must be long enough to show streaming"
+        assert sent[0][0] < total - 1, "the first piece must go out before the answer's last forwards"
+        assert "".join(piece for _, piece, _ in sent) == result.text
+        assert tuple(item for *_, item in sent) == result.logprobs
+    finally:
+        server.runner.close()

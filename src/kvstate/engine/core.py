@@ -26,11 +26,11 @@ threads cannot see each other's hooks or module-held states.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -128,6 +128,7 @@ class Engine:
             call["position_ids"] = self.runtime.model_positions(positions)
         with self.lock, torch.no_grad(), ExitStack() as hooks:
             run: dict[str, object] = {}
+            kwargs = _with_step_logits(options.kwargs, run)
 
             def prefill() -> object:
                 chunk = options.prefill_chunk_size or settings.chunk_size
@@ -139,7 +140,7 @@ class Engine:
                 return self.runtime.lm_output(prefilled.last_logits[:, None, :], live.cache)  # type: ignore[index]
 
             with _compat.replaced_prefill(self.model, prefill):
-                output = self.model.generate(**call, **options.kwargs)
+                output = self.model.generate(**call, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
             new = sequences[:, history.shape[1]:]
             prefilled: State = run["state"]  # type: ignore[assignment]
@@ -296,6 +297,35 @@ class Engine:
     def _masks(self, layers: tuple[LayerState, ...], recorder: Recorder) -> AbstractContextManager[object]:
         """Per-layer masks while a compressed state is in use; nothing otherwise (bitwise the plain path)."""
         return layer_masks(self.model, layers, recorder) if needs_masks(layers) else nullcontext()
+
+
+class _StepLogits:
+    """A streamer proxy that hands the caller's streamer, before each put of new tokens ``[B]``, the raw
+    logits ``[B, V]`` they were chosen from (a live ``logprobs`` stream needs them; ``generate`` keeps its
+    own in a local). Token 0 comes from the prefill's logits, token ``k`` from the ``k``-th decode forward."""
+
+    def __init__(self, streamer: Any, run: dict[str, object]) -> None:
+        self.streamer, self.run, self.puts = streamer, run, -1  # the first put echoes the history
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.puts >= 0:
+            recorder: Recorder = self.run["recorder"]  # type: ignore[assignment]
+            prefilled: State = self.run["state"]  # type: ignore[assignment]
+            logits = prefilled.last_logits if self.puts == 0 else recorder.forwards[self.puts - 1].logits
+            self.streamer.put_logits(logits)
+        self.puts += 1
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+def _with_step_logits(kwargs: Mapping[str, Any], run: dict[str, object]) -> Mapping[str, Any]:
+    """``kwargs`` with a streamer that has ``put_logits`` wrapped in ``_StepLogits``."""
+    streamer = kwargs.get("streamer")
+    if not callable(getattr(streamer, "put_logits", None)):
+        return kwargs
+    return {**kwargs, "streamer": _StepLogits(streamer, run)}
 
 
 def _mask_arg(mask: torch.Tensor) -> torch.Tensor | None:

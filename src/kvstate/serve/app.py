@@ -209,8 +209,10 @@ async def _complete(server: Server, request: Request, namespace: str, body: dict
     reply = _Reply(server.model_id, kind, chat)
     if req.stream:
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        if req.logprobs is None:  # logprobs come from generate's output: such a stream is sent at the end
+        if req.logprobs is None:
             job.on_text = lambda text: loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
+        else:  # one chunk per token, its piece of the answer with its logprobs, as soon as the piece is final
+            job.on_token = lambda piece, item: loop.call_soon_threadsafe(queue.put_nowait, ("token", (piece, item)))
         future = server.runner.submit(job)
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, ("done", f)))
         server.metrics.request(_route(request), 200)
@@ -243,13 +245,17 @@ async def _events(reply: _Reply, job: Job, queue: asyncio.Queue[tuple[str, Any]]
                   include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, text chunks, the finish chunk, usage if asked, ``[DONE]``.
     Leaving early (the client disconnected) cancels the job."""
-    done = False
+    done, tokens = False, 0
     try:
         yield _sse(reply.chunk(role=True))
         while True:
             what, value = await queue.get()
             if what == "text":
                 yield _sse(reply.chunk(text=value))
+                continue
+            if what == "token":
+                tokens += 1
+                yield _sse(reply.chunk(text=value[0], logprobs=(value[1],)))
                 continue
             done = True
             try:
@@ -260,10 +266,14 @@ async def _events(reply: _Reply, job: Job, queue: asyncio.Queue[tuple[str, Any]]
                 yield _sse(failure.body())
                 break
             while not queue.empty():  # text queued before the done callback ran
-                _, text = queue.get_nowait()
-                yield _sse(reply.chunk(text=text))
-            if result.logprobs is not None:  # one chunk per token, its piece of the answer with its logprobs
-                for piece, item in zip(pieces(result.logprobs, result.text), result.logprobs, strict=True):
+                what, value = queue.get_nowait()
+                if what == "token":
+                    tokens += 1
+                yield _sse(reply.chunk(text=value) if what == "text" else
+                           reply.chunk(text=value[0], logprobs=(value[1],)))
+            if result.logprobs is not None:  # tokens not streamed live (a run that gave no per-step logits)
+                for piece, item in list(zip(pieces(result.logprobs, result.text), result.logprobs,
+                                            strict=True))[tokens:]:
                     yield _sse(reply.chunk(text=piece, logprobs=(item,)))
             yield _sse(reply.chunk(finish=result.finish_reason))
             if include_usage:

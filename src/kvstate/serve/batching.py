@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token
+from ..batch.sampling import Choice
 from ..batch.scheduler import Completion
 from ..errors import KVStateError
 from .errors import BadRequest
@@ -145,7 +146,7 @@ class BatchRunner(Runner):
         if active is None:
             return
         if isinstance(event, Token):
-            self._token(event.handle, active, event.choice.token)
+            self._token(event.handle, active, event.choice)
         elif isinstance(event, Done):
             del self._active[event.handle]
             self._finish(active, event.completion)
@@ -155,9 +156,10 @@ class BatchRunner(Runner):
             refused = isinstance(error, (ValueError, TypeError)) and not isinstance(error, KVStateError)
             active.future.set_exception(BadRequest(f"invalid request: {error}") if refused else error)
 
-    def _token(self, handle: int, active: _Active, token: int) -> None:
+    def _token(self, handle: int, active: _Active, choice: Choice) -> None:
         try:
-            active.streamer.put(torch.tensor([token]))
+            active.streamer.put_step((choice.logprob, choice.top))
+            active.streamer.put(torch.tensor([choice.token]))
         except Cancelled:
             self.scheduler.cancel(handle)
             return
@@ -177,7 +179,7 @@ class BatchRunner(Runner):
             if self.canonical_chunk and self.pool.max_bytes:  # nothing to settle for without a pool
                 self._settle_later.append((job.namespace, completion.state))
         k = job.request.logprobs
-        logprobs = None if k is None else build(
+        logprobs = active.streamer.logprobs if k is None or active.streamer.complete else build(
             tokens, lambda i: (completion.logprobs[i], completion.top_logprobs[i]), self.tokenizer, text)
         result = Result(text, finish, len(job.prompt.ids), len(tokens), completion.reused,
                         time.perf_counter() - active.started, logprobs)

@@ -52,43 +52,84 @@ class TokenLogprob:
 Step = tuple[float, tuple[tuple[int, float], ...]]  # a token's logprob and the top (id, logprob) pairs
 
 
+def step_of(logits: torch.Tensor, token: int, k: int) -> Step:
+    """Token ``token``'s logprob and the ``k`` most likely ``(id, logprob)`` pairs of raw ``logits`` ``[V]``
+    (``log_softmax`` in float32, as the batched scheduler's sampler computes them)."""
+    scores = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(scores, k)
+    return scores[token].item(), tuple(zip(ids.tolist(), values.tolist(), strict=True))
+
+
 def compute(logits: tuple[torch.Tensor, ...], tokens: list[int], k: int, tokenizer: Any,
             text: str) -> tuple[TokenLogprob, ...]:
     """``logits``: generate's raw per-step logits (each ``[1, V]``), ``tokens`` the generated ids, ``k``
     the alternatives per step, ``text`` the answer as returned (cut at a stop string)."""
-    def step(i: int) -> Step:
-        scores = torch.log_softmax(logits[i][0].float(), dim=-1)  # [V]
-        values, ids = torch.topk(scores, k)
-        return scores[tokens[i]].item(), tuple(zip(ids.tolist(), values.tolist(), strict=True))
-
-    return build(tokens, step, tokenizer, text)
+    return build(tokens, lambda i: step_of(logits[i][0], tokens[i], k), tokenizer, text)
 
 
 def build(tokens: list[int], step: Callable[[int], Step], tokenizer: Any, text: str) -> tuple[TokenLogprob, ...]:
     """The reported tokens of an answer ``text`` made of ``tokens``; ``step(i)`` gives token ``i``'s logprob
     and its alternatives (computed only for the tokens reported). The batched scheduler computes them
     itself, with the same ``log_softmax`` of the raw float32 logits."""
-    offsets = _offsets(tokenizer, tokens, len(text))
-    out = []
-    for i, (token, offset) in enumerate(zip(tokens, offsets, strict=True)):
-        if offset >= len(text):  # past the answer: a stop string's tokens, the end token
-            break
-        logprob, top = step(i)
-        alternatives = tuple(Alternative(*_token(tokenizer, t), _finite(v)) for t, v in top)
-        out.append(TokenLogprob(*_token(tokenizer, token), _finite(logprob), offset, alternatives))
-    return tuple(out)
+    reporter = Reporter(tokenizer)
+    for i, token in enumerate(tokens):
+        reporter.add(token, functools.partial(step, i))
+    return tuple(item for _, item in reporter.rest(text))
 
 
-def _offsets(tokenizer: Any, tokens: list[int], limit: int) -> list[int]:
-    """Where each token's text starts: the length of the text before it (a trailing partial character,
-    decoded as U+FFFD, not counted), never decreasing, at most ``limit``."""
-    offsets, last = [], 0
-    for i in range(len(tokens)):
-        if last < limit:  # past the answer nothing is reported: no need to decode further
-            before = tokenizer.decode(tokens[:i], skip_special_tokens=True).rstrip("\ufffd")
-            last = min(max(last, len(before)), limit)
-        offsets.append(last)
-    return offsets
+class Reporter:
+    """An answer's reported tokens as it grows, each with its piece of text as soon as that piece is final.
+
+    ``add`` each token as it is generated (with its step, or a function computing it); ``ready(text,
+    final)`` returns the ``(piece, TokenLogprob)`` of the tokens not yet returned whose piece ends within
+    the first ``final`` characters of the answer so far (text a stop string may still cut is not final);
+    ``rest(text)`` the others, once the answer is complete. The pieces concatenate to the answer, and
+    the items are ``build``'s.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.steps: list[Step | Callable[[], Step]] = []
+        self.offsets: list[int] = []  # where each token's text starts (unclamped; never decreasing)
+        self.items: list[TokenLogprob] = []
+        self._returned = 0
+
+    def add(self, token: int, step: Step | Callable[[], Step]) -> None:
+        before = self.tokenizer.decode(self.tokens, skip_special_tokens=True).rstrip("\ufffd")
+        self.offsets.append(max(self.offsets[-1] if self.offsets else 0, len(before)))
+        self.tokens.append(token)
+        self.steps.append(step)
+
+    def ready(self, text: str, final: int) -> list[tuple[str, TokenLogprob]]:
+        """Tokens whose piece ends by ``final`` (the next token's offset is known and within it)."""
+        out = []
+        i = self._returned
+        while i + 1 < len(self.tokens) and self.offsets[i + 1] <= final and self.offsets[i] < final:
+            out.append((text[self.offsets[i]:self.offsets[i + 1]], self._item(i, self.offsets[i])))
+            i += 1
+        self._returned = i
+        return out
+
+    def rest(self, text: str) -> list[tuple[str, TokenLogprob]]:
+        """The tokens not yet returned, for the complete answer ``text`` (past it nothing is reported)."""
+        limit, out = len(text), []
+        offsets = [min(o, limit) for o in self.offsets] + [limit]
+        for i in range(self._returned, len(self.tokens)):
+            if offsets[i] >= limit:
+                break
+            end = offsets[i + 1] if offsets[i + 1] < limit and i + 1 < len(self.tokens) else limit
+            out.append((text[offsets[i]:end], self._item(i, offsets[i])))
+        self._returned = len(self.tokens)
+        return out
+
+    def _item(self, i: int, offset: int) -> TokenLogprob:
+        step = self.steps[i]
+        logprob, top = step() if callable(step) else step
+        alternatives = tuple(Alternative(*_token(self.tokenizer, t), _finite(v)) for t, v in top)
+        item = TokenLogprob(*_token(self.tokenizer, self.tokens[i]), _finite(logprob), offset, alternatives)
+        self.items.append(item)
+        return item
 
 
 def _token(tokenizer: Any, token: int) -> tuple[str, tuple[int, ...] | None]:

@@ -32,7 +32,7 @@ import torch
 from ..session import Session
 from .chat import Prompt
 from .errors import BadRequest, HTTPError
-from .logprobs import TokenLogprob, compute
+from .logprobs import Reporter, Step, TokenLogprob, compute, step_of
 from .metrics import Metrics
 from .params import Request
 from .pool import StatePool
@@ -51,6 +51,8 @@ class Job:
     request: Request
     inputs: dict[str, Any] = field(default_factory=dict)
     on_text: Callable[[str], None] | None = None
+    # with logprobs: receives each token's piece of the answer and its logprobs as the piece is final
+    on_token: Callable[[str, TokenLogprob], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -163,7 +165,8 @@ class Runner:
         text, stopped = streamer.final(tokens)
         finish = "stop" if stopped else outcome.finish_reason[0]
         k = job.request.logprobs
-        logprobs = None if k is None else compute(outcome.output.logits, tokens, k, self.tokenizer, text)
+        logprobs = streamer.logprobs if k is None or streamer.complete else \
+            compute(outcome.output.logits, tokens, k, self.tokenizer, text)
         result = Result(text, finish, len(job.prompt.ids), len(tokens), outcome.reused,
                         time.perf_counter() - started, logprobs)
         self.metrics.record(result)
@@ -172,7 +175,9 @@ class Runner:
 
 class _Streamer:
     """A transformers streamer that turns new tokens into final text: it holds back an incomplete
-    character and any tail that may still become a stop string, and cuts the answer at the first stop."""
+    character and any tail that may still become a stop string, and cuts the answer at the first stop.
+    With ``logprobs`` it also takes each token's step (``put_logits``: the raw logits, from the engine;
+    ``put_step``: computed, from the batched scheduler) and reports tokens (``logprobs.Reporter``)."""
 
     def __init__(self, tokenizer: Any, job: Job) -> None:
         self.tokenizer, self.job = tokenizer, job
@@ -181,6 +186,18 @@ class _Streamer:
         self.sent = 0
         self._prompt_seen = False
         self._decoded: tuple[int, str, bool] = (0, "", False)  # (tokens, text, stopped) of the last decode
+        self.k = job.request.logprobs
+        self.reporter = None if self.k is None else Reporter(tokenizer)
+        self.complete = self.k is not None  # every token came with its step
+        self._step: Step | torch.Tensor | None = None  # the next token's step, or the logits [V] it comes from
+
+    def put_logits(self, logits: torch.Tensor | None) -> None:
+        """The raw logits ``[1, V]`` the next token is chosen from."""
+        self._step = None if logits is None else logits[0]
+
+    def put_step(self, step: Step) -> None:
+        """The next token's logprob and top alternatives, computed by the caller."""
+        self._step = step
 
     def put(self, value: torch.Tensor) -> None:
         if self.job.cancelled.is_set():
@@ -188,13 +205,30 @@ class _Streamer:
         if not self._prompt_seen:  # generate echoes the history first
             self._prompt_seen = True
             return
-        self.tokens.extend(value.reshape(-1).tolist())
-        if self.job.on_text is not None:
-            text, stopped = self._text(self.tokens)
-            ready = len(text) if stopped else len(text) - self._held(text)
-            if ready > self.sent:
-                self.job.on_text(text[self.sent:ready])
-                self.sent = ready
+        new = value.reshape(-1).tolist()
+        self._report(new)
+        self.tokens.extend(new)
+        if self.job.on_text is None and self.job.on_token is None:
+            return
+        text, stopped = self._text(self.tokens)
+        ready = len(text) if stopped else len(text) - self._held(text)
+        if self.job.on_token is not None and self.reporter is not None and self.complete:
+            for piece, item in self.reporter.ready(text, ready):
+                self.job.on_token(piece, item)
+        elif self.job.on_text is not None and ready > self.sent:
+            self.job.on_text(text[self.sent:ready])
+            self.sent = ready
+
+    def _report(self, new: list[int]) -> None:
+        """Give the reporter the new token with its step (a put without one leaves the report incomplete)."""
+        step, self._step = self._step, None
+        if self.reporter is None or not self.complete:
+            return
+        if step is None or len(new) != 1:
+            self.complete = False
+            return
+        token = new[0]  # computed now: holding each step's logits [V] would cost V floats per token
+        self.reporter.add(token, step if isinstance(step, tuple) else step_of(step, token, self.k))  # type: ignore[arg-type]
 
     def end(self) -> None:
         """Nothing here: ``final`` sends the rest once the state is committed."""
@@ -202,9 +236,21 @@ class _Streamer:
     def final(self, tokens: list[int]) -> tuple[str, bool]:
         """The whole answer (cut at a stop string, and whether one was found); sends what is left."""
         text, stopped = self._text(tokens)
+        if self.reporter is not None and self.complete and tokens == self.tokens:
+            rest = self.reporter.rest(text)
+            if self.job.on_token is not None:
+                for piece, item in rest:
+                    self.job.on_token(piece, item)
+        else:
+            self.complete = False
         if self.job.on_text is not None and len(text) > self.sent:
             self.job.on_text(text[self.sent:])
         return text, stopped
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The reported tokens, once ``final`` ran with every step (None without logprobs)."""
+        return None if self.reporter is None else tuple(self.reporter.items)
 
     @property
     def stopped(self) -> bool:
@@ -222,8 +268,9 @@ class _Streamer:
         return text, stopped
 
     def _held(self, text: str) -> int:
-        """Characters at the end of ``text`` not yet final: a partial UTF-8 character, or a stop string's start."""
-        held = 1 if text.endswith("\ufffd") else 0
+        """Characters at the end of ``text`` not yet final: a partial UTF-8 character (U+FFFD for each byte token
+        so far), or a stop string's start."""
+        held = len(text) - len(text.rstrip("\ufffd"))  # a character split over 3 or 4 byte tokens shows several
         for s in self.stop:
             for k in range(min(len(s) - 1, len(text)), 0, -1):
                 if text.endswith(s[:k]):
