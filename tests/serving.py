@@ -56,10 +56,11 @@ def make_server(model: Any, tokenizer: Any, name: str = "tiny:llama", **settings
 
 
 def reference(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int,
-              stop: tuple[str, ...] = FALLBACK_STOP) -> str:
-    """The greedy answer plain ``model.generate`` gives on ``ids``, cut at ``stop`` by this test's own rule
-    (what any server must answer, cold or warm: an oracle independent of kvstate, issue 22)."""
-    options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False}
+              stop: tuple[str, ...] = FALLBACK_STOP, **processing: Any) -> str:
+    """The greedy answer plain ``model.generate`` gives on ``ids`` (with ``processing`` options such as
+    ``sequence_bias``), cut at ``stop`` by this test's own rule (what any server must answer, cold or
+    warm: an oracle independent of kvstate, issue 22)."""
+    options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False, **processing}
     if stop:
         options.update(stop_strings=list(stop), tokenizer=tokenizer)
     history = torch.tensor([ids])

@@ -146,13 +146,61 @@ def test_concurrent_requests_share_a_system_prompt_computed_once(tiny):
         assert answer == reference(model, tokenizer, renderer.chat(messages).ids, 6)
 
 
-def test_options_the_sampler_lacks_run_alone_as_the_one_at_a_time_server_runs_them(tiny):
+def test_an_option_the_sampler_lacks_runs_alone_as_the_one_at_a_time_server_runs_it(tiny):
     model, tokenizer = tiny
-    body = {"messages": [{"role": "user", "content": "Penalize me."}], "max_tokens": 8, "temperature": 0,
-            "frequency_penalty": 1.5, "logit_bias": {"5": -100}}
+    body = {"messages": [{"role": "user", "content": "Sample me."}], "max_tokens": 8, "temperature": 0.8,
+            "seed": 3, "extra_body": {"min_p": 0.2}}
     answers = []
     for max_batch in (1, 4):
         with live(make_server(model, tokenizer, max_batch=max_batch)) as url:
             r = client(url).chat.completions.create(model="tiny:llama", **body)
             answers.append((r.choices[0].message.content, r.usage.completion_tokens))
     assert answers[0] == answers[1]
+
+
+PROCESSED = [  # OpenAI fields -> the generate options that mean the same
+    ({"frequency_penalty": 1.5, "logit_bias": {"5": -100}}, {"sequence_bias": [[[5], -100.0]], "penalties": (0, 1.5)}),
+    ({"presence_penalty": 1.2}, {"penalties": (1.2, 0)}),
+    ({"extra_body": {"repetition_penalty": 1.4}}, {"repetition_penalty": 1.4}),
+    ({"logit_bias": {"70": 40, "74": -100}, "frequency_penalty": -0.5},
+     {"sequence_bias": [[[70], 40.0], [[74], -100.0]], "penalties": (0, -0.5)}),
+]
+
+
+def test_penalties_and_logit_bias_decode_in_the_batch(tiny):
+    """logit_bias, repetition_penalty and the presence / frequency penalties are the request's own logits
+    processors inside the batch: concurrent requests share forwards, each answer is its answer alone, and
+    each equals plain ``generate`` with the same options."""
+    from transformers import LogitsProcessorList
+
+    from kvstate.serve.params import OpenAIPenalties
+
+    model, tokenizer = tiny
+    server = make_server(model, tokenizer, max_batch=4)
+
+    def answer(url: str, i: int) -> str:
+        messages = [{"role": "user", "content": f"Say something about {TOPICS[i]}."}]
+        r = client(url).chat.completions.create(model="tiny:llama", messages=messages, max_tokens=10, temperature=0,
+                                                **PROCESSED[i][0])
+        return r.choices[0].message.content
+
+    with live(server) as url:
+        alone = [answer(url, i) for i in range(len(PROCESSED))]
+        together: list = [None] * len(PROCESSED)
+        threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, answer(url, i)))
+                   for i in range(len(PROCESSED))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert server.runner.peak > 1, "the requests never shared a forward"
+    assert together == alone
+    renderer = Renderer(tokenizer)
+    for i, (_, options) in enumerate(PROCESSED):
+        options = dict(options)
+        penalties = options.pop("penalties", None)
+        if penalties:
+            options["logits_processor"] = LogitsProcessorList([OpenAIPenalties(*penalties)])
+        ids = renderer.chat([{"role": "user", "content": f"Say something about {TOPICS[i]}."}]).ids
+        assert alone[i] == reference(model, tokenizer, ids, 10, **options), i
+    assert len(set(alone)) > 1

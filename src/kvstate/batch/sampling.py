@@ -2,15 +2,18 @@
 
 Everything here sees one request's logits ``[V]`` only, so a token and its log-probabilities
 depend on that row and the request's ``torch.Generator`` alone: a seeded request draws the same
-tokens served alone or in any batch. Log-probabilities are those of the model's distribution
-(``log_softmax`` of the raw logits in float32), before temperature and truncation, as OpenAI's
-``logprobs`` report them.
+tokens served alone or in any batch. A request's logits processors (``logit_bias``, penalties:
+transformers' own classes or any callable of ``generate``'s signature) run on its row and its own
+ids, in the order ``generate`` runs them, before the token is chosen. Log-probabilities are
+those of the model's distribution (``log_softmax`` of the raw logits in float32), before
+processors, temperature and truncation, as OpenAI's ``logprobs`` report them.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,24 +55,43 @@ class Choice:
     top: tuple[tuple[int, float], ...] = ()
 
 
+Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a logits processor: (ids [1, L], scores [1, V])
+
+
 class Sampler:
     """One request's token choices (see the module docstring)."""
 
-    def __init__(self, sampling: Sampling, top_logprobs: int, device: torch.device) -> None:
-        self.sampling, self.top_logprobs = sampling, top_logprobs
+    def __init__(self, sampling: Sampling, top_logprobs: int, device: torch.device,
+                 processors: Sequence[Processor] = (), history: Sequence[int] = ()) -> None:
+        self.sampling, self.top_logprobs, self.processors = sampling, top_logprobs, tuple(processors)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)  # torch.seed() would reseed
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.history = list(history)  # the request's ids and its tokens so far (what processors read)
+        self.device = device
 
     def choose(self, logits: torch.Tensor) -> Choice:
         """The next token for ``logits`` ``[V]``."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
+        scores = self._processed(logits)
         # greedy as generate's argmax: the first maximal index (max's kernel is 3x faster on 262k logits)
-        token = int(logits.max(-1).indices) if self.sampling.greedy else self._draw(logits.float())
+        token = int(scores.max(-1).indices) if self.sampling.greedy else self._draw(scores.float())
         top: tuple[tuple[int, float], ...] = ()
         if self.top_logprobs:
             values, ids = logprobs.topk(min(self.top_logprobs, logprobs.shape[-1]))
             top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        self.history.append(token)
         return Choice(token, float(logprobs[token]), top)
+
+    def _processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` after the request's processors, as ``generate`` runs them: float32 scores ``[1, V]``
+        and the ids so far ``[1, L]``, in order (before temperature, top-k and top-p)."""
+        if not self.processors:
+            return logits
+        ids = torch.tensor([self.history], dtype=torch.long, device=self.device)
+        scores = logits.float()[None]
+        for processor in self.processors:
+            scores = processor(ids, scores)
+        return scores[0]
 
     def _draw(self, scores: torch.Tensor) -> int:
         s = self.sampling

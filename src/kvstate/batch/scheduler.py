@@ -38,7 +38,7 @@ from ..options import end_ids
 from ..protocols import PrefixCache
 from ..state import State
 from .prefixes import RecentPrompts
-from .sampling import Choice, Sampler, Sampling
+from .sampling import Choice, Processor, Sampler, Sampling
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
@@ -47,18 +47,24 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 class BatchRequest:
     """One conversation to continue: its full history ``ids`` (``[L]`` or ``[1, L]``), media ``inputs``
     for it (``pixel_values``...), an optional ``state`` to resume from, prefix ``sources`` of its own
-    (after the scheduler's: a server's pool namespace and store), and how to answer."""
+    (after the scheduler's: a server's pool namespace and store), and how to answer: ``processors``
+    are logits processors (``generate``'s signature, fresh per request: some keep state) applied in
+    order to the raw float32 logits before sampling; logprobs stay the raw logits'."""
 
     ids: torch.Tensor | Sequence[int]
     max_new_tokens: int = 16
     sampling: Sampling = field(default_factory=Sampling)
     stop_ids: tuple[int, ...] | None = None  # None: the model's end-of-sequence ids
     top_logprobs: int = 0
+    processors: tuple[Processor, ...] = ()  # logits processors, run on this request's row before choosing
     inputs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     state: State | None = None
     sources: tuple[PrefixCache, ...] = ()
 
     def __post_init__(self) -> None:
+        if not all(callable(p) for p in self.processors):
+            raise InputError("BatchRequest.processors must be logits processors", expected="callables (ids, scores)",
+                             found=[type(p).__name__ for p in self.processors], fix="pass LogitsProcessor objects")
         for name, value, low, high in (("max_new_tokens", self.max_new_tokens, 1, None),
                                        ("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)):
             if not _int_in(value, low, high):
@@ -187,7 +193,9 @@ class Scheduler:
         device = next(self.model.parameters()).device
         stops = end_ids(getattr(self.model, "generation_config", None)) if request.stop_ids is None \
             else frozenset(request.stop_ids)
-        job = _Job(next(self._handles), request, Sampler(request.sampling, request.top_logprobs, device), stops)
+        history = torch.as_tensor(request.ids).reshape(-1).tolist() if request.processors else ()
+        sampler = Sampler(request.sampling, request.top_logprobs, device, request.processors, history)
+        job = _Job(next(self._handles), request, sampler, stops)
         self._waiting.append(job)
         return job.handle
 

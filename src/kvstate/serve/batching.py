@@ -9,13 +9,14 @@ runs one scheduler step (admissions, then one decode step for every running requ
 hands each token to its request's streamer.
 
 What runs batched: greedy and plain sampling (``temperature``, ``top_p``, ``top_k``, ``seed``)
-with ``stop`` strings and ``logprobs`` (the scheduler's own, the same ``log_softmax`` of the raw
-float32 logits that ``logprobs.compute`` takes of generate's). A request with options the
-per-request sampler does not have (penalties, ``logit_bias``, ``min_p``, ``repetition_penalty``)
-runs through ``Session.generate`` between two steps, as ``Runner`` runs it: alone, so its answer
-is its answer alone too. Each finished answer's state joins the namespace's pool (its prompt's
-state went to the pool and the store at admission), and is settled into canonical chunks when
-the model is idle.
+with ``stop`` strings, ``logprobs`` (the scheduler's own, the same ``log_softmax`` of the raw
+float32 logits that ``logprobs.compute`` takes of generate's), ``logit_bias``,
+``repetition_penalty`` and the presence / frequency penalties (the logits processors ``generate``
+would build, run on the request's own row and ids). A request with an option the per-request
+sampler does not have (``min_p``) runs through ``Session.generate`` between two steps, as
+``Runner`` runs it: alone, so its answer is its answer alone too. Each finished answer's state
+joins the namespace's pool (its prompt's state went to the pool and the store at admission), and
+is settled into canonical chunks when the model is idle.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from .logprobs import build
 from .runner import Cancelled, Job, Result, Runner, _Streamer
 
 _BATCHED_OPTIONS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "stop_strings",
-                    "output_logits", "return_dict_in_generate"}  # the last two: logprobs, which the sampler gives
+                    "output_logits", "return_dict_in_generate",  # these two: logprobs, which the sampler gives
+                    "sequence_bias", "repetition_penalty", "logits_processor"}  # processors, in generate's order
 
 
 class _Active:
@@ -139,7 +141,7 @@ class BatchRunner(Runner):
         sources = (self.pool.source(job.namespace), *(() if store is None else (store,)))
         return BatchRequest(torch.tensor(job.prompt.ids), max_new_tokens=options["max_new_tokens"],
                             sampling=sampling, inputs=job.inputs, sources=sources,
-                            top_logprobs=job.request.logprobs or 0)
+                            top_logprobs=job.request.logprobs or 0, processors=_processors(options))
 
     def _dispatch(self, event: Token | Done | Failed) -> None:
         active = self._active.get(event.handle)
@@ -191,3 +193,16 @@ class BatchRunner(Runner):
             active = self._active.pop(handle, None)
             if active is not None:
                 active.future.set_exception(exc)
+
+
+def _processors(options: dict[str, Any]) -> tuple[Any, ...]:
+    """The logits processors ``generate`` builds for ``options`` that are not sampling's own, in its order:
+    ``sequence_bias`` (``logit_bias``), ``repetition_penalty``, then the request's own (OpenAI's penalties)."""
+    from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    out: list[Any] = []
+    if options.get("sequence_bias"):
+        out.append(SequenceBiasLogitsProcessor(sequence_bias=options["sequence_bias"]))
+    if options.get("repetition_penalty", 1.0) != 1.0:
+        out.append(RepetitionPenaltyLogitsProcessor(penalty=options["repetition_penalty"]))
+    return (*out, *options.get("logits_processor", ()))
