@@ -195,7 +195,7 @@ def test_penalties_and_logit_bias_decode_in_the_batch(tiny):
             t.join(timeout=300)
         assert server.runner.peak > 1, "the requests never shared a forward"
     assert together == alone
-    renderer = Renderer(tokenizer)
+    renderer, changed = Renderer(tokenizer), []
     for i, (_, options) in enumerate(PROCESSED):
         options = dict(options)
         penalties = options.pop("penalties", None)
@@ -203,4 +203,5 @@ def test_penalties_and_logit_bias_decode_in_the_batch(tiny):
             options["logits_processor"] = LogitsProcessorList([OpenAIPenalties(*penalties)])
         ids = renderer.chat([{"role": "user", "content": f"Say something about {TOPICS[i]}."}]).ids
         assert alone[i] == reference(model, tokenizer, ids, 10, **options), i
-    assert len(set(alone)) > 1
+        changed.append(alone[i] != reference(model, tokenizer, ids, 10))
+    assert sum(changed) >= 3, changed  # the processors changed the answers
