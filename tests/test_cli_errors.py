@@ -89,18 +89,6 @@ def test_debug_shows_the_traceback(files):
 
 
 @pytest.mark.slow
-def test_the_cli_store_reuses_a_repeated_prompt(tmp_path, capsys):
-    text = " ".join(f"Clause {i}: deliveries arrive at the loading dock after six." for i in range(30))
-    store = str(tmp_path / "store")
-    assert main(["generate", "--store", store, "--prompt", text, "--max-new-tokens", "2"]) == 0
-    assert "reused 0 tokens" in capsys.readouterr().err
-    assert main(["generate", "--store", store, "--prompt", text, "--max-new-tokens", "2"]) == 0
-    err = capsys.readouterr().err
-    reused = int(err.split("reused ")[1].split(" tokens")[0])
-    assert reused >= 64, err  # the same prompt: every aligned chunk of it but the last token's
-
-
-@pytest.mark.slow
 def test_continuing_a_saved_document_with_text_equals_a_fresh_run(tmp_path, capsys):
     from kvstate.testing import load_default_model
 

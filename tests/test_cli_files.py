@@ -82,5 +82,8 @@ def test_generate_with_store_reuses_the_prompt_on_the_second_run(tmp_path, capsy
     assert main(["generate", "--store", store, "--prompt", text + " Rule 12:", "--max-new-tokens", "3"]) == 0
     second = capsys.readouterr()
     assert "reused 128 tokens" in second.err  # two full 64-token chunks from the first run
+    assert main(["generate", "--store", store, "--prompt", text, "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "reused 128 tokens" in err  # the same prompt again: every aligned chunk of it (the rest is fed)
     assert main(["store", "stats", "--store", store, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["hits"] == 1
+    assert json.loads(capsys.readouterr().out)["hits"] == 2

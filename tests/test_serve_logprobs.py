@@ -331,7 +331,8 @@ def _stream(tokenizer, tokens: list[int], logits, stop: str | None) -> list:
             text = text[:text.find(stop)]
             sent += reporter.ready(text, len(text))
             continue
-        held = max([k for k in range(1, len(stop or "")) if text.endswith(stop[:k])] + [len(text) - len(text.rstrip("\ufffd"))])
+        partial = len(text) - len(text.rstrip("\ufffd"))
+        held = max([k for k in range(1, len(stop or "")) if text.endswith(stop[:k])] + [partial])
         sent += reporter.ready(text, len(text) - held)
     full = tokenizer.decode(tokens, skip_special_tokens=True)
     return sent + reporter.rest(full[:full.find(stop)] if stop and stop in full else full)

@@ -67,7 +67,9 @@ def fresh_run(arch: str, ids: torch.Tensor) -> list:
                           do_sample=False)[:, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+# backend and family are independent (the store moves bytes; the family decides what a state holds), so one
+# pair each: a recurrent family with checkpoints on a folder, a sliding one on Redis (qwen3 below on Redis too)
+@pytest.mark.parametrize(("location", "arch"), [("folder", "lfm2"), ("redis", "gemma3_text")], indirect=["location"])
 def test_two_processes_share_a_store(location, arch):
     ids = prompt(40)
     first = worker(location, arch, ids)
