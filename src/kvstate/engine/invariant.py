@@ -42,7 +42,8 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor, rows: int,
     M, pad = a.shape[0], -a.shape[0] % rows
     if pad:
         a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
-    return torch.cat([product(a[i:i + rows], b) for i in range(0, M + pad, rows)])[:M]
+    tiles = [product(a[i:i + rows], b) for i in range(0, M + pad, rows)]
+    return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:M]  # one tile: no copy (the head's is 16 MB)
 
 
 def tiled_grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: int) -> torch.Tensor:
