@@ -18,6 +18,7 @@ contenders, side by side in one run:
 
     python bench/bench_batch_serve.py                      # float32, about 10 minutes on 2 cores
     python bench/bench_batch_serve.py --dtype bfloat16     # results: batch_serve[_bfloat16].json
+    python bench/bench_batch_serve.py --chats 8 --turns 1 --streams 8 --no-system --name batch_serve_issue_shape
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ NAMES = ["Ada", "Ben", "Chloe", "Dev", "Eva", "Finn", "Gia", "Hugo", "Ines", "Jo
          "Omar", "Pia"]
 
 
-def _chat(url: str, model: str, index: int, turns: int, max_tokens: int) -> list[dict[str, object]]:
+def _chat(url: str, model: str, index: int, turns: int, max_tokens: int,
+          system: bool = True) -> list[dict[str, object]]:
     """Chat ``index``: ``turns`` streamed greedy turns; one row per turn."""
-    messages = [{"role": "system", "content": SYSTEM}]
+    messages = [{"role": "system", "content": SYSTEM}] if system else []
     rows = []
     for t in range(turns):
         question = QUESTIONS[(index + t) % len(QUESTIONS)]
@@ -61,11 +63,11 @@ def _chat(url: str, model: str, index: int, turns: int, max_tokens: int) -> list
 
 
 def _level(url: str, model: str, streams: int, chats: int, turns: int, max_tokens: int,
-           tokenizer: object) -> dict[str, object]:
+           tokenizer: object, system: bool = True) -> dict[str, object]:
     """``chats`` chats, ``streams`` at a time: throughput, TTFT percentiles and every answer."""
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=streams) as pool:
-        futures = [pool.submit(_chat, url, model, i, turns, max_tokens) for i in range(chats)]
+        futures = [pool.submit(_chat, url, model, i, turns, max_tokens, system) for i in range(chats)]
         rows = [row for f in futures for row in f.result()]
     wall = time.perf_counter() - start
     tokens = sum(len(tokenizer.encode(str(r["answer"]), add_special_tokens=False)) for r in rows)  # type: ignore[attr-defined]
@@ -84,8 +86,9 @@ def _server_levels(cmd: list[str], port: int, args: argparse.Namespace, model: s
                    streams: list[int]) -> dict[str, object]:
     with _server(cmd, port, args.threads) as url:
         _turn(url, model, [{"role": "user", "content": "Hello"}], 2)  # load and warm
-        alone = _level(url, model, 1, args.chats, args.turns, args.max_tokens, tokenizer)
-        levels = [_level(url, model, n, args.chats, args.turns, args.max_tokens, tokenizer) for n in streams]
+        alone = _level(url, model, 1, args.chats, args.turns, args.max_tokens, tokenizer, not args.no_system)
+        levels = [_level(url, model, n, args.chats, args.turns, args.max_tokens, tokenizer, not args.no_system)
+                  for n in streams]
     for level in levels:
         level["answers_equal_alone"] = level["answers"] == alone["answers"]
         level["speedup_vs_alone"] = level["tokens_per_s"] / alone["tokens_per_s"]  # type: ignore[operator]
@@ -102,6 +105,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--streams", type=int, nargs="+", default=[8, 16], help="chats at once, per level")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--no-system", action="store_true",
+                        help="no system prompt: each chat is one user message (issue 25's own 8-client shape)")
+    parser.add_argument("--name", help="results file name (default batch_serve[_DTYPE])")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -155,10 +161,13 @@ def _report(args: argparse.Namespace, results: dict[str, dict]) -> None:
               f"answers equal alone: {ours['answers_equal_alone']}), transformers CB {tf['tokens_per_s']:.1f} "
               f"tok/s (answers equal alone: {tf['answers_equal_alone']}), invariance tax "
               f"{summary[str(n)]['invariance_tax']:.0%}")
+    system = "without" if args.no_system else "with"
     result = {"what": f"{args.chats} chats x {args.turns} streamed greedy turns of {args.max_tokens} tokens on the "
-                      f"default model (Gemma-3-270M, {args.dtype}), one at a time and {args.streams} at once",
+                      f"default model (Gemma-3-270M, {args.dtype}), {system} the system prompt, one at a time and "
+                      f"{args.streams} at once",
               "dtype": args.dtype, "threads_per_server": args.threads, "summary": summary, "servers": results}
-    write_results("batch_serve" if args.dtype == "float32" else f"batch_serve_{args.dtype}", result)
+    default = "batch_serve" if args.dtype == "float32" else f"batch_serve_{args.dtype}"
+    write_results(args.name or default, result)
 
 
 if __name__ == "__main__":
