@@ -24,7 +24,7 @@ from kvstate.verify.against.client import Call, Client, hit_tokens
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "against.schema.json").read_text())
 # the fault servers are bitwise by construction (a correct hit runs the cold chunks), so no drift is allowed
-SMALL = dict(max_tokens=4, long_chars=1500, clients=4, rounds=1, key_lengths=(32,), floor_repeats=1,
+SMALL = dict(max_tokens=4, long_chars=700, clients=4, rounds=1, key_lengths=(32,), floor_repeats=1,
              logprob_tolerance=0.0)
 HIT_SCENARIOS = {"repeat", "shared-prefix", "multi-turn", "edited-turn", "image", "long", "streaming", "concurrent"}
 FULL_HITS = {"repeat", "image", "long", "streaming"}  # the scenarios with a full-hit probe

@@ -268,3 +268,29 @@ def test_streamer_echo_on_pure_recurrent_and_stepwise_families(arch):
     tokens = s.generate(history, max_new_tokens=N, do_sample=False, streamer=ours)
     assert torch.equal(tokens, ref[:, 20:])
     assert [p.tolist() for p in ours.puts] == [p.tolist() for p in theirs.puts]
+
+
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_a_streamer_with_put_logits_gets_each_steps_raw_logits(arch):
+    """Before each put of new tokens, a streamer that has ``put_logits`` gets the raw logits they were chosen
+    from: the same tensors as ``output_logits``, warm (after a resume) and with the puts unchanged."""
+    class Logits(Echo):
+        def __init__(self) -> None:
+            super().__init__()
+            self.logits: list[torch.Tensor] = []
+
+        def put_logits(self, logits: torch.Tensor) -> None:
+            assert len(self.logits) == len(self.puts) - 1, "logits come right before their tokens' put"
+            self.logits.append(logits)
+
+    model = tiny_model(arch)
+    history = prompt(20, seed=5)
+    s = Session(model)
+    s.extend(history[:, :13])
+    streamer, plain = Logits(), Echo()
+    out = s.generate(history, max_new_tokens=N, do_sample=False, streamer=streamer, output_logits=True,
+                     return_dict_in_generate=True, repetition_penalty=1.3)
+    assert len(streamer.logits) == len(out.logits) == N
+    assert all(torch.equal(a.float(), b) for a, b in zip(streamer.logits, out.logits, strict=True))
+    Session(model).generate(history, max_new_tokens=N, do_sample=False, streamer=plain, repetition_penalty=1.3)
+    assert [p.tolist() for p in streamer.puts] == [p.tolist() for p in plain.puts]

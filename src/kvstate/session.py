@@ -231,7 +231,9 @@ class Session:
         the layers allow (else resumes from a checkpoint, else re-feeds from scratch), feeds
         only the rest, and returns the new token ids ``[B, N]``. With
         ``return_dict_in_generate=True`` the transformers output object is returned,
-        its ``sequences`` holding only the new tokens (the state holds the cache).
+        its ``sequences`` holding only the new tokens (the state holds the cache). A ``streamer``
+        that also has ``put_logits(logits)`` gets, before each put of new tokens, the raw logits
+        ``[B, V]`` they were chosen from (live log-probabilities, as ``kvstate serve`` streams them).
 
         ``compress=policy, budget=B, every=N`` decodes on at most ``B`` slots per attention
         layer: every ``N`` new tokens the state is compressed to ``B - N`` slots
