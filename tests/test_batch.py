@@ -363,3 +363,17 @@ def test_misuse_raises_a_typed_error(case):
     with pytest.raises(error) as info:
         call(model_in("llama", torch.float32))
     assert "expected" in str(info.value) and "fix" in str(info.value)
+
+
+def test_min_p_draws_only_tokens_near_the_most_likely():
+    """``min_p`` drops the tokens less likely than ``min_p`` times the most likely one (generate's rule,
+    after top-p); out of [0, 1] it is refused."""
+    from kvstate.batch.sampling import Sampler
+
+    logits = torch.tensor([5.0, 4.9, 0.0, -1.0])  # probabilities about 0.52, 0.47, 0.004, 0.001
+    sampler = Sampler(Sampling(temperature=1.0, min_p=0.5, seed=0), 0, torch.device("cpu"))
+    assert {sampler.choose(logits).token for _ in range(64)} == {0, 1}
+    loose = Sampler(Sampling(temperature=1.0, min_p=0.001, seed=0), 0, torch.device("cpu"))
+    assert {loose.choose(logits * 0.1).token for _ in range(256)} == {0, 1, 2, 3}
+    with pytest.raises(InputError, match="min_p"):
+        Sampling(temperature=1.0, min_p=1.5)

@@ -147,15 +147,23 @@ def test_concurrent_requests_share_a_system_prompt_computed_once(tiny):
 
 
 def test_an_option_the_sampler_lacks_runs_alone_as_the_one_at_a_time_server_runs_it(tiny):
+    """Every option ``params`` produces is batched; anything else (here ``no_repeat_ngram_size``, a generate
+    option no route maps) runs through ``Session.generate`` between two steps: the one-at-a-time answer."""
+    from kvstate.serve.params import Request
+    from kvstate.serve.runner import Job
+
     model, tokenizer = tiny
-    body = {"messages": [{"role": "user", "content": "Sample me."}], "max_tokens": 8, "temperature": 0.8,
-            "seed": 3, "extra_body": {"min_p": 0.2}}
     answers = []
     for max_batch in (1, 4):
-        with live(make_server(model, tokenizer, max_batch=max_batch)) as url:
-            r = client(url).chat.completions.create(model="tiny:llama", **body)
-            answers.append((r.choices[0].message.content, r.usage.completion_tokens))
-    assert answers[0] == answers[1]
+        server = make_server(model, tokenizer, max_batch=max_batch)
+        try:
+            prompt, _ = server.render([{"role": "user", "content": "Repeat after me: la la la la."}], True)
+            request = Request({"max_new_tokens": 10, "do_sample": False, "no_repeat_ngram_size": 2}, (), False,
+                              False, None)
+            answers.append(server.runner.submit(Job("default", prompt, request)).result(timeout=60))
+        finally:
+            server.runner.close()
+    assert (answers[0].text, answers[0].completion_tokens) == (answers[1].text, answers[1].completion_tokens)
 
 
 PROCESSED = [  # OpenAI fields -> the generate options that mean the same
@@ -164,13 +172,14 @@ PROCESSED = [  # OpenAI fields -> the generate options that mean the same
     ({"extra_body": {"repetition_penalty": 1.4}}, {"repetition_penalty": 1.4}),
     ({"logit_bias": {"70": 40, "74": -100}, "frequency_penalty": -0.5},
      {"sequence_bias": [[[70], 40.0], [[74], -100.0]], "penalties": (0, -0.5)}),
+    ({"temperature": 1.3, "seed": 11, "extra_body": {"min_p": 0.3}}, None),  # sampled: alone = batched only
 ]
 
 
 def test_penalties_and_logit_bias_decode_in_the_batch(tiny):
     """logit_bias, repetition_penalty and the presence / frequency penalties are the request's own logits
-    processors inside the batch: concurrent requests share forwards, each answer is its answer alone, and
-    each equals plain ``generate`` with the same options."""
+    processors inside the batch, and min_p is the sampler's: concurrent requests share forwards, each answer
+    is its answer alone, and each greedy one equals plain ``generate`` with the same options."""
     from transformers import LogitsProcessorList
 
     from kvstate.serve.params import OpenAIPenalties
@@ -180,8 +189,8 @@ def test_penalties_and_logit_bias_decode_in_the_batch(tiny):
 
     def answer(url: str, i: int) -> str:
         messages = [{"role": "user", "content": f"Say something about {TOPICS[i]}."}]
-        r = client(url).chat.completions.create(model="tiny:llama", messages=messages, max_tokens=10, temperature=0,
-                                                **PROCESSED[i][0])
+        r = client(url).chat.completions.create(model="tiny:llama", messages=messages, max_tokens=10,
+                                                **{"temperature": 0, **PROCESSED[i][0]})
         return r.choices[0].message.content
 
     with live(server) as url:
@@ -197,6 +206,8 @@ def test_penalties_and_logit_bias_decode_in_the_batch(tiny):
     assert together == alone
     renderer, changed = Renderer(tokenizer), []
     for i, (_, options) in enumerate(PROCESSED):
+        if options is None:
+            continue
         options = dict(options)
         penalties = options.pop("penalties", None)
         if penalties:

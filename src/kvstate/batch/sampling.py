@@ -24,18 +24,21 @@ from ..errors import InputError
 @dataclass(frozen=True)
 class Sampling:
     """How a request picks tokens: ``temperature`` 0 is greedy; otherwise softmax sampling at that
-    temperature over the ``top_k`` most likely tokens (0: all) within nucleus ``top_p``, drawn from a
-    generator seeded with ``seed`` (None: a fresh random seed, so the draw is not reproducible)."""
+    temperature over the ``top_k`` most likely tokens (0: all) within nucleus ``top_p``, without the
+    tokens less likely than ``min_p`` times the most likely one (0: off; in ``generate``'s order), drawn
+    from a generator seeded with ``seed`` (None: a fresh random seed, so the draw is not reproducible)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         rules = (("temperature", self.temperature, math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
                  ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0"),
-                 ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"))
+                 ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+                 ("min_p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1]"))
         for name, value, ok, rule in rules:
             if not ok:
                 raise InputError(f"Sampling.{name} out of range", expected=rule, found=repr(value),
@@ -104,5 +107,9 @@ class Sampler:
             cumulative = ordered.softmax(-1).cumsum(-1)
             drop = cumulative - ordered.softmax(-1) >= s.top_p  # keep the smallest prefix reaching top_p
             scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
+        if s.min_p:
+            from transformers import MinPLogitsWarper  # generate's own rule, after top-p as generate runs it
+
+            scores = MinPLogitsWarper(s.min_p)(None, scores[None])[0]  # type: ignore[arg-type]
         probs = scores.softmax(-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))

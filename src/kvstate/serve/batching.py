@@ -8,13 +8,14 @@ nothing). The loop on the model thread takes new jobs, cancels the ones whose cl
 runs one scheduler step (admissions, then one decode step for every running request), and
 hands each token to its request's streamer.
 
-What runs batched: greedy and plain sampling (``temperature``, ``top_p``, ``top_k``, ``seed``)
-with ``stop`` strings, ``logprobs`` (the scheduler's own, the same ``log_softmax`` of the raw
-float32 logits that ``logprobs.compute`` takes of generate's), ``logit_bias``,
-``repetition_penalty`` and the presence / frequency penalties (the logits processors ``generate``
-would build, run on the request's own row and ids). A request with an option the per-request
-sampler does not have (``min_p``) runs through ``Session.generate`` between two steps, as
-``Runner`` runs it: alone, so its answer is its answer alone too. Each finished answer's state
+What runs batched: every option ``params`` maps: greedy and sampling (``temperature``, ``top_p``,
+``top_k``, ``min_p``, ``seed``) with ``stop`` strings, ``logprobs`` (the scheduler's own, the same
+``log_softmax`` of the raw float32 logits that ``logprobs.compute`` takes of generate's),
+``logit_bias``, ``repetition_penalty`` and the presence / frequency penalties (the logits
+processors ``generate`` would build, run on the request's own row and ids). A request with an
+option the per-request sampler does not have (none that ``params`` produces today) runs through
+``Session.generate`` between two steps, as ``Runner`` runs it: alone, so its answer is its answer
+alone too. Each finished answer's state
 joins the namespace's pool (its prompt's state went to the pool and the store at admission), and
 is settled into canonical chunks when the model is idle.
 """
@@ -37,7 +38,7 @@ from .errors import BadRequest
 from .logprobs import build
 from .runner import Cancelled, Job, Result, Runner, _Streamer
 
-_BATCHED_OPTIONS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "stop_strings",
+_BATCHED_OPTIONS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "stop_strings",
                     "output_logits", "return_dict_in_generate",  # these two: logprobs, which the sampler gives
                     "sequence_bias", "repetition_penalty", "logits_processor"}  # processors, in generate's order
 
@@ -136,7 +137,8 @@ class BatchRunner(Runner):
         if set(options) - _BATCHED_OPTIONS:
             return None
         sampling = Sampling(options["temperature"], options.get("top_k", 0), options.get("top_p", 1.0),
-                            seed=job.request.seed) if options.get("do_sample") else Sampling()
+                            seed=job.request.seed, min_p=options.get("min_p", 0.0)) \
+            if options.get("do_sample") else Sampling()
         store = self.store_for(job.namespace)
         sources = (self.pool.source(job.namespace), *(() if store is None else (store,)))
         return BatchRequest(torch.tensor(job.prompt.ids), max_new_tokens=options["max_new_tokens"],
