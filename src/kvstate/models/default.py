@@ -180,18 +180,33 @@ def load_default_model(
 
     The first call converts the packaged GGUF into a safetensors cache (about a
     minute); later calls load that cache in a few seconds. `cache_dir` replaces
-    the user cache dir (`platformdirs.user_cache_dir("kvstate")`).
+    the user cache dir (`platformdirs.user_cache_dir("kvstate")`). Every call builds
+    a new model instance; the tokenizer is loaded once per process and shared
+    (parsing its 262k-token vocabulary takes about 3 s; kvstate never changes it).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder = default_model_folder(cache_dir, progress)
     with _quiet(progress):
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=dtype, attn_implementation=attn_implementation or "sdpa"
         )
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    check_tokenizer(tokenizer, f"loaded from {folder}")
+        tokenizer = _tokenizer(str(folder))
     return model.eval(), tokenizer
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def _tokenizer(folder: str) -> Any:
+    """The checked tokenizer of ``folder``, loaded on first use in this process."""
+    if folder not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        check_tokenizer(tokenizer, f"loaded from {folder}")
+        _TOKENIZERS[folder] = tokenizer
+    return _TOKENIZERS[folder]
 
 
 # Gemma 3's ids for this sentence, as the newest transformers converts the GGUF's vocabulary (issue 15):
