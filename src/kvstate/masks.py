@@ -52,7 +52,8 @@ def layer_masks(model: Any, layers: tuple[LayerState, ...], queries: Any) -> Ite
     try:
         for i, decoder_layer in enumerate(_compat.decoder_layers(model)):
             if isinstance(layers[i], AttentionLayerState):
-                handles.append(decoder_layer.register_forward_pre_hook(plan.layer_hook(i), with_kwargs=True))
+                handles.append(decoder_layer.register_forward_pre_hook(_compat.own_thread(plan.layer_hook(i)),
+                                                                       with_kwargs=True))
         yield
     finally:
         for handle in handles:

@@ -422,6 +422,17 @@ def rope_inv_freq(model: Any) -> torch.Tensor:
     return rotary.inv_freq
 
 
+def own_thread(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` as a module hook of the calling thread only: torch runs a module's hooks for every thread's
+    forwards, and a plain ``generate`` on the same model in another thread must not see kvstate's."""
+    owner = threading.get_ident()
+
+    def scoped(*args: Any, **kwargs: Any) -> Any:
+        return hook(*args, **kwargs) if threading.get_ident() == owner else None
+
+    return scoped
+
+
 @contextmanager
 def without_logits(model: Any) -> Iterator[None]:
     """Forwards inside compute no logits: the output head gets zero rows (``[B, 0, V]`` logits).
@@ -434,9 +445,8 @@ def without_logits(model: Any) -> Iterator[None]:
     if not isinstance(head, torch.nn.Linear):
         yield
         return
-    owner = threading.get_ident()  # a module hook is every thread's: another thread's forwards keep their logits
-    handle = head.register_forward_pre_hook(
-        lambda _module, args: (args[0][..., :0, :], *args[1:]) if args and threading.get_ident() == owner else None)
+    handle = head.register_forward_pre_hook(own_thread(lambda _module, args: (args[0][..., :0, :], *args[1:])
+                                                       if args else None))
     try:
         yield
     finally:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._compat.core import own_thread
 from ..adapters.binding import Runtime
 from ..errors import KVStateError
 
@@ -39,12 +40,11 @@ class Recorder:
         self._next = next_position
         self.forwards: list[Forward] = []
         self.current: torch.Tensor | None = None  # positions of the forward running now
-        self._thread = threading.get_ident()  # hooks fire for every thread's forwards; only this one's count
 
     @contextmanager
     def attached(self, model: torch.nn.Module) -> Iterator[Recorder]:
-        handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
-                   model.register_forward_hook(self._after, with_kwargs=True)]
+        handles = [model.register_forward_pre_hook(own_thread(self._before), with_kwargs=True),
+                   model.register_forward_hook(own_thread(self._after), with_kwargs=True)]
         try:
             yield self
         finally:
@@ -52,8 +52,6 @@ class Recorder:
                 handle.remove()
 
     def _before(self, _module: torch.nn.Module, args: tuple, kwargs: dict[str, object]) -> None:
-        if threading.get_ident() != self._thread:
-            return
         given = kwargs.get("position_ids")
         if isinstance(given, torch.Tensor):
             self.current = self._runtime.state_positions(given)
@@ -66,8 +64,6 @@ class Recorder:
         self._next = flat[:, -1] + 1
 
     def _after(self, _module: torch.nn.Module, _args: tuple, _kwargs: dict[str, object], output: object) -> None:
-        if threading.get_ident() != self._thread:
-            return
         assert self.current is not None
         logits = output.logits  # type: ignore[attr-defined]
         last = logits[:, -1, :].detach().clone() if logits is not None and logits.shape[1] else None
