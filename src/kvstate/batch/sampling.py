@@ -69,7 +69,7 @@ class Sampler:
         self.sampling, self.top_logprobs, self.processors = sampling, top_logprobs, tuple(processors)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)  # torch.seed() would reseed
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.history = list(history)  # the request's ids and its tokens so far (what processors read)
+        self.history = list(history)  # with processors: the request's ids and its tokens so far (what they read)
         self.device = device
 
     def choose(self, logits: torch.Tensor) -> Choice:
@@ -82,7 +82,8 @@ class Sampler:
         if self.top_logprobs:
             values, ids = logprobs.topk(min(self.top_logprobs, logprobs.shape[-1]))
             top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-        self.history.append(token)
+        if self.processors:
+            self.history.append(token)
         return Choice(token, float(logprobs[token]), top)
 
     def _processed(self, logits: torch.Tensor) -> torch.Tensor:

@@ -93,13 +93,15 @@ class Reporter:
         self.steps: list[Step | Callable[[], Step]] = []
         self.offsets: list[int] = []  # where each token's text starts (unclamped; never decreasing)
         self.items: list[TokenLogprob] = []
+        self.decoded = ""  # the text of every token added (a streamer reads it instead of decoding again)
         self._returned = 0
 
     def add(self, token: int, step: Step | Callable[[], Step]) -> None:
-        before = self.tokenizer.decode(self.tokens, skip_special_tokens=True).rstrip("\ufffd")
+        before = self.decoded.rstrip("\ufffd")  # a trailing partial character does not count
         self.offsets.append(max(self.offsets[-1] if self.offsets else 0, len(before)))
         self.tokens.append(token)
         self.steps.append(step)
+        self.decoded = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
 
     def ready(self, text: str, final: int) -> list[tuple[str, TokenLogprob]]:
         """Tokens whose piece ends by ``final`` (the next token's offset is known and within it)."""
@@ -118,8 +120,7 @@ class Reporter:
         for i in range(self._returned, len(self.tokens)):
             if offsets[i] >= limit:
                 break
-            end = offsets[i + 1] if offsets[i + 1] < limit and i + 1 < len(self.tokens) else limit
-            out.append((text[offsets[i]:end], self._item(i, offsets[i])))
+            out.append((text[offsets[i]:offsets[i + 1]], self._item(i, offsets[i])))
         self._returned = len(self.tokens)
         return out
 

@@ -260,7 +260,9 @@ class _Streamer:
     def _text(self, tokens: list[int]) -> tuple[str, bool]:
         if self._decoded[0] == len(tokens) and tokens is self.tokens:
             return self._decoded[1:]  # type: ignore[return-value]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        reporter = self.reporter
+        shared = reporter is not None and self.complete and tokens == reporter.tokens
+        text = reporter.decoded if shared else self.tokenizer.decode(tokens, skip_special_tokens=True)  # type: ignore[union-attr]
         cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         text, stopped = (text[:min(cuts)], True) if cuts else (text, False)
         if tokens is self.tokens:
