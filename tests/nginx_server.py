@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.serving import await_health
 
 DEPLOY = Path(__file__).parent.parent / "docs" / "deploy.md"
 DOC_WORKERS = ("127.0.0.1:8001", "127.0.0.1:8002")
@@ -48,7 +47,7 @@ def nginx(folder: Path, port: int, workers: list[str]) -> Iterator[str]:
     proc = subprocess.Popen([executable(), "-p", str(folder), "-c", str(conf), "-e", str(folder / "error.log"),
                              "-g", "daemon off;"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait(proc, port, folder)
+        await_health(proc, port, "nginx", 30, lambda: (folder / "error.log").read_text()[-2000:])
         yield f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
@@ -56,16 +55,3 @@ def nginx(folder: Path, port: int, workers: list[str]) -> Iterator[str]:
             proc.wait(timeout=10)
 
 
-def _wait(proc: subprocess.Popen, port: int, folder: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"nginx exited: {(folder / 'error.log').read_text()[-2000:]}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError("nginx did not answer /health")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import openai
@@ -86,3 +89,23 @@ def chat_turn(api: openai.OpenAI, messages: list[dict[str, str]], *, stream: boo
             cached = chunk.usage.prompt_tokens_details.cached_tokens
     assert cached is not None, "the stream ended without its usage chunk"
     return "".join(parts), cached
+
+
+def await_health(proc: subprocess.Popen, port: int, name: str, seconds: float = 120.0,
+                 log: Callable[[], str] | None = None) -> dict[str, Any]:
+    """``GET /health`` on a loopback ``port`` until it answers 200; its JSON. ``proc`` (the server, or the
+    proxy in front of it) exiting first fails with ``log()``, by default its stderr."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{name} exited: {log() if log else proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            if response.status == 200:
+                return json.loads(response.read())
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{name} did not answer /health in {seconds:.0f} s")

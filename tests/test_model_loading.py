@@ -7,18 +7,16 @@ is one line and exit 2. A float32 state file is refused by a bfloat16 model, and
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from tests.redis_server import free_port
-from tests.serving import chat_turn, client, reference
+from tests.serving import await_health, chat_turn, client, reference
 
 import kvstate.models
 from kvstate import Session, load_state
@@ -164,21 +162,6 @@ def test_cuda_on_a_machine_without_it_is_one_line_and_exit_2(command, bf16, tmp_
     assert "--device cpu" in err
 
 
-def _health(proc: subprocess.Popen, port: int) -> dict:
-    """``GET /health`` once the server answers it."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"kvstate serve exited: {proc.stderr.read()}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            return json.loads(conn.getresponse().read())
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("kvstate serve did not become ready")
-
-
 def test_serve_runs_a_bf16_folder_in_bf16(bf16):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvstate.cli", "serve", "--model", str(bf16), "--dtype", "auto",
@@ -186,7 +169,7 @@ def test_serve_runs_a_bf16_folder_in_bf16(bf16):
                             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
-        health = _health(proc, port)
+        health = await_health(proc, port, "kvstate serve")
         assert (health["dtype"], health["device"]) == ("bfloat16", "cpu")
         model, tokenizer = load(str(bf16), dtype="auto", device="cpu")  # what the server's loader gives
         assert model.dtype == torch.bfloat16

@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from tests.redis_server import free_port
-from tests.serving import chat_turn, client, live, make_server, reference
+from tests.serving import await_health, chat_turn, client, live, make_server, reference
 
 from kvstate.serve.chat import Renderer
 from kvstate.serve.cli import load
@@ -41,21 +40,6 @@ def _start(port: int, store: str, *extra: str) -> subprocess.Popen:
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_ready(proc: subprocess.Popen, url: str) -> None:
-    import http.client
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"kvstate serve exited: {proc.stderr.read()}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("kvstate serve did not become ready")
 
 
 @pytest.mark.parametrize("extra", [(), ("--max-batch", "4")], ids=["one-at-a-time", "batched"])
@@ -67,7 +51,7 @@ def test_process_restart_on_a_folder_store_resumes_the_conversation(tmp_path, ex
         url = f"http://127.0.0.1:{port}"
         proc = _start(port, store, *extra)
         try:
-            _wait_ready(proc, url)
+            await_health(proc, int(url.rsplit(":", 1)[1]), "kvstate serve")
             messages.append({"role": "user", "content": text})
             answer, cached = chat_turn(client(url), messages, stream=bool(turn))
             assert answer == reference(model, tokenizer, renderer.chat(messages).ids, 10)
