@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import StoreError, StoreWarning, UnsupportedError
+from ..errors import InputFileError, StoreError, StoreWarning, UnsupportedError
 
 COUNTERS = ("hits", "misses", "writes", "evictions", "tokens_reused", "seconds_saved_x1000")
 
@@ -79,11 +79,14 @@ class FolderBackend:
         from ..io.paths import read_bounded
 
         path = self._path(key)
-        if not os.path.lexists(path):
-            return None  # absent: a documented miss
         # a regular file only, read with a bound: an entry replaced by a FIFO or a link to /dev/zero is a
         # failed read (a StoreWarning and a miss), never a hang or an unbounded read (issue 24)
-        data = read_bounded(path, _ENTRY_LIMIT, "prefix store entry")
+        try:
+            data = read_bounded(path, _ENTRY_LIMIT, "prefix store entry")
+        except InputFileError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):  # absent, or evicted by another process since
+                return None  # (checking first and then opening raced with eviction): a documented miss
+            raise
         with contextlib.suppress(FileNotFoundError):
             os.utime(path)  # the LRU clock (evicted meanwhile: the entry was still read whole)
         return data
