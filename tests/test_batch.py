@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvstate import Session
 from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, generate_many
 from kvstate.engine.decode import packable
-from kvstate.engine.invariant import tiled
+from kvstate.engine.invariant import tiled, tiled_linear
 from kvstate.errors import InputError
 from kvstate.testing.shrink import tiny_causal_lm
 from kvstate.testing.tiny import CONFIGS, IMAGE_TOKEN, RECURRENT, image_span, tiny_image
@@ -212,6 +212,34 @@ def test_the_plain_packed_forward_differs_where_the_invariant_one_does_not():
         alone = [answered(generate_many(model, [r], invariant=invariant)[0]) for r in requests]
         batched = [answered(c) for c in generate_many(model, requests, invariant=invariant)]
         assert (alone == batched) is expect_equal, f"invariant={invariant}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_tile_forwards_skip_the_tiling_mode_after_the_census_with_the_same_bits(dtype, monkeypatch):
+    # the mode costs a Python call per operation; a forward of one tile is the same calls without it, once the first
+    # forward showed that every product spans all rows. Pinned to the mode, every step gives the same bits.
+    from kvstate.engine import decode
+
+    model = wide_llama(dtype)
+    gen = torch.Generator().manual_seed(1)
+    requests = [BatchRequest(torch.randint(3, 1000, (5 + 13 * i,), generator=gen), max_new_tokens=6, top_logprobs=2,
+                             sampling=Sampling(temperature=1.0, seed=i) if i % 2 else Sampling()) for i in range(5)]
+    scheduler = Scheduler(model, rows=8)
+    handles = [scheduler.submit(r) for r in requests]
+    fast = {e.handle: answered(e.completion) for e in scheduler.run() if isinstance(e, Done)}
+    assert scheduler._packed.plain  # the census passed: steps after the first ran without the mode
+    entered = []
+    monkeypatch.setattr(decode, "tiled_linear", lambda *a: entered.append(a) or tiled_linear(*a))
+    monkeypatch.setattr(decode.Packed, "plain", property(lambda self: False, lambda self, value: None), raising=False)
+    pinned = generate_many(model, requests, rows=8)
+    assert len(entered) == 5  # one forward per decode step (the first token is the prefill's), each under the mode
+    assert [fast[h] for h in handles] == [answered(c) for c in pinned]
+    for arch in ("gpt_oss", "qwen3_moe"):  # expert routing: products span fewer rows in other forwards
+        moe = tiny_causal_lm(arch).eval()
+        scheduler = Scheduler(moe, rows=ROWS)
+        scheduler.submit(BatchRequest(prompt(6)[0], max_new_tokens=3))
+        list(scheduler.run())
+        assert not scheduler._packed.plain, arch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -16,8 +16,11 @@ turns ``n`` streams' next tokens into ``n`` logits rows ``[V]`` and, at the end,
   element-wise kernels compute the last ``< 64`` elements of a tensor in a scalar loop whose
   rounding may differ (measured: ``docs/batching.md``); when ``rows`` times some width of the model
   is not a multiple of 64, that tail could fall on a real row, so ``P`` then keeps a padding row
-  at the end. ``invariant=False`` packs ``n`` rows with plain kernels (the
-  invariance tax's baseline; a row's bits then depend on ``n``).
+  at the end. A forward of exactly ``rows`` rows runs without the tiling mode once the first
+  packed forward's census showed that every product spans all rows and nothing routes rows
+  (``kvstate.engine.invariant``): each product is then one tile, the same call either way, and
+  the mode's per-operation cost (about 10% of a step) is saved. ``invariant=False`` packs ``n``
+  rows with plain kernels (the invariance tax's baseline; a row's bits then depend on ``n``).
 * ``Single`` (recurrent and hybrid families, compressed states, families whose decode needs
   more inputs than a token): one ``Engine.feed`` per stream and step, the path
   ``Session`` takes; trivially invariant, since no forward holds two streams.
@@ -78,6 +81,7 @@ class Packed:
         self.spare = not _tail_free(engine.model, rows)
         self.usable = True  # False once the model refused a packed forward (``Unpackable``)
         self.verified = False  # a packed forward ran with every check (the model's code path is fixed after)
+        self.plain = False  # the census: one-tile forwards compute the same bits without the tiling mode
         self._attention = {i for i, layer in enumerate(engine.binding.layout.empty_layers(0))
                            if type(layer) is AttentionLayerState}
 
@@ -95,11 +99,13 @@ class Packed:
         cache = PackedCache([self._live(s).cache for s in streams], verify=not self.verified)
         call = {"input_ids": ids, "position_ids": engine.runtime.model_positions(positions), "use_cache": True,
                 engine.cache_kwarg: cache}
-        tiles = tiled_linear(self.rows) if self.invariant else nullcontext()
+        tiles = tiled_linear(self.rows, P) if self.invariant and (self.rows < P or not self.plain) else nullcontext()
         try:
-            with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles:
+            with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles as mode:
                 logits = engine.model(**call).logits[0, :n]  # [n, V]
             self._check(cache)
+            if not self.verified and mode is not None:
+                self.plain = mode.uniform
             self.verified = True
         except Unpackable:
             self._give_up(streams)

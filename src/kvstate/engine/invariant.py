@@ -13,7 +13,13 @@ routed to them) is tiled the same way; a product over one term (RoPE's angles) i
 any other raises ``Unpackable``, and the conversations then decode one per forward.
 
 The mode is a ``torch.overrides.TorchFunctionMode``: it applies to the calling thread only, and only
-inside the ``with`` block (nothing is patched).
+inside the ``with`` block (nothing is patched). It costs a Python call per tensor operation (about
+10% of a decode step of the default model), so it also takes a census: ``uniform`` stays True while
+every product outside attention spans all ``packed`` rows of the forward and nothing selects rows by
+value (``topk``, ``nonzero``...: expert routing). A one-tile product is passed through unchanged
+(and every tile is called with the rank of its input), so for such a model a forward of exactly
+``rows`` rows computes the same bits with the mode or without it (``kvstate.engine.decode`` then
+runs those without it).
 """
 
 from __future__ import annotations
@@ -30,8 +36,15 @@ from .._compat.packed import Unpackable, attending
 
 
 def tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed in tiles of ``rows`` rows (``x`` ``[..., K]``, zero-padded)."""
-    out = tiled_mm(x.reshape(-1, x.shape[-1]), weight, rows, lambda tile, w: F.linear(tile, w, bias))
+    """``F.linear(x, weight, bias)`` computed in tiles of ``rows`` rows (``x`` ``[..., K]``, zero-padded). One
+    tile is the plain call; a tile of more is called with ``x``'s rank (``[1, .., 1, rows, K]``), as one
+    tile would be."""
+    K = x.shape[-1]
+    if x.numel() == rows * K:
+        return F.linear(x, weight, bias)
+    lead = (1,) * (x.dim() - 2)
+    out = tiled_mm(x.reshape(-1, K), weight, rows,
+                   lambda tile, w: F.linear(tile.view(*lead, rows, K), w, bias).reshape(rows, -1))
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -67,14 +80,21 @@ def _plain_grouped(args: tuple, kwargs: dict[str, Any]) -> bool:
 
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
 _GROUPED = tuple(f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None)
+# Selecting rows by value: expert routing, whose products span fewer rows in other forwards.
+_ROUTING = {f for name in ("topk", "sort", "argsort", "nonzero", "argwhere", "masked_select", "histc", "bincount",
+                           "unique") for f in (getattr(torch, name, None), getattr(torch.Tensor, name, None))
+            if f is not None} | {F.one_hot}
 _PRODUCTS = {torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.addmm, torch.Tensor.addmm,
              torch.addbmm, torch.Tensor.addbmm, torch.einsum, torch.Tensor.__rmatmul__, *_GROUPED, *_MATMUL}
 
 
-class _TiledLinear(TorchFunctionMode):
-    def __init__(self, rows: int) -> None:
+class TiledLinear(TorchFunctionMode):
+    """The mode of ``tiled_linear``; ``uniform``: the census (see the module docstring)."""
+
+    def __init__(self, rows: int, packed: int | None = None) -> None:
         super().__init__()
-        self.rows = rows
+        self.rows, self.packed = rows, packed
+        self.uniform = packed is not None
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -82,22 +102,32 @@ class _TiledLinear(TorchFunctionMode):
         if func is F.linear:  # the mode is off inside this call, so the tiles run the plain kernel
             x, weight, *rest = args
             bias = rest[0] if rest else kwargs.get("bias")
+            self._spans(x.numel() // x.shape[-1])
             return tiled(x, weight, bias, self.rows)
         if func in _PRODUCTS and not attending():
             return self._product(func, args, kwargs)
+        if func in _ROUTING and not attending():
+            self.uniform = False
         return func(*args, **kwargs)
+
+    def _spans(self, rows: int) -> None:
+        if rows != self.packed:
+            self.uniform = False
 
     def _product(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """A matrix product outside attention: tiled when it is ``[M, K] @ [K, N]`` (MoE experts over their
         routed rows), exact as is when it sums over one term (RoPE's angles), refused otherwise."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if func in _MATMUL and len(tensors) == 2 and not kwargs and all(t.dim() == 2 for t in tensors):
+            self._spans(tensors[0].shape[0])
             return tiled_mm(tensors[0], tensors[1], self.rows)
         if func in (torch.addmm, torch.Tensor.addmm) and len(tensors) == 3 and not kwargs and \
                 tensors[0].dim() <= 1 and tensors[1].dim() == tensors[2].dim() == 2:  # GPT-2's Conv1D
             bias, a, b = tensors
+            self._spans(a.shape[0])
             return tiled_mm(a, b, self.rows, lambda x, w: torch.addmm(bias, x, w))
         if func in _GROUPED and _plain_grouped(args, kwargs):
+            self.uniform = False
             return tiled_grouped(*args[:2], args[2] if len(args) > 2 else kwargs["offs"], self.rows)
         if func in _MATMUL and len(tensors) == 2 and tensors[0].shape[-1] == 1:
             return func(*args, **kwargs)
@@ -107,7 +137,8 @@ class _TiledLinear(TorchFunctionMode):
 
 
 @contextmanager
-def tiled_linear(rows: int) -> Iterator[None]:
-    """Inside, every ``F.linear`` (``nn.Linear`` included) on this thread runs in tiles of ``rows`` rows."""
-    with _TiledLinear(rows):
-        yield
+def tiled_linear(rows: int, packed: int | None = None) -> Iterator[TiledLinear]:
+    """Inside, every ``F.linear`` (``nn.Linear`` included) on this thread runs in tiles of ``rows`` rows. With
+    ``packed`` (the forward's row count), the mode yielded takes the census (``TiledLinear.uniform``)."""
+    with TiledLinear(rows, packed) as mode:
+        yield mode
