@@ -243,12 +243,15 @@ def test_one_tile_forwards_skip_the_tiling_mode_after_the_census_with_the_same_b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_row_tiles_are_session_decode_bitwise(dtype):
-    # with tiles of one row every product has Session's one-row decode shape: the packing itself (caches, per-stream
-    # attention, positions) then changes no bit, and four conversations decode together as a Session decodes each
-    model = wide_llama(dtype)
+@pytest.mark.parametrize("arch", ["wide llama", "llama", "gemma3_text"])
+def test_one_row_tiles_are_session_decode_bitwise(arch, dtype):
+    # with tiles of one row every product has Session's one-row decode shape: the packing itself (caches appended in
+    # place, per-stream attention, positions) then changes no bit, and four conversations decode together as a Session
+    # decodes each. The tiny models have 2 K/V heads: their layers attend over strided views of the room.
+    model = wide_llama(dtype) if arch == "wide llama" else model_in(arch, dtype)
     gen = torch.Generator().manual_seed(0)
-    requests = [BatchRequest(torch.randint(3, 1000, (7 + 30 * i,), generator=gen), max_new_tokens=5)
+    vocab = model.config.get_text_config().vocab_size
+    requests = [BatchRequest(torch.randint(3, vocab, (7 + 30 * i,), generator=gen), max_new_tokens=5)
                 for i in range(4)]
     for request, completion in zip(requests, generate_many(model, requests, rows=1), strict=True):
         out = Session(model).generate(torch.as_tensor(request.ids)[None], max_new_tokens=5, do_sample=False,
@@ -257,6 +260,28 @@ def test_one_row_tiles_are_session_decode_bitwise(dtype):
         logprobs = [float(torch.log_softmax(step[0].float(), -1)[t])
                     for step, t in zip(out.logits, tokens, strict=True)]
         assert (tokens, logprobs) == (list(completion.tokens), list(completion.logprobs))
+
+
+def test_a_packed_step_appends_in_place_and_the_finished_state_owns_its_slots():
+    # a concatenating cache copies every layer's K/V at every step (O(history) per token and stream)
+    model = model_in("gemma3_text", torch.float32)  # sliding and full layers
+    scheduler = Scheduler(model, rows=ROWS)
+    request = BatchRequest(prompt(40)[0], max_new_tokens=6, stop_ids=())
+    handle = scheduler.submit(request)
+    scheduler.step()
+    stream = scheduler._running[0].stream
+    pointers = []
+    for _ in range(3):
+        scheduler.step()
+        layers = stream.live.cache.layers
+        pointers.append([layer.keys.untyped_storage().data_ptr() for layer in layers])
+        assert all(layer.keys.shape[-2] == 40 + len(stream.fed) for layer in layers)
+    assert pointers[0] == pointers[1] == pointers[2]  # the same buffers, written in place
+    done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}[handle]
+    for layer in done.state.layers:  # copied out of the room: contiguous, nothing spare kept alive
+        assert layer.keys.is_contiguous() and layer.keys.untyped_storage().nbytes() == layer.keys.nbytes
+    cold = Session(model).generate(prompt(40), max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert list(done.tokens) == cold[0].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_vl", "lfm2"])

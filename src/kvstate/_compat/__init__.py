@@ -3,8 +3,8 @@
 ``versions`` holds the tested window (checked on ``import kvstate``), ``core`` the cache,
 generation and model-side helpers, ``own_cache`` the models with a cache class of their own,
 ``scan`` the Mamba selective scan, ``watch`` the attention listener that compression scores with,
-``packed`` the batched decode forward (issue 25). ``core`` loads on first attribute access, so the
-version gate runs before torch or transformers import.
+``packed`` the batched decode forward and ``room`` its in-place appends (issue 25). ``core`` loads
+on first attribute access, so the version gate runs before torch or transformers import.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("core", "own_cache", "packed", "scan", "versions", "watch")
+_SUBMODULES = ("core", "own_cache", "packed", "room", "scan", "versions", "watch")
 
 
 def __getattr__(name: str) -> Any:

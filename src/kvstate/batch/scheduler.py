@@ -275,7 +275,7 @@ class Scheduler:
                           _fingerprint=self.fingerprint)
         outcome = session.run(ids, max_new_tokens=1, do_sample=False, **dict(request.inputs))
         job.prefilled, job.reused = outcome.prefilled, outcome.reused
-        job.stream = Stream(outcome.prefilled)
+        job.stream = Stream(outcome.prefilled, room=request.max_new_tokens)
         packs = self._packed.usable and packable(self.engine, outcome.prefilled)
         job.decoder = self._packed if packs else self._single
         self._running.append(job)  # only now: a refused request holds nothing

@@ -35,6 +35,7 @@ from contextlib import ExitStack, nullcontext
 import torch
 
 from .._compat.packed import PackedCache, Unpackable, packed
+from .._compat.room import compact, reserve
 from ..adapters.binding import Live
 from ..errors import UnsupportedError
 from ..layers import AttentionLayerState
@@ -49,10 +50,11 @@ __all__ = ["Packed", "Single", "Stream", "Unpackable", "packable"]
 
 class Stream:
     """One conversation's decode (see the module docstring); ``state`` is the prefilled state until
-    ``Single`` replaces it step by step."""
+    ``Single`` replaces it step by step. ``room``: the slots a packed decode reserves for its appends
+    (the answer's length; ``kvstate._compat.room``)."""
 
-    def __init__(self, state: State) -> None:
-        self.state = state
+    def __init__(self, state: State, room: int = 0) -> None:
+        self.state, self.room = state, room
         self.fed: list[int] = []  # tokens fed so far, in order
         self.positions: list[torch.Tensor] = []  # their positions, [1, 1(, R)] each
         self.next_position = state.next_position
@@ -128,6 +130,7 @@ class Packed:
         fed = torch.tensor([stream.fed], dtype=torch.long, device=state.device)
         mask = torch.ones(1, state.tokens_seen + len(stream.fed), dtype=torch.bool, device=state.device)
         seen = Forward(torch.cat(stream.positions, dim=1), stream.last[None])
+        compact(stream.live.cache)
         try:
             return self.engine._advance(state, fed, mask, seen, stream.live)
         finally:
@@ -139,6 +142,7 @@ class Packed:
     def _live(self, stream: Stream) -> Live:
         if stream.live is None:
             stream.live = stream.hold.enter_context(self.engine.runtime.attached(stream.state))
+            reserve(stream.live.cache, stream.room)
         return stream.live
 
     def _check(self, cache: PackedCache) -> None:
