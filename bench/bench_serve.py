@@ -12,10 +12,14 @@ on the same folder store and asked an 11th turn, against a cold kvstate without 
 store (a full re-prefill) on the same request.
 
     python bench/bench_serve.py            # about 4 minutes on 2 cores
+    python bench/bench_serve.py --think 2  # a user who reads each answer for 2 s (results: serve_think2.json)
 
 The TTFT ratio grows with the history: kvstate's TTFT is one forward over the new
 turn (its floor, about 70 ms here, is one token through Gemma's 262k-vocabulary head),
-while the plain server's grows with every token of the conversation.
+while the plain server's grows with every token of the conversation. Under the canonical
+schedule kvstate settles each reply after sending it (its decoded tokens fed again in canonical
+chunks); with no pause between turns (the default) the next request waits for that settle, with
+``--think`` it runs while the user reads.
 """
 
 from __future__ import annotations
@@ -110,13 +114,16 @@ def _turn(url: str, model: str, messages: list[dict[str, str]], max_tokens: int)
     return {"ttft_s": ttft, "total_s": time.perf_counter() - start, "answer": "".join(parts), "cached": cached}
 
 
-def _chat(url: str, model: str, turns: int, max_tokens: int, warmup: bool = True) -> list[dict[str, object]]:
+def _chat(url: str, model: str, turns: int, max_tokens: int, think: float = 0.0,
+          warmup: bool = True) -> list[dict[str, object]]:
     if warmup:  # loads lazily loaded models and warms kernels; shares no prefix beyond <bos> with the chat
         _turn(url, model, [{"role": "user", "content": "Hello"}], 2)
     messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
     rows = []
     for question in QUESTIONS[:turns]:
         messages.append({"role": "user", "content": question})
+        if len(rows):
+            time.sleep(think)  # the user reads the answer and types (the same pause for both servers)
         row = _turn(url, model, messages, max_tokens)
         messages.append({"role": "assistant", "content": str(row["answer"])})
         rows.append(row)
@@ -147,6 +154,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="both servers load the weights in this dtype (results: serve.json, serve_bfloat16.json)")
+    parser.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
+                        help="pause between an answer and the next question (both servers; results: serve_thinkS.json)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvstate-bench-serve-"))
     try:
@@ -159,12 +168,12 @@ def main() -> None:
         print("transformers serve:", flush=True)
         with _server([str(bin_dir / "transformers"), "serve", str(folder), "--port", str(port), "--dtype",
                       args.dtype, "--log-level", "warning", "--host", "127.0.0.1"], port, args.threads) as url:
-            plain = _chat(url, str(folder), turns, args.max_tokens)
+            plain = _chat(url, str(folder), turns, args.max_tokens, args.think)
         store = str(work / "store")
         print("kvstate serve:", flush=True)
         port = _free_port()
         with _server([*kvstate, "--port", str(port), "--store", store], port, args.threads) as url:
-            ours = _chat(url, folder.name, n, args.max_tokens)
+            ours = _chat(url, folder.name, n, args.max_tokens, args.think)
         print("kvstate serve, restarted on the same store:", flush=True)
         port = _free_port()
         with _server([*kvstate, "--port", str(port), "--store", store], port, args.threads) as url:
@@ -197,8 +206,9 @@ def _report(args: argparse.Namespace, plain: list, ours: list, restarted: dict, 
              "kvstate_total_s": o["total_s"], "kvstate_cached_tokens": o["cached"],
              "same_answer": p["answer"] == o["answer"]} for i, (p, o) in enumerate(zip(plain, ours, strict=False))]
     result = {
-        "what": f"10-turn streamed greedy chat on the default model (Gemma-3-270M, {args.dtype}), openai client",
-        "dtype": args.dtype,
+        "what": f"10-turn streamed greedy chat on the default model (Gemma-3-270M, {args.dtype}), openai client, "
+                f"{args.think:g} s between an answer and the next question",
+        "dtype": args.dtype, "think_s": args.think,
         "max_tokens": args.max_tokens, "threads_per_server": args.threads, "turns": rows,
         "turn_10_ttft_ratio": rows[n - 1]["ttft_ratio"],
         "total_seconds": {"transformers": sum(p["total_s"] for p in plain[:n]),
@@ -210,7 +220,8 @@ def _report(args: argparse.Namespace, plain: list, ours: list, restarted: dict, 
                           "restarted_cached_tokens": restarted["cached"],
                           "same_answer": restarted["answer"] == cold["answer"] == plain[n]["answer"]},
     }
-    write_results("serve" if args.dtype == "float32" else f"serve_{args.dtype}", result)
+    name = "serve" if args.dtype == "float32" else f"serve_{args.dtype}"
+    write_results(name + (f"_think{args.think:g}" if args.think else ""), result)
 
 
 if __name__ == "__main__":
