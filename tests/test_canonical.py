@@ -331,6 +331,30 @@ def test_settle_recomputes_the_answer_so_the_next_turn_reuses_it(arch):
     assert unsettled.last_plan.reused == 16  # without it, the answer is fed again on the critical path
 
 
+@pytest.mark.parametrize("arch", ["gemma3_text", "gemma2"])
+def test_a_chat_past_the_sliding_window_keeps_resuming_from_its_state(arch):
+    """Each turn of a chat far longer than the window (12) plus the reserve (4) restarts at the last cut before
+    where its history ended, settles, and answers bit for bit as the cold run. An answer is one append, so its
+    sliding layers keep the reserve past the start of it; trimming them to window + reserve made every such turn
+    feed the whole history again (the default model past 512 + 64 tokens)."""
+    model = model_in(arch, torch.bfloat16)
+    s = Session(model, canonical_chunk=C, sliding_reserve=4)
+    schedule, history, ended = Canonical(C), prompt(10), 0
+    for turn in range(4):
+        ones = {"attention_mask": torch.ones_like(history)}
+        answer = run(s, history, ones, n=12)
+        assert s.last_plan.reused == schedule.last_cut(ended), f"turn {turn + 1}"
+        if turn == 3:
+            assert_bitwise(answer, run(Session(model, canonical_chunk=C), history, ones, n=12), "turn 4")
+        ended = history.shape[1]
+        history = torch.cat([history, answer[0], prompt(3, seed=turn)], 1)
+    assert s.state.tokens_seen - schedule.last_cut(ended) > 4 + 11  # the rollback the resume needed, past 12 + 4
+    assert s.settle() == schedule.last_cut(s.state.tokens_seen) - schedule.last_cut(ended)
+    ones = {"attention_mask": torch.ones_like(history)}
+    assert_bitwise(run(s, history, ones), cold(model, history, ones), "after settle")
+    assert s.last_plan.reused == schedule.last_cut(history.shape[1] - 3)
+
+
 def test_inner_chunks_skip_the_head_on_their_own_thread_only():
     """A feed's inner chunks run without the output head (their logits are never read), and the K/V
     are the same bits as with it; another thread using the same model meanwhile keeps its logits and is not

@@ -17,8 +17,9 @@ SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "inspect.schema.jso
 
 @pytest.fixture
 def state_file(tmp_path):
-    s = Session(tiny_model("gemma3_text"), sliding_reserve=3)
+    s = Session(tiny_model("gemma3_text"), sliding_reserve=3, canonical_chunk=0)
     s.extend(prompt(3 * WINDOW))
+    s.extend(prompt(2, seed=1))  # sliding layers keep window - 1, the reserve and these 2 (the last append)
     path = tmp_path / "s.kvs"
     s.save(path, metadata={"who": "test"})
     return path, s.state
@@ -44,7 +45,7 @@ def test_inspect_table(state_file, capsys):
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "gemma3_text" in out and f"{state.tokens_seen} seen" in out and "sliding_attention" in out
-    assert f"{3 * WINDOW - WINDOW + 1 - 3}..{3 * WINDOW - 1}" in out  # retained window positions
+    assert f"{3 * WINDOW + 2 - (WINDOW - 1 + 3 + 2)}..{3 * WINDOW + 1}" in out  # retained window positions
 
 
 def test_inspect_corrupt_file_exits_2(tmp_path, capsys):

@@ -141,16 +141,17 @@ def test_divergent_history_rolls_back(model, chunk):
 def test_sliding_truncate_within_reserve_is_exact(arch):
     model = tiny_model(arch)
     ids = prompt(3 * WINDOW)
-    s = Session(model, sliding_reserve=6)
-    s.extend(ids)
-    s.truncate(ids.shape[1] - 6)  # exactly the reserve
+    s = Session(model, sliding_reserve=6, canonical_chunk=0)  # the reserve alone (the schedule raises it to C - 1)
+    s.extend(ids[:, :-2])
+    s.extend(ids[:, -2:])  # the last append: 2 slots
+    s.truncate(ids.shape[1] - 2 - 6)  # exactly the reserve past the start of the last append
     other = prompt(4, seed=9)
     logits = s.extend(other)
-    reference = model(torch.cat([ids[:, :-6], other], 1)).logits[:, -1]
+    reference = model(torch.cat([ids[:, :-8], other], 1)).logits[:, -1]
     assert_logits_close(logits, reference, "after truncate")
     sliding = [layer for layer in s.state.layers if layer.kind == "sliding_attention"]
     assert all(layer.slots == WINDOW - 1 + 4 for layer in sliding)  # reserve refills as tokens arrive
-    assert all(layer.tokens_seen == ids.shape[1] - 2 for layer in s.state.layers)
+    assert all(layer.tokens_seen == ids.shape[1] - 4 for layer in s.state.layers)
 
 
 @pytest.mark.parametrize("arch", SLIDING)
@@ -159,10 +160,11 @@ def test_sliding_rollback_beyond_reserve(arch):
 
     model = tiny_model(arch)
     ids = prompt(3 * WINDOW)
-    s = Session(model, sliding_reserve=2)
-    s.extend(ids)
+    s = Session(model, sliding_reserve=2, canonical_chunk=0)
+    s.extend(ids[:, :-1])
+    s.extend(ids[:, -1:])  # the last append: 1 slot, then the reserve of 2 past it
     with pytest.raises(RollbackError, match="sliding_reserve"):
-        s.truncate(ids.shape[1] - 3)
+        s.truncate(ids.shape[1] - 4)
     # generate() falls back to re-feeding, and is still exact
     b = torch.cat([ids[:, :-5], prompt(3, seed=8)], 1)
     tokens = s.generate(b, max_new_tokens=N_NEW, do_sample=False)

@@ -103,7 +103,7 @@ def test_resume_in_another_process_on_a_fresh_instance(tmp_path):
 
 
 def test_sliding_file_holds_only_retained_slots(tmp_path):
-    s = Session(tiny_model("gemma3_text"), sliding_reserve=4)
+    s = Session(tiny_model("gemma3_text"), sliding_reserve=4, canonical_chunk=8)  # reserve: max(4, 8 - 1)
     s.extend(prompt(10 * WINDOW))
     size = s.save(tmp_path / "s.kvs")
     header = inspect_state(tmp_path / "s.kvs")
@@ -112,13 +112,13 @@ def test_sliding_file_holds_only_retained_slots(tmp_path):
     assert size <= tensor_bytes * 1.01 + 64 * 1024
     for layer in header["layers"]:
         if layer["kind"] == "sliding_attention":
-            assert layer["slots"] == WINDOW - 1 + 4  # window - 1 + reserve, not 10 windows
+            assert layer["slots"] == WINDOW - 1 + 7 + 8  # window - 1 + reserve + the last chunk, not 10 windows
     full_kv = 2 * 1 * 2 * 10 * WINDOW * 8 * 4
     assert tensor_bytes < 2 * full_kv  # 1 full layer + 3 window-sized ones, far below 4 full layers
 
 
 def test_views_of_larger_storage_are_not_written_whole(tmp_path):
-    s = Session(tiny_model("gemma3_text"), sliding_reserve=0)
+    s = Session(tiny_model("gemma3_text"), sliding_reserve=0, canonical_chunk=8)
     s.extend(prompt(10 * WINDOW))
     layer = s.state.layers[0]
     assert layer.keys.untyped_storage().nbytes() > layer.keys.numel() * 4  # a view, as transformers makes

@@ -14,13 +14,19 @@ def kv(B=1, H=2, S=5, D=4):
     return torch.randn(B, H, S, D), torch.randn(B, H, S, D), torch.arange(S).expand(B, S)
 
 
-def test_sliding_layer_keeps_window_minus_one_plus_reserve():
+def test_sliding_layer_keeps_window_minus_one_plus_reserve_past_its_last_append():
     layer = AttentionLayerState.empty(window=4, reserve=2)
-    k, v, p = kv(S=10)
-    layer = layer.appended(k, v, p, tokens_seen=10)
-    assert layer.tokens_seen == 10 and layer.slots == 4 - 1 + 2
-    assert layer.positions[0].tolist() == [5, 6, 7, 8, 9]
-    assert torch.equal(layer.keys, k[:, :, -5:])
+    k, v, p = kv(S=12)
+    first = layer.appended(k[:, :, :8], v[:, :, :8], p[:, :8], tokens_seen=8)
+    assert first.slots == 8  # one append of 8 is kept whole: the state can return to where it started
+    second = first.appended(k[:, :, :10], v[:, :, :10], p[:, :10], tokens_seen=10)  # + 2 slots
+    assert second.tokens_seen == 10 and second.slots == 4 - 1 + 2 + 2
+    assert second.positions[0].tolist() == [3, 4, 5, 6, 7, 8, 9]
+    assert torch.equal(second.keys, k[:, :, 3:10])
+    assert second.rollback_limit(8 - 2) is None and second.rollback_limit(8 - 3) is not None  # reserve past 8
+    third = second.appended(torch.cat([second.keys, k[:, :, 10:]], 2), torch.cat([second.values, v[:, :, 10:]], 2),
+                            torch.cat([second.positions, p[:, 10:]], 1), tokens_seen=12)
+    assert third.slots == 4 - 1 + 2 + 2 and third.positions[0].tolist() == [5, 6, 7, 8, 9, 10, 11]
 
 
 def test_full_layer_truncates_anywhere_and_tracks_both_counts():
@@ -34,11 +40,12 @@ def test_full_layer_truncates_anywhere_and_tracks_both_counts():
 
 def test_sliding_rollback_limit():
     k, v, p = kv(S=20)
-    layer = AttentionLayerState.empty(window=4, reserve=2).appended(k, v, p, 20)
-    assert layer.rollback_limit(18) is None  # drops 2 of the 5 retained, 3 remain = window - 1
-    assert "needs 3" in layer.rollback_limit(17)
+    layer = AttentionLayerState.empty(window=4, reserve=2).appended(k[:, :, :19], v[:, :, :19], p[:, :19], 19)
+    layer = layer.appended(k, v, p, 20)  # keeps window - 1 + reserve + the 1 appended = 6
+    assert layer.rollback_limit(17) is None  # drops 3 of the 6 retained, 3 remain = window - 1
+    assert "needs 3" in layer.rollback_limit(16)
     with pytest.raises(RollbackError):
-        layer.truncated(17)
+        layer.truncated(16)
 
 
 def test_state_truncation_moves_positions_back_and_drops_logits():
@@ -57,8 +64,9 @@ def test_state_truncation_moves_positions_back_and_drops_logits():
 
 def test_nbytes_counts_only_retained_slots():
     big_k, big_v, p = kv(S=100)
-    layer = AttentionLayerState.empty(window=4).appended(big_k, big_v, p, 100)
-    assert layer.nbytes == 2 * (1 * 2 * 3 * 4) * 4 + 3 * 8
+    layer = AttentionLayerState.empty(window=4).appended(big_k[:, :, :99], big_v[:, :, :99], p[:, :99], 99)
+    layer = layer.appended(big_k, big_v, p, 100)  # keeps 3 + the 1 appended, views of 100
+    assert layer.nbytes == 2 * (1 * 2 * 4 * 4) * 4 + 4 * 8
 
 
 def test_declared_layer_layout_follows_config_edits():

@@ -99,8 +99,9 @@ class AttentionLayerState(LayerState):
         positions: ``[B, S]`` int64 logical position of each retained slot.
         tokens_seen: token slots processed so far (``>= S``).
         window: sliding window size, or None for full attention.
-        reserve: extra slots a sliding layer keeps beyond ``window - 1`` so that
-            the state can roll back by up to ``reserve`` tokens.
+        reserve: extra slots a sliding layer keeps beyond ``window - 1`` and beyond the slots of its
+            last append, so that the state can roll back by up to ``reserve`` tokens past the
+            start of that append.
         compressed_at: ``tokens_seen`` when slots were last evicted by compression;
             the retained slots are then no longer the tail of the history, so the
             layer can only roll back to that length or later.
@@ -131,7 +132,7 @@ class AttentionLayerState(LayerState):
 
     @property
     def keep(self) -> int | None:
-        """Slots this layer retains after an update (None: all of them)."""
+        """Slots this layer retains after an update, besides the update's own (None: all of them)."""
         return None if self.window is None else self.window - 1 + self.reserve
 
     def needed(self, n_tokens: int) -> int:
@@ -143,9 +144,15 @@ class AttentionLayerState(LayerState):
         """A new state whose retained slots end with the given ones.
 
         ``keys``/``values`` ``[B, H, S', D]`` and ``positions`` ``[B, S']`` are the
-        full retained tensors after the update; this trims them to ``keep``.
+        full retained tensors after the update; this trims them to ``keep`` plus the slots the
+        update added. So the state can always roll back ``reserve`` tokens past the start of its
+        last append: a canonical resume restarts at the last cut before where the history ended,
+        after the whole answer was appended at once (issue 23; trimming to ``keep`` alone made a
+        chat longer than the window unable to resume: each turn fed its whole history again).
         """
         keep = self.keep
+        if keep is not None:
+            keep += max(tokens_seen - self.tokens_seen, 0)
         if keep is not None and keys.shape[-2] > keep:
             keys, values, positions = keys[:, :, -keep:], values[:, :, -keep:], positions[:, -keep:]
         return self.with_slots(keys, values, positions, tokens_seen)

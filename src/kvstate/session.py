@@ -65,9 +65,10 @@ class Session:
             at multiples of ``C``, and a resume restarts from the last such cut it holds, so a warm
             answer is the cold answer bit for bit in every dtype. 0 turns it off (a resume then keeps
             the longest common prefix: exact within float32 rounding, not bitwise).
-        sliding_reserve: extra slots each sliding-window layer keeps beyond its
-            window, so the state can roll back that many tokens (memory: reserve x
-            sliding layers x K/V bytes per token).
+        sliding_reserve: extra slots each sliding-window layer keeps beyond its window and its
+            last append (an answer is one), so the state can roll back that many tokens past
+            where the append started (memory: reserve x sliding layers x K/V bytes per token).
+            At least ``canonical_chunk - 1``: a canonical resume rolls back that far.
         max_checkpoints: snapshots of non-croppable (recurrent) layers kept for rollback;
             the oldest is evicted first. Taken at the end of every call and at canonical cuts.
         checkpoint_every: also checkpoint every N tokens inside long feeds.
@@ -321,7 +322,8 @@ class Session:
         return as_ids(input_ids, self.device, vocab_size(self.model))
 
     def _empty(self, batch_size: int) -> State:
-        return self._engine.empty(batch_size, self.sliding_reserve, self._fingerprint)
+        reserve = max(self.sliding_reserve, self.canonical_chunk - 1)  # a resume restarts at the last cut
+        return self._engine.empty(batch_size, reserve, self._fingerprint)
 
     def _adopt(self, state: State) -> State:
         return adopt(self._binding, self._fingerprint, state, vocab_size(self.model))

@@ -170,7 +170,7 @@ def build_cache(layers: tuple[LayerState, ...], config: object) -> DynamicCache:
     K/V are shared, not copied (transformers concatenates, never writes them in place).
     Conv and recurrent states are cloned, because models update those in place.
     Sliding layers record their past so that they return every slot they were given;
-    ``read_cache`` trims them back to the window plus reserve. Each layer kind's bridge
+    ``read_cache`` trims them back to the window, reserve and last append. Each layer kind's bridge
     (``_BRIDGES``, one entry per ``LayerState`` class) fills and reads its cache layer.
     """
     cache = DynamicCache(config=config)  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ make the loader allocate more than the file holds.
 The position of every processed slot is the tensor ``positions``.
 
 Only retained slots are written: a sliding layer's K/V that views larger storage is
-made contiguous first, so the file holds at most its window plus reserve.
+made contiguous first, so the file holds at most its window, reserve and last append.
 """
 
 from __future__ import annotations
