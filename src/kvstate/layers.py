@@ -182,7 +182,8 @@ class AttentionLayerState(LayerState):
         reason = self.rollback_limit(n_tokens)
         if reason is not None:
             raise RollbackError(
-                "cannot roll back this layer", expected=f"<= {self.reserve} tokens beyond the window",
+                "cannot roll back this layer",
+                expected=f"a return at most {self.reserve} tokens (the reserve) before where the last append started",
                 found=reason, fix="create the Session with a larger sliding_reserve, or reset() "
                 "and re-feed the history")
         drop = self.tokens_seen - n_tokens
