@@ -197,10 +197,13 @@ class _RecordingSlidingLayer(DynamicSlidingWindowLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.keys, self.values = self.store(key_states, value_states)
         visible = self.sliding_window - 1 + key_states.shape[-2]
         return self.keys[:, :, -visible:, :], self.values[:, :, -visible:, :]
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot with ``keys``/``values`` appended (``room.reserve`` makes it write in place)."""
+        return torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
 
 
 _RECORDS_PAST = hasattr(DynamicSlidingWindowLayer, "activate_past_recording")

@@ -49,36 +49,29 @@ def _with_room(t: torch.Tensor, extra: int) -> torch.Tensor:
 
 def _plain(layer: Any, room: _Room, keys: torch.Tensor, values: torch.Tensor, *args: Any,
            **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``DynamicLayer.update``: every slot."""
+    """``DynamicLayer.update`` (transformers' own class): every slot."""
     layer.keys, layer.values = room.append(keys, values)
     return layer.keys, layer.values
 
 
-def _sliding(layer: Any, room: _Room, keys: torch.Tensor, values: torch.Tensor, *args: Any,
-             **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_RecordingSlidingLayer.update``: keeps every slot, returns the visible ones."""
-    layer.cumulative_length += keys.shape[-2]
-    layer.keys, layer.values = room.append(keys, values)
-    visible = layer.sliding_window - 1 + keys.shape[-2]
-    return layer.keys[:, :, -visible:, :], layer.values[:, :, -visible:, :]
-
-
-_GROW = {DynamicLayer: _plain, _RecordingSlidingLayer: _sliding}
-
-
 def reserve(cache: Any, extra: int) -> None:
     """Give each filled plain or recording-sliding layer of ``cache`` (a ``DynamicCache`` kvstate built) room
-    for ``extra`` more slots: its appends then write in place (the layer objects are this cache's own)."""
+    for ``extra`` more slots: its appends then write in place (the layer objects are this cache's own). A
+    sliding layer keeps its own ``update`` (the visible window) and only stores into the room."""
     for layer in cache.layers:
-        grow = _GROW.get(type(layer))
-        if grow is not None and layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
-            layer.update = functools.partial(grow, layer, _Room(layer.keys, layer.values, extra))
+        if type(layer) not in (DynamicLayer, _RecordingSlidingLayer) or not layer.is_initialized \
+                or layer.keys is None or layer.keys.dim() != 4:
+            continue
+        room = _Room(layer.keys, layer.values, extra)
+        if type(layer) is _RecordingSlidingLayer:
+            layer.store = room.append
+        else:
+            layer.update = functools.partial(_plain, layer, room)
 
 
 def compact(cache: Any) -> None:
     """Copy each layer's slots out of its room (contiguous, as concatenation leaves them) and end the growth."""
     for layer in cache.layers:
-        if isinstance(layer.__dict__.get("update"), functools.partial):
+        if layer.__dict__.pop("store", None) is not None or layer.__dict__.pop("update", None) is not None:
             layer.keys = layer.keys.clone(memory_format=torch.contiguous_format)
             layer.values = layer.values.clone(memory_format=torch.contiguous_format)
-            del layer.update
