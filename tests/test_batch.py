@@ -24,6 +24,7 @@ from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token
 from kvstate.engine.decode import packable
 from kvstate.engine.invariant import tiled, tiled_linear
 from kvstate.errors import InputError
+from kvstate.selfcheck import bind
 from kvstate.testing.shrink import tiny_causal_lm
 from kvstate.testing.tiny import CONFIGS, IMAGE_TOKEN, RECURRENT, image_span, tiny_image
 from tiny import prompt, tiny_model
@@ -140,7 +141,9 @@ STRUCTURAL = {  # arch: (whether decode steps share forwards, whether the schedu
     "gpt2": (True, True),
     "falcon": (False, False),  # asks the cache for one sequence length: falls back at its first packed step
     "xglm": (False, False),  # the same
-    "deepseek_v3": (False, False),  # MLA attends with K/V expanded from the cached latents: falls back
+    # MLA: transformers 5.24 attends with K/V expanded from the cached latents (falls back at its first packed
+    # step); 5.14 attends with what its cache returns (packs). Either way, consistently, and alone-equal
+    "deepseek_v3": (None, None),
     "bloom": (False, True),  # ALiBi, no position ids: never tries
     "gpt_oss": (True, True),  # MoE through grouped_mm: tiled per expert
     "qwen3_moe": (True, True),
@@ -156,8 +159,9 @@ def test_structural_families_pack_or_fall_back_and_stay_alone_equal(arch):
     scheduler = Scheduler(model, rows=ROWS)
     handles = [scheduler.submit(r) for r in requests]
     done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
-    assert (scheduler.packing and packable(scheduler.engine, done[handles[0]].prefilled)) == shared
-    assert scheduler.packing == packing
+    shares = scheduler.packing and packable(scheduler.engine, done[handles[0]].prefilled)
+    assert shares == (scheduler.packing if shared is None else shared)
+    assert scheduler.packing == (shares if packing is None else packing)
     for handle, request in zip(handles, requests, strict=True):
         assert answered(done[handle]) == answered(generate_many(model, [request], rows=ROWS)[0]), handle
         plain = model.generate(torch.as_tensor(request.ids)[None], max_new_tokens=4, do_sample=False)
@@ -300,6 +304,8 @@ def test_greedy_answers_are_model_generates_tokens(arch):
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_vl", "lfm2"])
 def test_a_batch_state_continues_in_a_session_bitwise_as_a_cold_run(arch):
     model = model_in(arch, torch.bfloat16)
+    if bind(model).caps.stepwise:
+        pytest.skip(f"{arch} continues one token per forward here: no canonical schedule (docs/exactness.md)")
     made = [history(arch, n, seed=n, image=True, dtype=torch.bfloat16) for n in (140, 100, 5)]
     requests = [BatchRequest(ids, max_new_tokens=6, inputs=inputs) for ids, inputs in made]
     for request, completion in zip(requests, generate_many(model, requests, rows=ROWS), strict=True):
