@@ -12,6 +12,12 @@ a new turn of n tokens is timed, each repeat from a fork of that prefilled sessi
   C the state holds and feeds ``H mod C + n`` tokens in aligned chunks, so the answer
   is bitwise the cold one.
 
+* ``C=64+marks``: the schedule with the chat template's turn marks (``kvstate.text.turn_marks``, "User:"
+  for the default model's template): the turn starts with them, so the history's end is a cut and the
+  resume feeds only the turn, as ``off`` does. A chat reaches that state with ``Session.settle(through=
+  ...)`` after each answer (the server does it after replying). Timed against ``off`` on the same ids
+  (the marks plus n tokens), as the ``marked`` rows.
+
 The cold cost is the prefill of H tokens in chunks of C against chunks of 512 (``off``).
 Contenders of one cell are interleaved within each round (``common.interleaved``).
 
@@ -21,13 +27,16 @@ Contenders of one cell are interleaved within each round (``common.interleaved``
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
 
 from common import interleaved, write_results
 from kvstate import Session
+from kvstate.serve.chat import FALLBACK_TEMPLATE
 from kvstate.testing import load_default_model
+from kvstate.text import turn_marks
 
 CHUNKS = (0, 16, 32, 64)
 TURNS = (1, 8, 64)
@@ -41,8 +50,8 @@ def prose(tokenizer, n: int) -> torch.Tensor:
     return tokenizer(text[: 12 * n], return_tensors="pt").input_ids[:, :n]
 
 
-def cell(model, ids: torch.Tensor, history: int, rounds: int) -> dict[str, object]:
-    """Cold prefill and warm TTFT of each new turn, for every chunk size."""
+def cell(model, ids: torch.Tensor, marks: tuple[int, ...], history: int, rounds: int) -> dict[str, object]:
+    """Cold prefill and warm TTFT of each new turn, for every chunk size, and with turn marks."""
     sessions, cold = {}, {}
     for chunk in CHUNKS:
         s = Session(model, canonical_chunk=chunk)
@@ -50,19 +59,32 @@ def cell(model, ids: torch.Tensor, history: int, rounds: int) -> dict[str, objec
         s.extend(ids[:, :history])
         cold[chunk] = time.perf_counter() - begin
         sessions[chunk] = s
-    turns = {}
+    sessions["marks"] = Session(model, canonical_chunk=64, canonical_marks=marks)
+    sessions["marks"].extend(ids[:, :history])
+    turns, marked = {}, {}
     for n in TURNS:
         full = ids[:, :history + n]
+        turn = torch.cat([ids[:, :history], torch.tensor([marks]), ids[:, history:history + n]], 1)
 
-        def ttft(s: Session = None, full: torch.Tensor = full) -> None:
-            s.fork().generate(full, max_new_tokens=1, do_sample=False)
+        def ttft(s: Session, full: torch.Tensor) -> None:
+            out = s.fork()
+            out.generate(full, max_new_tokens=1, do_sample=False)
+            return out.last_plan.fed
 
-        timed = interleaved({f"C={c}" if c else "off": (lambda s=sessions[c]: ttft(s)) for c in CHUNKS}, rounds)
-        off = timed["off"]
-        turns[str(n)] = {"seconds": timed, "overhead_vs_one_forward": {k: v / off - 1 for k, v in timed.items()},
-                         "share_of_one_forward_limit": {k: off / v for k, v in timed.items()}}
+        timed = interleaved({f"C={c}" if c else "off": functools.partial(ttft, sessions[c], full) for c in CHUNKS},
+                            rounds)
+        turns[str(n)] = ratios(timed)
+        both = {"off": functools.partial(ttft, sessions[0], turn),
+                "C=64+marks": functools.partial(ttft, sessions["marks"], turn)}
+        marked[str(n)] = {**ratios(interleaved(both, rounds)), "fed": {k: fn() for k, fn in both.items()}}
     return {"cold_prefill_seconds": {f"C={c}" if c else "off (chunks of 512)": v for c, v in cold.items()},
-            "new_turn_ttft": turns}
+            "new_turn_ttft": turns, "marked_turn_ttft": marked}
+
+
+def ratios(timed: dict[str, float]) -> dict[str, object]:
+    off = timed["off"]
+    return {"seconds": timed, "overhead_vs_one_forward": {k: v / off - 1 for k, v in timed.items()},
+            "share_of_one_forward_limit": {k: off / v for k, v in timed.items()}}
 
 
 def main() -> None:
@@ -76,11 +98,24 @@ def main() -> None:
     for dtype in args.dtypes:
         model, tokenizer = load_default_model(dtype=getattr(torch, dtype), progress=False)
         ids = prose(tokenizer, max(args.histories) + max(TURNS))
+        marks = turn_marks(tokenizer, FALLBACK_TEMPLATE)
         for history in args.histories:
             print(f"{dtype}, history {history}", flush=True)
-            results[f"{dtype}/{history}"] = cell(model, ids, history, args.rounds)
+            results[f"{dtype}/{history}"] = cell(model, ids, marks, history, args.rounds)
+            print(summary(results[f"{dtype}/{history}"]), flush=True)
     write_results("canonical", {"model": "default (Gemma-3-270M)", "turns": TURNS, "chunks": CHUNKS,
-                                "results": results})
+                                "marks": [tokenizer.decode([t]) for t in marks], "results": results})
+
+
+def summary(result: dict[str, object]) -> str:
+    """Each turn's share of the one-forward limit, position cuts and with turn marks."""
+    lines = []
+    for n in TURNS:
+        plain = result["new_turn_ttft"][str(n)]["share_of_one_forward_limit"]
+        marked = result["marked_turn_ttft"][str(n)]["share_of_one_forward_limit"]["C=64+marks"]
+        lines.append(f"  turn of {n}: " + ", ".join(f"{k} {v:.0%}" for k, v in plain.items() if k != "off")
+                     + f", C=64+marks {marked:.0%} of the one-forward limit")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Issue 25: ``logprobs`` / ``top_logprobs`` in both OpenAI APIs, streamed and not.
 
 The oracle is plain transformers: the rendered prompt prefilled in the canonical chunks
-(the cuts at multiples of C below its length, a rule written out here) through a
+(a rule written out here: segments start where the template's "User: " begins, at least 8
+tokens after the previous start, and are cut at multiples of C from their start) through a
 ``DynamicCache``, then ``model.generate(..., output_logits=True)``; its ``log_softmax``
 must equal the server's logprobs bit for bit in float32, cold and warm, greedy and
 sampled (raw logprobs: before temperature, top-k and ``logit_bias``, as vLLM's default).
@@ -45,12 +46,27 @@ def plain(model, ids: list[int], max_new: int, **options) -> tuple[list[int], li
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 renamed
     start = 0
     with torch.no_grad():
-        for cut in range(C, len(ids), C):  # the canonical prefill chunks; the last one runs inside generate
+        for cut in chunk_ends(ids):  # the canonical prefill chunks; the last one runs inside generate
             model(history[:, start:cut], position_ids=torch.arange(start, cut)[None], use_cache=True, **{name: cache})
             start = cut
     out = model.generate(history, attention_mask=torch.ones_like(history), max_new_tokens=max_new,
                          output_logits=True, return_dict_in_generate=True, **{name: cache}, **options)
     return out.sequences[0, len(ids):].tolist(), [torch.log_softmax(s[0], -1) for s in out.logits]
+
+
+def chunk_ends(ids: list[int]) -> list[int]:
+    """The server's canonical chunk ends below ``len(ids)``: each segment (from 0, and from every "User: "
+    at least 8 tokens after the previous segment start) cut at multiples of C from its start."""
+    from kvstate.testing.tiny_tokenizer import tiny_tokenizer
+
+    marks = tiny_tokenizer()("User: ", add_special_tokens=False).input_ids  # one token per character
+    starts = [0]
+    for p in range(1, len(ids)):
+        if ids[p:p + len(marks)] == marks and p - starts[-1] >= 8:
+            starts.append(p)
+    bounds = [*starts[1:], len(ids)]
+    ends = {s + k for s, b in zip(starts, bounds, strict=True) for k in range(C, b - s, C)} | set(starts[1:])
+    return sorted(e for e in ends if e < len(ids))
 
 
 def _options(body: dict) -> dict:

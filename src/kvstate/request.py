@@ -188,6 +188,25 @@ def check_settings(**settings: int | None) -> None:
                              found=repr(value), fix=f"pass {name}={max(rules[name], 1)} or more")
 
 
+def check_marks(marks: object) -> tuple[int, ...]:
+    """``canonical_marks``: 1 to 64 token ids (or none), as a tuple."""
+    ok = isinstance(marks, Sequence | torch.Tensor) and not isinstance(marks, str | bytes)
+    values = (marks.reshape(-1).tolist() if isinstance(marks, torch.Tensor) else list(marks)) if ok else []
+    if not ok or len(values) > 64 or not all(type(t) is int and 0 <= t < 1 << 31 for t in values):
+        raise InputError("invalid Session setting canonical_marks", expected="a sequence of 0 to 64 token ids",
+                         found=repr(marks)[:120], fix="pass kvstate.schedule.turn_marks(tokenizer), or ()")
+    return tuple(values)
+
+
+def check_through(through: IdsLike, device: torch.device, vocab: int) -> torch.Tensor:
+    """``settle(through=...)``: one history's ids, as ``[L]``."""
+    ids = as_ids(through, device, vocab)
+    if ids.shape[0] != 1:
+        raise InputError("settle(through=...) takes one history", expected="ids [L] or [1, L]",
+                         found=f"shape {tuple(ids.shape)}", fix="settle one conversation at a time")
+    return ids[0]
+
+
 def check_length(options: GenerateOptions, length: int) -> None:
     """A history of ``length`` tokens must hold a token to continue, and leave room for one new token
     (``model.generate``'s rule, typed)."""

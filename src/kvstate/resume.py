@@ -122,11 +122,13 @@ def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
     shared = safe_point(min(common_prefix(state, ids, mask), media_prefix(state, media)), spans)
     canonical = schedule.enabled and not state.is_compressed
     if shared == T == L and state.last_logits is not None and (
-            not canonical or state.canonical_logits(schedule.chunk, schedule.device)):
+            not canonical or state.canonical_logits(schedule.chunk, schedule.device, schedule.marks)):
         return ResumePlan(T, 0, "stored-logits", source)
     target = safe_point(min(shared, L - 1), spans)
+    history = ids[0] if schedule.marks else None  # turn marks: a batch's rows hold no canonical slots
     if canonical:  # a cut of the schedule, within the slots the cold run computed the same way
-        cut = schedule.last_cut(min(target, state.canonical_for(schedule.chunk, schedule.device)), spans)
+        kept = state.canonical_for(schedule.chunk, schedule.device, schedule.marks)
+        cut = schedule.last_cut(min(target, kept), spans, history)
         if media is None and any(cut <= a < T for a, _ in spans):
             # re-feeding a processed image needs its pixels, which this request did not pass (and a cold
             # run would need): trust the placeholders and continue, exact to float32 rounding only
@@ -144,7 +146,7 @@ def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
         return ResumePlan(target, L - target, mode, source)
     for checkpoint in reversed(state.checkpoints):
         n = checkpoint.tokens_seen
-        on_cut = not canonical or schedule.last_cut(n, spans) == n
+        on_cut = not canonical or schedule.last_cut(n, spans, history) == n
         if n <= target and on_cut and safe_point(n, spans) == n and not state.rollback_limit(n):
             return ResumePlan(n, L - n, "checkpoint", source)
     return ResumePlan(0, L, "recompute", source)
@@ -186,17 +188,22 @@ def start_state(state: State, resume: ResumePlan, empty: State) -> State:
     return state.truncated(resume.reused)
 
 
-def settle_span(state: State, chunk: int, device: str) -> tuple[int, int] | None:
-    """The slots ``[start, end)`` a resume of ``state`` would feed again, which ``Session.settle`` re-feeds
-    in canonical chunks of ``chunk`` (issue 23): from the end of its canonical prefix to its last cut.
-    None when nothing is to do or it is not possible: the schedule is off, a batch, padding, compression,
-    an image in the way (its pixels are gone), or no way back to ``start``."""
-    if chunk == 0 or state.batch_size != 1 or state.is_compressed or not bool(state.mask.all()):
+def settle_span(state: State, schedule: Canonical, through: torch.Tensor | None = None) -> tuple[int, int] | None:
+    """The slots ``[start, end)`` that ``Session.settle`` feeds in canonical chunks (issue 23): from the
+    end of the state's canonical prefix to its last cut, or, given ``through`` (text ids ``[L]`` the next
+    turn will begin with, a turn mark following them), to ``L``. None when nothing is to do or it is not
+    possible: the schedule is off, a batch, padding, compression, an image in the way (its pixels are
+    gone), or no way back to ``start``."""
+    if not schedule.enabled or state.batch_size != 1 or state.is_compressed or not bool(state.mask.all()):
         return None
-    schedule = Canonical(chunk, device)
     spans = tuple((m.start, m.end) for m in state.media)
-    start = schedule.last_cut(state.canonical_for(chunk, device), spans)
-    end = schedule.last_cut(state.tokens_seen, spans)
+    history = state.tokens[0] if through is None else through
+    n = min(state.tokens_seen, history.shape[0])
+    shared = int((state.tokens[0, :n] != history[:n]).int().argmax()) if n and bool(
+        (state.tokens[0, :n] != history[:n]).any()) else n
+    kept = min(state.canonical_for(schedule.chunk, schedule.device, schedule.marks), shared)
+    start = schedule.last_cut(kept, spans, history)
+    end = schedule.last_cut(history.shape[0], spans, history) if through is None else history.shape[0]
     if end <= start or any(start <= a < end for a, _ in spans) or state.rollback_limit(start):
         return None
     return start, end

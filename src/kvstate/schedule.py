@@ -18,6 +18,15 @@ forwards as a function of the history alone:
 * a state whose every slot is canonical holds the cold run's last logits for exactly
   its own history.
 
+**Turn marks** (``marks``, a token sequence such as a chat template's ``"<start_of_turn>user\n"``)
+make the cuts follow the conversation: every occurrence of the marks (at least ``MIN_SEGMENT``
+tokens after the previous one) starts a segment, and the chunks of ``C`` are aligned to the
+segment's start. A chat's next turn then starts on a cut, so once the answer has been settled
+(``Session.settle(through=...)``) the turn feeds only its own tokens: one forward, as with no
+schedule. The cuts are still a function of the token ids alone (the cold run finds the same
+marks), and prefix-stable, with one exception handled by ``keeps``: a history that ends inside
+an incomplete mark.
+
 Everything here is pure: positions are slot indices, ``spans`` are ``[start, end)`` media
 items (``kvstate.resume`` and ``kvstate.engine`` apply it).
 """
@@ -27,7 +36,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 Spans = Sequence[tuple[int, int]]
+Ids = torch.Tensor | Sequence[int] | None
+MIN_SEGMENT = 8  # a mark closer than this to the previous segment start (a BOS before it) starts none
 
 
 @dataclass(frozen=True)
@@ -37,33 +50,73 @@ class Canonical:
     ``chunk`` is ``C``; 0 turns the schedule off: a resume keeps the longest common
     prefix and feeds the rest from there (exact to a tolerance in float32, not bitwise).
     ``device`` is the device type the schedule runs on: slots computed on another are not its.
+    ``marks``: token ids whose occurrences start segments (see the module docstring); every method
+    then needs the history's ids ``ids`` (``[L]``, at least up to the slots it asks about).
     """
 
     chunk: int
     device: str = "cpu"
+    marks: tuple[int, ...] = ()
 
     @property
     def enabled(self) -> bool:
         return self.chunk > 0
 
-    def cuts(self, start: int, end: int, spans: Spans = ()) -> list[int]:
+    def cuts(self, start: int, end: int, spans: Spans = (), ids: Ids = None) -> list[int]:
         """Chunk ends of a feed of slots ``[start, end)`` that starts at a cut: the cuts in
         ``(start, end)``, then ``end``."""
         if not self.enabled:
             return [end]
+        if self.marks:
+            return [p for p in self._points(end, spans, ids) if start < p < end] + [end]
         points = sorted({_moved(k * self.chunk, spans) for k in range(start // self.chunk + 1,
                                                                          (end - 1) // self.chunk + 1)})
         return [p for p in points if start < p < end] + [end]
 
-    def last_cut(self, n: int, spans: Spans = ()) -> int:
+    def last_cut(self, n: int, spans: Spans = (), ids: Ids = None) -> int:
         """The largest cut ``<= n`` (0 if none): where a resume that may keep ``n`` slots restarts."""
         if not self.enabled:
             return n
+        if self.marks:
+            return max((p for p in self._points(n, spans, ids) if p <= n), default=0)
         for k in range(n // self.chunk, 0, -1):
             point = _moved(k * self.chunk, spans)
             if point <= n:
                 return point
         return 0
+
+
+    def keeps(self, start: int, end: int, ids: Ids = None) -> int:
+        """How many leading slots a feed's last chunk ``[start, end)`` leaves canonical: ``end``, or
+        ``start`` when the history ends inside an incomplete mark that begins after ``start`` (a longer
+        history completes it and cuts there, inside this chunk)."""
+        if not self.marks or end <= start:
+            return end
+        tail = _as_list(ids, end)[max(start + 1, end - len(self.marks) + 1):end]
+        partial = any(tail[i:] == list(self.marks[:len(tail) - i]) for i in range(len(tail)))
+        return start if partial else end
+
+    def _points(self, limit: int, spans: Spans, ids: Ids) -> list[int]:
+        """Every cut in ``(0, limit]`` under turn marks, ascending: segment starts, and the multiples of
+        ``C`` after each start, moved past media."""
+        tokens, m = _as_list(ids, limit + len(self.marks)), len(self.marks)
+        starts, marks = [0], list(self.marks)
+        for p in (i for i, t in enumerate(tokens[:len(tokens) - m + 1]) if t == marks[0]):
+            if p - starts[-1] >= MIN_SEGMENT and tokens[p:p + m] == marks:
+                starts.append(p)
+        bounds = [*starts[1:], limit + 1]
+        points = {_moved(s + k * self.chunk, spans) for s, nxt in zip(starts, bounds, strict=True)
+                  for k in range(1, (nxt - s - 1) // self.chunk + 1)}
+        points |= {_moved(s, spans) for s in starts[1:]}
+        return sorted(p for p in points if 0 < p <= limit)
+
+
+def _as_list(ids: Ids, n: int) -> list[int]:
+    if ids is None:
+        raise ValueError("a schedule with turn marks needs the history's token ids")
+    if isinstance(ids, torch.Tensor):
+        return ids.reshape(-1)[:n].tolist()
+    return list(ids[:n])
 
 
 def _moved(point: int, spans: Spans) -> int:

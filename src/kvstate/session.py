@@ -40,8 +40,10 @@ from .request import (
     Request,
     as_ids,
     check_batch,
+    check_marks,
     check_model_object,
     check_settings,
+    check_through,
     validate,
     validate_extension,
     validate_truncate,
@@ -65,6 +67,10 @@ class Session:
             at multiples of ``C``, and a resume restarts from the last such cut it holds, so a warm
             answer is the cold answer bit for bit in every dtype. 0 turns it off (a resume then keeps
             the longest common prefix: exact within float32 rounding, not bitwise).
+        canonical_marks: token ids that start a conversation's turn (a chat template's user-turn
+            prefix, ``kvstate.schedule.turn_marks(tokenizer)``): the cuts then also fall where each
+            occurrence begins, with the chunks of ``C`` aligned to it, so a chat's next turn, once
+            the answer is settled (``settle(through=...)``), feeds only its own tokens. Default none.
         sliding_reserve: extra slots each sliding-window layer keeps beyond its window and its
             last append (an answer is one), so the state can roll back that many tokens past
             where the append started (memory: reserve x sliding layers x K/V bytes per token).
@@ -86,7 +92,7 @@ class Session:
                  chunk_size: int = 512, canonical_chunk: int = DEFAULT_CANONICAL_CHUNK, sliding_reserve: int = 64,
                  max_checkpoints: int = 16, checkpoint_every: int | None = None, store: PrefixCache | None = None,
                  sources: Sequence[PrefixCache] = (), state: State | None = None,
-                 _fingerprint: Fingerprint | None = None) -> None:
+                 canonical_marks: Sequence[int] = (), _fingerprint: Fingerprint | None = None) -> None:
         check_settings(chunk_size=chunk_size, canonical_chunk=canonical_chunk, sliding_reserve=sliding_reserve,
                         max_checkpoints=max_checkpoints, checkpoint_every=checkpoint_every)
         check_model_object(model)
@@ -97,6 +103,7 @@ class Session:
         self.chunk_size, self.sliding_reserve = chunk_size, sliding_reserve
         # families that continue one token per forward cannot run the schedule (docs/exactness.md)
         self.canonical_chunk = 0 if self._binding.caps.stepwise else canonical_chunk
+        self.canonical_marks = check_marks(canonical_marks)
         self.max_checkpoints, self.checkpoint_every = max_checkpoints, checkpoint_every
         self.store = store  # may be replaced or set to None later; it is read on every call
         self.sources: tuple[PrefixCache, ...] = tuple(sources)
@@ -178,13 +185,15 @@ class Session:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: torch.nn.Module, *, cast_dtype: bool = False,
-             tokenizer: object | None = None, chunk_size: int = 512, canonical_chunk: int | None = None) -> Session:
+             tokenizer: object | None = None, chunk_size: int = 512, canonical_chunk: int | None = None,
+             canonical_marks: Sequence[int] | None = None) -> Session:
         """A session on ``model`` continuing the state saved at ``path``.
 
         The state is checked against the model (fingerprint, layers, heads, dtype) and
         moved to the model's device. ``cast_dtype=True`` opts in to casting a state of
         another dtype; the cast is recorded in ``state.metadata``. ``canonical_chunk``
-        defaults to the chunk the state was fed with, so its canonical slots stay reusable.
+        and ``canonical_marks`` default to the schedule the state was fed with, so its canonical slots
+        stay reusable.
         """
         from .io import load_state
 
@@ -194,8 +203,9 @@ class Session:
         reserve = max((int(layer.meta().get("reserve") or 0) for layer in state.layers), default=0)
         if canonical_chunk is None:
             canonical_chunk = state.canonical_chunk or DEFAULT_CANONICAL_CHUNK
+        marks = state.canonical_marks if canonical_marks is None else canonical_marks
         return cls(model, tokenizer=tokenizer, chunk_size=chunk_size, canonical_chunk=canonical_chunk,
-                   sliding_reserve=reserve, state=state)
+                   sliding_reserve=reserve, state=state, canonical_marks=marks)
 
     # ----- feeding tokens --------------------------------------------------------------
     def extend(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None, *,
@@ -253,7 +263,7 @@ class Session:
         self._commit(outcome.state, plan)
         return outcome
 
-    def settle(self) -> int:
+    def settle(self, through: IdsLike | None = None) -> int:
         """Recompute, in canonical chunks, the slots a resume would feed again: the decoded answer up to
         the state's last cut (issue 23). Returns how many slots were fed (0: nothing to do, or not
         possible: the schedule is off, a batch, padding, media in the way, or no rollback point).
@@ -261,14 +271,20 @@ class Session:
         The state is then shorter (it ends at that cut, with the cold run's logits there) and every slot
         of it is canonical, so the next turn re-feeds at most the tail since the cut. A server runs this
         after a reply is sent, off the critical path. Transactional like every verb.
+
+        ``through``: text ids ``[L]`` or ``[1, L]`` that the next turn's history begins with (the answer
+        as the chat template renders it, closing tokens included) when a turn mark follows them
+        (``canonical_marks``). The state is then fed up to ``L``: the next turn feeds only its own tokens.
         """
         state = self._state
-        span = resume.settle_span(state, self.canonical_chunk, self.device.type)
+        history = None if through is None else check_through(through, self.device, vocab_size(self.model))
+        span = resume.settle_span(state, self._schedule(), history)
         if span is None:
             return 0
         start, end = span
         base = state.truncated(start)
-        feed = self._engine.feed_for(base, state.tokens[:, start:end], state.mask[:, :end], {})
+        ids = state.tokens if history is None else history[None]
+        feed = self._engine.feed_for(base, ids[:, start:end], torch.ones_like(ids[:, :end], dtype=torch.bool), {})
         settled = self._engine.feed(base, feed, self._settings()).with_checkpoint(self.max_checkpoints)
         self._commit(replace(settled, media=state.media))
         return end - start
@@ -287,7 +303,7 @@ class Session:
         external = [] if request.query is None else [(n, resume.Guarded(s)) for n, s in self._caches()]
         return resume.choose([*own, *external], request, self._empty(request.batch_size),
                              rollback=self._binding.caps.rollback,
-                             schedule=Canonical(self.canonical_chunk, self.device.type),
+                             schedule=self._schedule(),
                              adopt=lambda found: self._adopt(found.to(self.device)))
 
     def _offer(self, outcome: Outcome, request: Request) -> None:
@@ -316,7 +332,11 @@ class Session:
         self._fingerprint = check_weights(self.model, self._fingerprint, self._state)
 
     def _settings(self) -> FeedSettings:
-        return FeedSettings(self.chunk_size, self.checkpoint_every, self.max_checkpoints, self.canonical_chunk)
+        return FeedSettings(self.chunk_size, self.checkpoint_every, self.max_checkpoints, self.canonical_chunk,
+                            self.canonical_marks)
+
+    def _schedule(self) -> Canonical:
+        return Canonical(self.canonical_chunk, self.device.type, self.canonical_marks)
 
     def _ids(self, input_ids: IdsLike) -> torch.Tensor:
         return as_ids(input_ids, self.device, vocab_size(self.model))

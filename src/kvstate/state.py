@@ -17,9 +17,10 @@ Shapes (``B`` batch rows, ``T`` token slots processed, ``V`` vocabulary):
 * ``media`` - one ``MediaItem`` (slot span and content hash) per image or video whose
   slots the state holds, so a history with the same placeholders but other pixels is
   never continued on stale K/V (issue 13);
-* ``canonical`` / ``canonical_chunk`` / ``canonical_device`` - slots ``[0, canonical)`` were
-  computed by the canonical schedule with chunks of ``canonical_chunk`` tokens on a device of
-  type ``canonical_device`` (``kvstate.schedule``): a
+* ``canonical`` / ``canonical_chunk`` / ``canonical_device`` / ``canonical_marks`` - slots
+  ``[0, canonical)`` were computed by the canonical schedule with chunks of ``canonical_chunk``
+  tokens (and turn marks ``canonical_marks``) on a device of type ``canonical_device``
+  (``kvstate.schedule``): a
   resume keeps them up to the schedule's last cut, so a warm answer equals the cold one
   bit for bit (issue 23). Decoded, compressed or cast slots are not canonical.
 
@@ -105,6 +106,7 @@ class State:
     canonical: int = 0
     canonical_chunk: int = 0
     canonical_device: str = ""  # "cpu", "cuda", ...: other kernels give other bits
+    canonical_marks: tuple[int, ...] = ()  # the schedule's turn marks (kvstate.schedule)
 
     @classmethod
     def empty(cls, layers: tuple[LayerState, ...], fingerprint: Fingerprint | None = None,
@@ -155,15 +157,16 @@ class State:
     def device(self) -> torch.device:
         return self.tokens.device
 
-    def canonical_for(self, chunk: int, device: str) -> int:
-        """Leading slots computed by the canonical schedule of ``chunk`` tokens on a ``device`` type (0 for
-        another chunk or device)."""
-        same = chunk > 0 and chunk == self.canonical_chunk and self.canonical_device == device
+    def canonical_for(self, chunk: int, device: str, marks: tuple[int, ...] = ()) -> int:
+        """Leading slots computed by the canonical schedule of ``chunk`` tokens and turn ``marks`` on a
+        ``device`` type (0 for another schedule or device)."""
+        same = chunk > 0 and chunk == self.canonical_chunk and self.canonical_device == device \
+            and tuple(marks) == self.canonical_marks
         return self.canonical if same else 0
 
-    def canonical_logits(self, chunk: int, device: str) -> bool:
+    def canonical_logits(self, chunk: int, device: str, marks: tuple[int, ...] = ()) -> bool:
         """``last_logits`` are the cold run's for exactly this history: every slot is canonical."""
-        return self.last_logits is not None and self.canonical_for(chunk, device) == self.tokens_seen > 0
+        return self.last_logits is not None and self.canonical_for(chunk, device, marks) == self.tokens_seen > 0
 
     def checkpoint_at(self, n_tokens: int) -> Checkpoint | None:
         return next((c for c in self.checkpoints if c.tokens_seen == n_tokens), None)
@@ -261,7 +264,7 @@ class State:
             "checkpoint_nbytes": sum(c.nbytes for c in self.checkpoints),
             "extras": sorted(self.extras),
             "media": [[m.start, m.end, m.digest, m.kept] for m in self.media],
-            "canonical": [self.canonical, self.canonical_chunk, self.canonical_device],
+            "canonical": [self.canonical, self.canonical_chunk, self.canonical_device, list(self.canonical_marks)],
             "fingerprint": None if self.fingerprint is None else self.fingerprint.to_dict(),
         }
 

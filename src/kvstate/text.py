@@ -58,3 +58,26 @@ def continue_text(session: Any, tokenizer: Any, text: str, **generate_kwargs: An
     if unprocessed and last.numel() == 1 and int(last) not in set(tokenizer.all_special_ids):
         session.extend(last)
     return tokenizer.decode(tokens[0], skip_special_tokens=True)
+
+
+def turn_marks(tokenizer: Any, template: str | None = None) -> tuple[int, ...]:
+    """The token ids a chat ``template`` (default: the tokenizer's) writes before each later user
+    message, for ``Session(canonical_marks=...)`` (``kvstate.schedule``). Found by rendering a chat with
+    an answer, then with one more user message of two different contents: the ids they share after the
+    answer. ``()`` when the template does not continue its text that way (a later message changes
+    how the earlier text tokenizes), so the schedule falls back to cuts at multiples of ``C``."""
+    def ids(messages: list[dict[str, str]]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    chat = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi"}]
+    base = ids(chat)
+    one, two = (ids([*chat, {"role": "user", "content": word}]) for word in ("alpha", "omega"))
+    if one[:len(base)] != base or two[:len(base)] != base:
+        return ()
+    marks = []
+    for a, b in zip(one[len(base):], two[len(base):], strict=False):
+        if a != b:
+            break
+        marks.append(a)
+    return tuple(marks[:64])

@@ -36,6 +36,7 @@ from ..engine.decode import Packed, Single, Stream, Unpackable, packable
 from ..errors import InputError
 from ..options import end_ids
 from ..protocols import PrefixCache
+from ..request import check_marks
 from ..state import State
 from .prefixes import RecentPrompts
 from .sampling import Choice, Processor, Sampler, Sampling
@@ -141,12 +142,12 @@ class Scheduler:
         share_prefixes: a prompt resumes from the longest prefix it shares with the last ``max_batch``
             admitted prompts (``kvstate.batch.prefixes``; bitwise the cold answer). A server whose
             requests belong to different keys turns it off and uses one pool namespace per key.
-        canonical_chunk, chunk_size, sources, tokenizer: as for ``Session``.
+        canonical_chunk, canonical_marks, chunk_size, sources, tokenizer: as for ``Session``.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
                  prefill_tokens: int | None = None, share_prefixes: bool = True, canonical_chunk: int = 64,
-                 chunk_size: int = 512,
+                 chunk_size: int = 512, canonical_marks: Sequence[int] = (),
                  sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None) -> None:
         from ..adapters.fingerprinting import fingerprint as digest
         from ..selfcheck import bind
@@ -158,11 +159,13 @@ class Scheduler:
                                  fix=f"pass {name}=8, say")
         self.model, self.max_batch, self.prefill_tokens = model, max_batch, prefill_tokens
         self.canonical_chunk, self.chunk_size = canonical_chunk, chunk_size
+        self.canonical_marks = check_marks(canonical_marks)
         self.sources = (*sources, *((RecentPrompts(max_batch),) if share_prefixes else ()))
         self.fingerprint = fingerprint or digest(model, tokenizer)
         self.engine = Engine(bind(model))
         self._packed = Packed(self.engine, rows, invariant)
-        self._single = Single(self.engine, FeedSettings(chunk_size, canonical=canonical_chunk))
+        self._single = Single(self.engine, FeedSettings(chunk_size, canonical=canonical_chunk,
+                                                        marks=self.canonical_marks))
         self._handles = itertools.count()
         self._waiting: deque[_Job] = deque()
         self._running: list[_Job] = []
@@ -272,7 +275,7 @@ class Scheduler:
         ids = ids[None] if ids.dim() == 1 else ids
         session = Session(self.model, state=request.state, sources=(*request.sources, *self.sources),
                           chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
-                          _fingerprint=self.fingerprint)
+                          canonical_marks=self.canonical_marks, _fingerprint=self.fingerprint)
         outcome = session.run(ids, max_new_tokens=1, do_sample=False, **dict(request.inputs))
         job.prefilled, job.reused = outcome.prefilled, outcome.reused
         job.stream = Stream(outcome.prefilled, room=request.max_new_tokens)

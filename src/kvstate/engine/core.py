@@ -194,6 +194,9 @@ class Engine:
     def _run_feed(self, state: State, feed: Feed, settings: FeedSettings, chunk_size: int) -> State:
         T, Q = state.tokens_seen, feed.ids.shape[1]
         ends = self._canonical_ends(state, feed, settings)
+        history = self._history(state, feed, settings)
+        schedule = Canonical(settings.canonical, marks=settings.marks)
+        spans = (*((m.start, m.end) for m in state.media), *feed.spans)
         checkpointed = any(layer.checkpointed for layer in state.layers)
         start = 0
         while start < Q:
@@ -206,11 +209,13 @@ class Engine:
             state = self._forward(state, feed.ids[:, start:end], feed.mask[:, :T + end],
                                   feed.positions[:, start:end], inputs, logits=end >= Q)
             if ends is not None:  # every slot so far is the cold run's (issue 23)
-                state = replace(state, canonical=state.tokens_seen, canonical_chunk=settings.canonical,
-                                canonical_device=state.device.type)
+                state = replace(state, canonical=schedule.keeps(T + start, T + end, history),
+                                canonical_chunk=settings.canonical, canonical_device=state.device.type,
+                                canonical_marks=settings.marks)
             every = settings.checkpoint_every
-            cut = ends is not None and end < Q
-            if checkpointed and end < Q and (cut or (every and state.tokens_seen % every == 0)):
+            # at every cut, the feed's end too when it is one whatever follows: a resume restarts there
+            cut = ends is not None and (end < Q or schedule.last_cut(T + end, spans, history) == T + end)
+            if checkpointed and (cut or (end < Q and every and state.tokens_seen % every == 0)):
                 state = state.with_checkpoint(settings.max_checkpoints)
             start = end
         return state
@@ -220,13 +225,22 @@ class Engine:
         schedule is off, the family feeds one token per forward, or the feed starts off a canonical cut."""
         if settings.canonical <= 0 or self.binding.caps.stepwise or state.is_compressed:
             return None
-        schedule = Canonical(settings.canonical)
-        T = state.tokens_seen
-        spans = (*((m.start, m.end) for m in state.media), *feed.spans)
-        if T and (state.canonical_for(settings.canonical, state.device.type) != T
-                  or schedule.last_cut(T, spans) != T):
+        if settings.marks and feed.ids.shape[0] != 1:  # one row's marks are not another's
             return None
-        return schedule.cuts(T, T + feed.ids.shape[1], spans)
+        schedule = Canonical(settings.canonical, marks=settings.marks)
+        T, history = state.tokens_seen, self._history(state, feed, settings)
+        spans = (*((m.start, m.end) for m in state.media), *feed.spans)
+        if T and (state.canonical_for(settings.canonical, state.device.type, settings.marks) != T
+                  or schedule.last_cut(T, spans, history) != T):
+            return None
+        return schedule.cuts(T, T + feed.ids.shape[1], spans, history)
+
+    @staticmethod
+    def _history(state: State, feed: Feed, settings: FeedSettings) -> torch.Tensor | None:
+        """The ids ``[L]`` the turn marks are found in (row 0), or None without marks."""
+        if not settings.marks:
+            return None
+        return torch.cat([state.tokens[0], feed.ids[0]])
 
     def _chunk_inputs(self, feed: Feed, start: int, end: int) -> ModelInputs:
         """The model inputs of the media items in the feed's slots ``[start, end)`` (chunks never split one)."""

@@ -27,12 +27,13 @@ class Feed:
 @dataclass(frozen=True)
 class FeedSettings:
     """How ``feed`` splits its work: the canonical chunk ``C`` (0: off), the longest forward when
-    the schedule is off, checkpoint spacing and checkpoints kept."""
+    the schedule is off, checkpoint spacing and checkpoints kept, and the schedule's turn marks."""
 
     chunk_size: int = 512
     checkpoint_every: int | None = None
     max_checkpoints: int = 16
     canonical: int = 0
+    marks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,9 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "metadata": meta,
         "media": [[m.start, m.end, m.digest, m.kept] for m in state.media],
         # lossy storage changes K/V bits, so nothing of a compact file is the cold run's (issue 23)
-        "canonical": [0, 0, ""] if compact else [state.canonical, state.canonical_chunk, state.canonical_device],
+        # turn marks are a 4th entry only when set: a reader that predates them refuses such a file
+        "canonical": [0, 0, ""] if compact else [state.canonical, state.canonical_chunk, state.canonical_device,
+                                                 *([list(state.canonical_marks)] if state.canonical_marks else [])],
         "created_with": created_with(),
     }
     return header, tensors  # the container adds the checksums as it writes
@@ -154,17 +156,21 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
 
 
 def _canonical(header: dict[str, Any], T: int) -> dict[str, Any]:
-    """``canonical``, ``canonical_chunk`` and ``canonical_device``; files written before issue 23 hold no
-    canonical slots."""
+    """``canonical``, ``canonical_chunk``, ``canonical_device`` and ``canonical_marks``; files written
+    before issue 23 hold no canonical slots."""
     value = header.get("canonical") or [0, 0, ""]
-    if (not isinstance(value, list) or len(value) != 3 or not all(type(v) is int for v in value[:2])
+    marks = value[3] if isinstance(value, list) and len(value) == 4 else []
+    if (not isinstance(value, list) or len(value) not in (3, 4) or not all(type(v) is int for v in value[:2])
             or not 0 <= value[0] <= T or not 0 <= value[1] <= 1 << 20 or not isinstance(value[2], str)
-            or len(value[2]) > 16):
-        raise StateFileError("canonical is malformed", expected=f"[slots 0..{T}, chunk 0..2**20, device type]",
+            or len(value[2]) > 16 or not isinstance(marks, list) or len(marks) > 64
+            or not all(type(t) is int and 0 <= t < 1 << 31 for t in marks) or (len(value) == 4 and not marks)):
+        raise StateFileError("canonical is malformed",
+                             expected=f"[slots 0..{T}, chunk 0..2**20, device type(, 1-64 turn-mark token ids)]",
                              found=str(value)[:120], fix="re-save the state")
     if header.get("storage") != "exact":
         return {"canonical": 0, "canonical_chunk": 0, "canonical_device": ""}
-    return {"canonical": value[0], "canonical_chunk": value[1], "canonical_device": value[2]}
+    return {"canonical": value[0], "canonical_chunk": value[1], "canonical_device": value[2],
+            "canonical_marks": tuple(marks)}
 
 
 def _media(header: dict[str, Any], T: int) -> tuple[MediaItem, ...]:

@@ -62,10 +62,11 @@ class BatchRunner(Runner):
         self.scheduler = Scheduler(self.model, max_batch=max_batch, rows=rows, invariant=invariant,
                                    prefill_tokens=self.chunk_size,
                                    share_prefixes=False, canonical_chunk=self.canonical_chunk,
+                                   canonical_marks=self.canonical_marks,
                                    chunk_size=self.chunk_size, fingerprint=self.fingerprint)
         self._inbox: deque[tuple[Job, concurrent.futures.Future[Result]]] = deque()
         self._active: dict[int, _Active] = {}
-        self._settle_later: list[tuple[str, Any]] = []
+        self._settle_later: list[tuple[str, Any, Any]] = []
         self._looping = False
         self.peak = 0  # the most requests that ever decoded together
 
@@ -111,8 +112,8 @@ class BatchRunner(Runner):
             except Exception as exc:  # a shared forward failed: every running request fails with it
                 logging.getLogger("kvstate.serve").error("a batched step failed", exc_info=True)
                 self._fail_all(exc)
-        for namespace, state in self._settle_later:
-            self._settle(namespace, state)
+        for namespace, state, through in self._settle_later:
+            self._settle(namespace, state, through)
         self._settle_later.clear()
 
     def _take(self, job: Job, future: concurrent.futures.Future[Result]) -> None:
@@ -181,7 +182,7 @@ class BatchRunner(Runner):
         if completion.state is not None:
             self.pool.put(job.namespace, completion.state)
             if self.canonical_chunk and self.pool.max_bytes:  # nothing to settle for without a pool
-                self._settle_later.append((job.namespace, completion.state))
+                self._settle_later.append((job.namespace, completion.state, self._through(job, text)))
         k = job.request.logprobs
         logprobs = active.streamer.logprobs if k is None or active.streamer.complete else build(
             tokens, lambda i: (completion.logprobs[i], completion.top_logprobs[i]), self.tokenizer, text)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ class Prompt:
     images: tuple[Any, ...] = ()
     image_digests: tuple[str, ...] = ()
     default_stop: tuple[str, ...] = ()
+    messages: tuple[dict[str, str], ...] = ()  # a text-only chat's rendered messages (``Renderer.following``)
 
 
 class Renderer:
@@ -72,7 +74,23 @@ class Renderer:
         plain = [self._message(i, m, images, digests) for i, m in enumerate(messages)]
         text = self.tokenizer.apply_chat_template(plain, chat_template=self.template, tokenize=False,
                                                   add_generation_prompt=True)
-        return Prompt(text, self._encode(text), tuple(images), tuple(digests), self.default_stop)
+        return Prompt(text, self._encode(text), tuple(images), tuple(digests), self.default_stop,
+                      () if images else tuple(plain))
+
+    @functools.cached_property
+    def marks(self) -> tuple[int, ...]:
+        """The ids the template writes before a later user message: the canonical schedule's turn marks."""
+        from ..text import turn_marks
+
+        return turn_marks(self.tokenizer, self.template)
+
+    def following(self, prompt: Prompt, answer: str) -> list[int] | None:
+        """The ids the next turn's history begins with after ``answer`` to the text-only chat ``prompt``:
+        its messages plus the answer, rendered without a generation prompt (None for other prompts)."""
+        if not prompt.messages:
+            return None
+        plain = [*prompt.messages, {"role": "assistant", "content": answer}]
+        return self._encode(self.tokenizer.apply_chat_template(plain, chat_template=self.template, tokenize=False))
 
     def completion(self, prompt: Any) -> Prompt:
         """``prompt``: a string (tokenized with the tokenizer's special tokens, as a fresh run would) or a

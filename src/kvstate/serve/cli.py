@@ -28,6 +28,10 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
     s.add_argument("--canonical-chunk", type=non_negative, default=64, metavar="C",
                    help="prefill in chunks aligned to multiples of C, so a pool or store hit answers bit for bit "
                    "as a cold run (default 64; 0: off, reuse the longest prefix, exact to float32 rounding only)")
+    s.add_argument("--no-turn-marks", action="store_true",
+                   help="cut canonical chunks at multiples of C only. By default they also start where the chat "
+                   "template starts a user turn, so once an answer is settled the next turn feeds only its own "
+                   "tokens (docs/exactness.md)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append", default=[], help=f"accepted key (repeatable; or ${API_KEY_ENV}, "
@@ -72,7 +76,8 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
     settings = Settings(store=args.store, api_keys=keys, limits=limits, max_request_bytes=args.max_request_bytes,
                         max_queue=args.max_queue, pool_bytes=args.pool_bytes,
                         store_chunk_tokens=args.store_chunk_tokens, canonical_chunk=args.canonical_chunk,
-                        max_batch=args.max_batch, batch_invariant=args.batch_invariance == "on",
+                        turn_marks=not args.no_turn_marks, max_batch=args.max_batch,
+                        batch_invariant=args.batch_invariance == "on",
                         reuse=not args.no_reuse)
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings,

@@ -71,12 +71,14 @@ class Runner:
     """Runs ``Job`` s on one model, one at a time; ``store_for(namespace)`` gives each namespace's store."""
 
     def __init__(self, model: Any, tokenizer: Any, pool: StatePool, store_for: Callable[[str], Any],
-                 metrics: Metrics, max_queue: int = 16, chunk_size: int = 512, canonical_chunk: int = 64) -> None:
+                 metrics: Metrics, max_queue: int = 16, chunk_size: int = 512, canonical_chunk: int = 64,
+                 canonical_marks: tuple[int, ...] = (), follow: Callable[[Job, str], Any] | None = None) -> None:
         from ..adapters.fingerprinting import fingerprint
 
         self.model, self.tokenizer, self.pool, self.store_for = model, tokenizer, pool, store_for
         self.metrics, self.max_queue, self.chunk_size = metrics, max_queue, chunk_size
-        self.canonical_chunk = canonical_chunk
+        # turn marks: a settled answer ends where the next turn's cut is (``follow(job, text)``: those ids)
+        self.canonical_chunk, self.canonical_marks, self.follow = canonical_chunk, canonical_marks, follow
         self.fingerprint = fingerprint(model, tokenizer)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstate-model")
         self._pending = 0
@@ -109,7 +111,17 @@ class Runner:
         """Wait until the work queued so far, replies and their settling included, has run."""
         self._executor.submit(lambda: None).result()
 
-    def _settle(self, namespace: str, state: Any) -> None:
+    def _through(self, job: Job, text: str) -> Any:
+        """The ids the next turn begins with (``settle(through=...)``), when turn marks make that useful."""
+        if not self.canonical_marks or self.follow is None:
+            return None
+        try:
+            return self.follow(job, text)
+        except Exception:  # an optimisation: without it the next turn re-feeds the answer itself
+            logging.getLogger("kvstate.serve").warning("rendering the next turn's history failed", exc_info=True)
+            return None
+
+    def _settle(self, namespace: str, state: Any, through: Any = None) -> None:
         """After a reply: recompute its decoded tokens in canonical chunks, so the next turn's pool hit
         re-feeds only the tail since the last cut (issue 23). Runs on the model thread between jobs; a
         failure here costs the next turn that re-feed, never an answer."""
@@ -117,8 +129,9 @@ class Runner:
             return
         try:
             session = Session(self.model, state=state, chunk_size=self.chunk_size,
-                              canonical_chunk=self.canonical_chunk, _fingerprint=self.fingerprint)
-            if session.settle():
+                              canonical_chunk=self.canonical_chunk, canonical_marks=self.canonical_marks,
+                              _fingerprint=self.fingerprint)
+            if session.settle(through):
                 self.pool.put(namespace, session.state)
         except Exception:  # an optimisation: the unsettled state is in the pool already; say why it failed
             logging.getLogger("kvstate.serve").warning("settling a reply failed", exc_info=True)
@@ -143,7 +156,8 @@ class Runner:
         store = self.store_for(job.namespace)
         sources = [self.pool.source(job.namespace), *(() if store is None else (store,))]
         session = Session(self.model, sources=sources, chunk_size=self.chunk_size,
-                          canonical_chunk=self.canonical_chunk, _fingerprint=self.fingerprint)
+                          canonical_chunk=self.canonical_chunk, canonical_marks=self.canonical_marks,
+                          _fingerprint=self.fingerprint)
         streamer = _Streamer(self.tokenizer, job)
         options = dict(job.request.options)
         if "stop_strings" in options:
@@ -158,11 +172,11 @@ class Runner:
             # transformers validates some options only when generate builds its processors (5.14 refuses a
             # logit_bias on token 0, say): still the request's mistake, and nothing was committed
             raise BadRequest(f"invalid generation options: {exc}") from exc
-        if self.canonical_chunk and self.pool.max_bytes:  # queued behind the reply (a pool of 0 bytes: no reuse)
-            with contextlib.suppress(RuntimeError):  # the executor is shutting down: nothing to settle for
-                self._executor.submit(self._settle, job.namespace, outcome.state)
         tokens = outcome.tokens[0].tolist()
         text, stopped = streamer.final(tokens)
+        if self.canonical_chunk and self.pool.max_bytes:  # queued behind the reply (a pool of 0 bytes: no reuse)
+            with contextlib.suppress(RuntimeError):  # the executor is shutting down: nothing to settle for
+                self._executor.submit(self._settle, job.namespace, outcome.state, self._through(job, text))
         finish = "stop" if stopped else outcome.finish_reason[0]
         k = job.request.logprobs
         logprobs = streamer.logprobs if k is None or streamer.complete else \

@@ -29,6 +29,7 @@ class Settings:
     store_chunk_tokens: int = 64
     chunk_size: int = 512
     canonical_chunk: int = 64  # the canonical schedule (kvstate.schedule); 0 turns it off
+    turn_marks: bool = True  # cut the schedule where the chat template starts a user turn (kvstate.schedule)
     max_batch: int = 1  # > 1: requests decode together (kvstate.serve.batching, issue 25)
     batch_invariant: bool = True  # False: plain kernels in the batched forward (measures the invariance tax)
     reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
@@ -59,13 +60,15 @@ class Server:
             self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
         args = (model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue, settings.chunk_size,
                 settings.canonical_chunk)
+        self.marks = self.renderer.marks if settings.canonical_chunk and settings.turn_marks else ()
+        turns = dict(canonical_marks=self.marks, follow=lambda job, text: self.renderer.following(job.prompt, text))
         if settings.max_batch > 1:
             from .batching import BatchRunner
 
             self.runner: Runner = BatchRunner(*args, max_batch=settings.max_batch,
-                                              invariant=settings.batch_invariant)
+                                              invariant=settings.batch_invariant, **turns)
         else:
-            self.runner = Runner(*args)
+            self.runner = Runner(*args, **turns)
         self.started = int(time.time())
 
     def store_for(self, namespace: str) -> PrefixStore | None:

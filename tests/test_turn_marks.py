@@ -1,0 +1,191 @@
+"""Turn marks: canonical cuts where a chat template starts a user turn (issue 23, point 4).
+
+With ``canonical_marks`` the schedule also cuts where each occurrence of the marks begins, with
+the chunks of ``C`` aligned to it. A chat whose answer was settled through the template's
+closing tokens (``Session.settle(through=...)``) then feeds only the new turn's tokens, in one
+forward, and still answers bit for bit as a cold ``Session`` on the whole history (the oracle:
+a new session that shares nothing with the warm one). Also here: the cuts are prefix-stable (a
+state fed on a prefix holds the cold run's chunks up to where a resume keeps it), marks travel in
+state files, and ``turn_marks`` finds a template's user-turn prefix.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstate import Session
+from kvstate.errors import InputError, StateFileError
+from kvstate.schedule import MIN_SEGMENT, Canonical
+from kvstate.serve.chat import FALLBACK_TEMPLATE
+from kvstate.testing.tiny import RECURRENT
+from kvstate.testing.tiny_tokenizer import tiny_tokenizer
+from kvstate.text import turn_marks
+from tiny import prompt, tiny_model
+
+C = 8
+MARKS = (3, 4)  # a two-token "user turn" prefix
+CLOSE = (5,)  # what the template writes after an answer (not a mark: the next mark follows it)
+
+
+@functools.cache
+def model_in(arch: str):
+    return tiny_model(arch).to(torch.bfloat16)
+
+
+def user_turn(n: int, seed: int) -> torch.Tensor:
+    """The marks, then ``n`` message tokens (ids >= 10, so no mark inside)."""
+    return torch.cat([torch.tensor([MARKS]), prompt(n, seed=seed) % 100 + 10], 1)
+
+
+def run(session: Session, ids: torch.Tensor, n: int = 5):
+    out = session.generate(ids, max_new_tokens=n, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    return out.sequences, torch.cat(out.logits)
+
+
+def assert_bitwise(warm, cold, what: str) -> None:
+    assert torch.equal(warm[0], cold[0]), f"{what}: tokens {warm[0].tolist()} != {cold[0].tolist()}"
+    assert torch.equal(warm[1], cold[1]), f"{what}: per-step logits differ"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_a_settled_chat_turn_feeds_only_its_own_tokens_and_answers_as_the_cold_run(arch):
+    model = model_in(arch)
+    chat = torch.cat([prompt(1, seed=0), prompt(11, seed=1) % 100 + 10, user_turn(13, seed=2)], 1)  # BOS, system
+    s = Session(model, canonical_chunk=C, canonical_marks=MARKS)
+    new = 0
+    for turn in range(4):
+        warm = run(s, chat)
+        assert_bitwise(warm, run(Session(model, canonical_chunk=C, canonical_marks=MARKS), chat), f"turn {turn}")
+        if turn:  # everything before this turn's mark was reused: one forward of the turn's own tokens
+            assert s.last_plan.fed == new, (turn, s.last_plan)
+        through = torch.cat([chat, warm[0], torch.tensor([CLOSE])], 1)  # the answer as the template renders it
+        fed = s.settle(through=through)
+        assert fed > 0 and s.state.tokens_seen == through.shape[1] == s.state.canonical
+        new = 6 + 3 * turn + len(MARKS)
+        chat = torch.cat([through, user_turn(new - len(MARKS), seed=10 + turn)], 1)
+
+
+def test_without_the_closing_tokens_the_turn_refeeds_from_the_last_cut():
+    """The control: a settle that stops at the answer's own end leaves no cut where the next mark begins,
+    so the next turn feeds again from the last cut before it (still bitwise the cold run)."""
+    model = model_in("llama")
+    chat = torch.cat([prompt(12, seed=1) % 100 + 10, user_turn(13, seed=2)], 1)
+    s = Session(model, canonical_chunk=C, canonical_marks=MARKS)
+    answer = run(s, chat)[0]
+    s.settle()
+    turn2 = torch.cat([chat, answer, torch.tensor([CLOSE]), user_turn(4, seed=3)], 1)
+    assert_bitwise(run(s, turn2), run(Session(model, canonical_chunk=C, canonical_marks=MARKS), turn2), "turn 2")
+    assert s.last_plan.fed > 4 + len(MARKS) + len(CLOSE)
+
+
+def test_marks_travel_in_state_files_and_another_schedule_starts_over(tmp_path):
+    model = model_in("gemma3_text")
+    chat = torch.cat([prompt(12, seed=1) % 100 + 10, user_turn(9, seed=2)], 1)
+    s = Session(model, canonical_chunk=C, canonical_marks=MARKS)
+    answer = run(s, chat)[0]
+    through = torch.cat([chat, answer, torch.tensor([CLOSE])], 1)
+    s.settle(through=through)
+    s.save(tmp_path / "chat.kvs")
+    turn2 = torch.cat([through, user_turn(5, seed=3)], 1)
+    cold = run(Session(model, canonical_chunk=C, canonical_marks=MARKS), turn2)
+    loaded = Session.load(tmp_path / "chat.kvs", model)
+    assert loaded.canonical_marks == MARKS and loaded.state.canonical_marks == MARKS
+    assert_bitwise(run(loaded, turn2), cold, "loaded")
+    assert loaded.last_plan.fed == 5 + len(MARKS)
+    plain = Session.load(tmp_path / "chat.kvs", model, canonical_marks=())  # other cuts: none of its slots count
+    assert_bitwise(run(plain, turn2), run(Session(model, canonical_chunk=C), turn2), "other schedule")
+    assert plain.last_plan.reused == 0
+
+
+def test_malformed_marks_are_refused():
+    with pytest.raises(InputError, match="canonical_marks"):
+        Session(model_in("llama"), canonical_marks=["user"])
+    with pytest.raises(InputError, match="canonical_marks"):
+        Session(model_in("llama"), canonical_marks=(-1,))
+
+
+def test_a_file_with_malformed_marks_is_refused(tmp_path):
+    from kvstate.io import container
+
+    s = Session(model_in("llama"), canonical_chunk=C, canonical_marks=MARKS)
+    run(s, user_turn(10, seed=1))
+    s.save(tmp_path / "a.kvs")
+    header, tensors = container.read(tmp_path / "a.kvs")
+    assert header["canonical"][3] == list(MARKS)
+    header = {k: v for k, v in header.items() if k not in ("checksum", "checksums")}
+    for bad in ([], ["x"], [1 << 40]):
+        container.write(tmp_path / "b.kvs", tensors, {**header, "canonical": [*header["canonical"][:3], bad]})
+        with pytest.raises(StateFileError, match="canonical"):
+            Session.load(tmp_path / "b.kvs", model_in("llama"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([3, 4, 9, 9, 9]), min_size=1, max_size=90), st.integers(1, 12))
+def test_the_cuts_are_prefix_stable(history, chunk):
+    """A state fed on any prefix in canonical chunks, and cut back where a resume of the whole history
+    restarts, holds exactly the whole history's chunks up to there."""
+    schedule = Canonical(chunk, marks=MARKS)
+    full = schedule.cuts(0, len(history), (), history)
+    for n in range(1, len(history)):
+        pre = schedule.cuts(0, n, (), history[:n])
+        kept = schedule.keeps(pre[-2] if len(pre) > 1 else 0, n, history[:n])
+        restart = schedule.last_cut(kept, (), history)
+        assert [c for c in pre if c <= restart] == [c for c in full if c <= restart], (n, pre, full, kept)
+    marks_at = [p for p in range(1, len(history) - 1) if history[p:p + 2] == list(MARKS)]
+    assert all(p in full for p in marks_at if p >= MIN_SEGMENT and all(p - q >= MIN_SEGMENT
+                                                                      for q in marks_at if q < p)) or chunk
+
+
+def test_turn_marks_finds_the_templates_user_turn_prefix():
+    tokenizer = tiny_tokenizer()
+    marks = turn_marks(tokenizer, FALLBACK_TEMPLATE)
+    assert tokenizer.decode(list(marks)) == "User: "
+
+
+def test_recurrent_families_settle_through_a_checkpoint_at_the_cut():
+    """Hybrid recurrent layers are checkpointed at cuts: a settled chat rolls back to the mark exactly."""
+    arch = next(a for a in RECURRENT if a == "lfm2")
+    model = model_in(arch)
+    chat = torch.cat([prompt(10, seed=1) % 100 + 10, user_turn(9, seed=2)], 1)
+    s = Session(model, canonical_chunk=C, canonical_marks=MARKS)
+    answer = run(s, chat)[0]
+    through = torch.cat([chat, answer, torch.tensor([CLOSE])], 1)
+    s.settle(through=through)
+    branch = s.fork()
+    turn2 = torch.cat([through, user_turn(4, seed=3)], 1)
+    run(s, turn2)
+    other = torch.cat([through, user_turn(6, seed=4)], 1)  # another second turn, from the fork
+    assert_bitwise(run(branch, other), run(Session(model, canonical_chunk=C, canonical_marks=MARKS), other), "fork")
+    assert branch.last_plan.fed == 6 + len(MARKS)
+
+
+@pytest.mark.parametrize("max_batch", [1, 4], ids=["one-at-a-time", "batched"])
+def test_a_served_chat_reuses_everything_before_the_new_user_turn(max_batch):
+    """``kvstate serve`` finds the template's turn marks and settles each answer through the template's
+    closing tokens: the next turn's ``cached_tokens`` is all of its history before the new user message,
+    and every answer is plain ``model.generate``'s on the rendered history."""
+    from tests.serving import chat_turn, client, live, make_server, reference
+
+    from kvstate.serve.cli import load
+
+    model, tokenizer = load("tiny:llama")
+    server = make_server(model, tokenizer, max_batch=max_batch)
+    assert server.marks and tokenizer.decode(list(server.marks)) == "User: "
+    messages, settled = [{"role": "system", "content": "You are terse."}], None
+    with live(server) as url:
+        api = client(url)
+        for i, question in enumerate(["Hi there!", "What is the sea?", "And the sky, at night?"]):
+            messages.append({"role": "user", "content": question})
+            prompt = server.renderer.chat(messages)
+            answer, cached = chat_turn(api, messages, stream=bool(i % 2), max_tokens=12)
+            assert answer == reference(model, tokenizer, prompt.ids, 12), f"turn {i + 1}"
+            if settled is not None:
+                assert prompt.ids[:len(settled)] == settled and cached == len(settled), (i, cached, len(settled))
+            server.runner.drain()  # the settle runs on the model thread after the reply
+            messages.append({"role": "assistant", "content": answer})
+            settled = server.renderer.following(prompt, answer)
