@@ -17,9 +17,10 @@ store (a full re-prefill) on the same request.
 The TTFT ratio grows with the history: kvstate's TTFT is one forward over the new
 turn (its floor, about 70 ms here, is one token through Gemma's 262k-vocabulary head),
 while the plain server's grows with every token of the conversation. Under the canonical
-schedule kvstate settles each reply after sending it (its decoded tokens fed again in canonical
-chunks); with no pause between turns (the default) the next request waits for that settle, with
-``--think`` it runs while the user reads.
+schedule kvstate settles each reply after sending it: the answer as the template renders it is
+fed again in canonical chunks up to where the next user turn's mark ("User:") will start, so the
+next turn feeds only its own tokens (docs/exactness.md, "Turn marks"). With no pause between turns
+(the default) the next request waits for that settle; with ``--think`` it runs while the user reads.
 """
 
 from __future__ import annotations

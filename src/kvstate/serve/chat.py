@@ -21,6 +21,7 @@ import base64
 import binascii
 import functools
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +83,12 @@ class Renderer:
         """The ids the template writes before a later user message: the canonical schedule's turn marks."""
         from ..text import turn_marks
 
-        return turn_marks(self.tokenizer, self.template)
+        try:
+            return turn_marks(self.tokenizer, self.template)
+        except Exception:  # a template that refuses the probe chat: cuts at multiples of C only, still exact
+            logging.getLogger("kvstate.serve").warning("no turn marks: the chat template failed to render a "
+                                                       "probe chat", exc_info=True)
+            return ()
 
     def following(self, prompt: Prompt, answer: str) -> list[int] | None:
         """The ids the next turn's history begins with after ``answer`` to the text-only chat ``prompt``:
