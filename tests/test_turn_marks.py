@@ -47,6 +47,14 @@ def run(session: Session, ids: torch.Tensor, n: int = 5):
     return out.sequences, torch.cat(out.logits)
 
 
+def skip_stepwise(model, arch: str) -> None:
+    """lfm2 continues one token per forward on transformers 5.14: no canonical schedule there."""
+    from kvstate.selfcheck import bind
+
+    if bind(model).caps.stepwise:
+        pytest.skip(f"{arch} continues one token per forward: no canonical schedule (docs/exactness.md)")
+
+
 def assert_bitwise(warm, cold, what: str) -> None:
     assert torch.equal(warm[0], cold[0]), f"{what}: tokens {warm[0].tolist()} != {cold[0].tolist()}"
     assert torch.equal(warm[1], cold[1]), f"{what}: per-step logits differ"
@@ -55,6 +63,7 @@ def assert_bitwise(warm, cold, what: str) -> None:
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
 def test_a_settled_chat_turn_feeds_only_its_own_tokens_and_answers_as_the_cold_run(arch):
     model = model_in(arch)
+    skip_stepwise(model, arch)
     chat = torch.cat([prompt(1, seed=0), prompt(11, seed=1) % 100 + 10, user_turn(13, seed=2)], 1)  # BOS, system
     s = Session(model, canonical_chunk=C, canonical_marks=MARKS)
     new = 0
@@ -151,6 +160,7 @@ def test_recurrent_families_settle_through_a_checkpoint_at_the_cut():
     """Hybrid recurrent layers are checkpointed at cuts: a settled chat rolls back to the mark exactly."""
     arch = next(a for a in RECURRENT if a == "lfm2")
     model = model_in(arch)
+    skip_stepwise(model, arch)
     chat = torch.cat([prompt(10, seed=1) % 100 + 10, user_turn(9, seed=2)], 1)
     s = Session(model, canonical_chunk=C, canonical_marks=MARKS)
     answer = run(s, chat)[0]
