@@ -194,7 +194,7 @@ def check_marks(marks: object) -> tuple[int, ...]:
     values = (marks.reshape(-1).tolist() if isinstance(marks, torch.Tensor) else list(marks)) if ok else []
     if not ok or len(values) > 64 or not all(type(t) is int and 0 <= t < 1 << 31 for t in values):
         raise InputError("invalid Session setting canonical_marks", expected="a sequence of 0 to 64 token ids",
-                         found=repr(marks)[:120], fix="pass kvstate.schedule.turn_marks(tokenizer), or ()")
+                         found=repr(marks)[:120], fix="pass kvstate.text.turn_marks(tokenizer), or ()")
     return tuple(values)
 
 

@@ -198,9 +198,7 @@ def settle_span(state: State, schedule: Canonical, through: torch.Tensor | None 
         return None
     spans = tuple((m.start, m.end) for m in state.media)
     history = state.tokens[0] if through is None else through
-    n = min(state.tokens_seen, history.shape[0])
-    shared = int((state.tokens[0, :n] != history[:n]).int().argmax()) if n and bool(
-        (state.tokens[0, :n] != history[:n]).any()) else n
+    shared = common_prefix(state, history[None], torch.ones_like(history[None], dtype=torch.bool))
     kept = min(state.canonical_for(schedule.chunk, schedule.device, schedule.marks), shared)
     start = schedule.last_cut(kept, spans, history)
     end = schedule.last_cut(history.shape[0], spans, history) if through is None else history.shape[0]

@@ -92,7 +92,7 @@ class Canonical:
         history completes it and cuts there, inside this chunk)."""
         if not self.marks or end <= start:
             return end
-        tail = _as_list(ids, end)[max(start + 1, end - len(self.marks) + 1):end]
+        tail = _as_list(ids, end, max(start + 1, end - len(self.marks) + 1))
         partial = any(tail[i:] == list(self.marks[:len(tail) - i]) for i in range(len(tail)))
         return start if partial else end
 
@@ -111,12 +111,13 @@ class Canonical:
         return sorted(p for p in points if 0 < p <= limit)
 
 
-def _as_list(ids: Ids, n: int) -> list[int]:
+def _as_list(ids: Ids, n: int, start: int = 0) -> list[int]:
+    """``ids[start:n]`` as ints (only that slice is converted)."""
     if ids is None:
         raise ValueError("a schedule with turn marks needs the history's token ids")
     if isinstance(ids, torch.Tensor):
-        return ids.reshape(-1)[:n].tolist()
-    return list(ids[:n])
+        return ids.reshape(-1)[start:n].tolist()
+    return list(ids[start:n])
 
 
 def _moved(point: int, spans: Spans) -> int:

@@ -68,7 +68,7 @@ class Session:
             answer is the cold answer bit for bit in every dtype. 0 turns it off (a resume then keeps
             the longest common prefix: exact within float32 rounding, not bitwise).
         canonical_marks: token ids that start a conversation's turn (a chat template's user-turn
-            prefix, ``kvstate.schedule.turn_marks(tokenizer)``): the cuts then also fall where each
+            prefix, ``kvstate.text.turn_marks(tokenizer)``): the cuts then also fall where each
             occurrence begins, with the chunks of ``C`` aligned to it, so a chat's next turn, once
             the answer is settled (``settle(through=...)``), feeds only its own tokens. Default none.
         sliding_reserve: extra slots each sliding-window layer keeps beyond its window and its

@@ -193,10 +193,10 @@ class Engine:
     # ----- internals ---------------------------------------------------------------------------
     def _run_feed(self, state: State, feed: Feed, settings: FeedSettings, chunk_size: int) -> State:
         T, Q = state.tokens_seen, feed.ids.shape[1]
-        ends = self._canonical_ends(state, feed, settings)
-        history = self._history(state, feed, settings)
         schedule = Canonical(settings.canonical, marks=settings.marks)
+        history = self._history(state, feed, settings)
         spans = (*((m.start, m.end) for m in state.media), *feed.spans)
+        ends = self._canonical_ends(state, feed, settings, schedule, history, spans)
         checkpointed = any(layer.checkpointed for layer in state.layers)
         start = 0
         while start < Q:
@@ -208,10 +208,11 @@ class Engine:
             inputs = feed.inputs if ends is None else self._chunk_inputs(feed, start, end)
             state = self._forward(state, feed.ids[:, start:end], feed.mask[:, :T + end],
                                   feed.positions[:, start:end], inputs, logits=end >= Q)
-            if ends is not None:  # every slot so far is the cold run's (issue 23)
-                state = replace(state, canonical=schedule.keeps(T + start, T + end, history),
-                                canonical_chunk=settings.canonical, canonical_device=state.device.type,
-                                canonical_marks=settings.marks)
+            if ends is not None:  # every slot so far is the cold run's (issue 23); the last chunk's, unless
+                # the history ends inside an incomplete turn mark
+                kept = schedule.keeps(T + start, T + end, history) if end >= Q else T + end
+                state = replace(state, canonical=kept, canonical_chunk=settings.canonical,
+                                canonical_device=state.device.type, canonical_marks=settings.marks)
             every = settings.checkpoint_every
             # at every cut, the feed's end too when it is one whatever follows: a resume restarts there
             cut = ends is not None and (end < Q or schedule.last_cut(T + end, spans, history) == T + end)
@@ -220,16 +221,15 @@ class Engine:
             start = end
         return state
 
-    def _canonical_ends(self, state: State, feed: Feed, settings: FeedSettings) -> list[int] | None:
-        """The feed's chunk ends (absolute) under the canonical schedule; None when it does not apply: the
-        schedule is off, the family feeds one token per forward, or the feed starts off a canonical cut."""
-        if settings.canonical <= 0 or self.binding.caps.stepwise or state.is_compressed:
+    def _canonical_ends(self, state: State, feed: Feed, settings: FeedSettings, schedule: Canonical,
+                        history: torch.Tensor | None, spans: tuple[tuple[int, int], ...]) -> list[int] | None:
+        """The feed's chunk ends (absolute) under the canonical ``schedule``; None when it does not apply:
+        the schedule is off, the family feeds one token per forward, or the feed starts off a canonical cut."""
+        if not schedule.enabled or self.binding.caps.stepwise or state.is_compressed:
             return None
         if settings.marks and feed.ids.shape[0] != 1:  # one row's marks are not another's
             return None
-        schedule = Canonical(settings.canonical, marks=settings.marks)
-        T, history = state.tokens_seen, self._history(state, feed, settings)
-        spans = (*((m.start, m.end) for m in state.media), *feed.spans)
+        T = state.tokens_seen
         if T and (state.canonical_for(settings.canonical, state.device.type, settings.marks) != T
                   or schedule.last_cut(T, spans, history) != T):
             return None
