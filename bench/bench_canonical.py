@@ -12,7 +12,7 @@ a new turn of n tokens is timed, each repeat from a fork of that prefilled sessi
   C the state holds and feeds ``H mod C + n`` tokens in aligned chunks, so the answer
   is bitwise the cold one.
 
-* ``C=64+marks``: the schedule with the chat template's turn marks (``kvstate.text.turn_marks``, "User:"
+* ``C=64/128/256+marks``: the schedule with the chat template's turn marks (``kvstate.text.turn_marks``, "User:"
   for the default model's template): the turn starts with them, so the history's end is a cut and the
   resume feeds only the turn, as ``off`` does. A chat reaches that state with ``Session.settle(through=
   ...)`` after each answer (the server does it after replying). Timed against ``off`` on the same ids
@@ -39,6 +39,7 @@ from kvstate.testing import load_default_model
 from kvstate.text import turn_marks
 
 CHUNKS = (0, 16, 32, 64)
+MARKED_CHUNKS = (64, 128, 256)  # C with turn marks: a turn of up to C tokens (marks included) is one forward
 TURNS = (1, 8, 64)
 
 
@@ -59,8 +60,12 @@ def cell(model, ids: torch.Tensor, marks: tuple[int, ...], history: int, rounds:
         s.extend(ids[:, :history])
         cold[chunk] = time.perf_counter() - begin
         sessions[chunk] = s
-    sessions["marks"] = Session(model, canonical_chunk=64, canonical_marks=marks)
-    sessions["marks"].extend(ids[:, :history])
+    for chunk in MARKED_CHUNKS:
+        s = Session(model, canonical_chunk=chunk, canonical_marks=marks)
+        begin = time.perf_counter()
+        s.extend(ids[:, :history])
+        cold[f"C={chunk}+marks"] = time.perf_counter() - begin
+        sessions[f"C={chunk}+marks"] = s
     turns, marked = {}, {}
     for n in TURNS:
         full = ids[:, :history + n]
@@ -75,9 +80,10 @@ def cell(model, ids: torch.Tensor, marks: tuple[int, ...], history: int, rounds:
                             rounds)
         turns[str(n)] = ratios(timed)
         both = {"off": functools.partial(ttft, sessions[0], turn),
-                "C=64+marks": functools.partial(ttft, sessions["marks"], turn)}
+                **{f"C={c}+marks": functools.partial(ttft, sessions[f"C={c}+marks"], turn) for c in MARKED_CHUNKS}}
         marked[str(n)] = {**ratios(interleaved(both, rounds)), "fed": {k: fn() for k, fn in both.items()}}
-    return {"cold_prefill_seconds": {f"C={c}" if c else "off (chunks of 512)": v for c, v in cold.items()},
+    return {"cold_prefill_seconds": {(f"C={c}" if c else "off (chunks of 512)") if isinstance(c, int) else c: v
+                                     for c, v in cold.items()},
             "new_turn_ttft": turns, "marked_turn_ttft": marked}
 
 
@@ -104,6 +110,7 @@ def main() -> None:
             results[f"{dtype}/{history}"] = cell(model, ids, marks, history, args.rounds)
             print(summary(results[f"{dtype}/{history}"]), flush=True)
     write_results("canonical", {"model": "default (Gemma-3-270M)", "turns": TURNS, "chunks": CHUNKS,
+                                "marked_chunks": MARKED_CHUNKS,
                                 "marks": [tokenizer.decode([t]) for t in marks], "results": results})
 
 
@@ -112,9 +119,9 @@ def summary(result: dict[str, object]) -> str:
     lines = []
     for n in TURNS:
         plain = result["new_turn_ttft"][str(n)]["share_of_one_forward_limit"]
-        marked = result["marked_turn_ttft"][str(n)]["share_of_one_forward_limit"]["C=64+marks"]
-        lines.append(f"  turn of {n}: " + ", ".join(f"{k} {v:.0%}" for k, v in plain.items() if k != "off")
-                     + f", C=64+marks {marked:.0%} of the one-forward limit")
+        marked = result["marked_turn_ttft"][str(n)]["share_of_one_forward_limit"]
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in {**plain, **marked}.items() if k != "off")
+        lines.append(f"  turn of {n}: {shares} of the one-forward limit")
     return "\n".join(lines)
 
 
