@@ -318,8 +318,7 @@ def _generate(args: argparse.Namespace) -> int:
         session = Session.load(args.state, model, tokenizer=tokenizer, cast_dtype=args.cast_state,
                                canonical_chunk=args.canonical_chunk)
     else:
-        chunk = 64 if args.canonical_chunk is None else args.canonical_chunk
-        session = Session(model, tokenizer=tokenizer, store=store, canonical_chunk=chunk)
+        session = Session(model, tokenizer=tokenizer, store=store, canonical_chunk=args.canonical_chunk)
     # one tokenization (exact at the boundary); the answer's last token is processed too, so a --save
     # holds the whole conversation
     continue_text(session, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, do_sample=False,

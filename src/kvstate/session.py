@@ -49,11 +49,11 @@ from .request import (
     validate_truncate,
 )
 from .resume import ResumePlan
-from .schedule import Canonical
+from .schedule import POSITION_CHUNK, Canonical, default_chunk
 from .selfcheck import bind, vocab_size
 from .state import State
 
-DEFAULT_CANONICAL_CHUNK = 64  # tokens per canonical prefill chunk (bench/bench_canonical.py measures it)
+DEFAULT_CANONICAL_CHUNK = POSITION_CHUNK  # C without turn marks (kvstate.schedule.default_chunk)
 
 
 class Session:
@@ -66,7 +66,8 @@ class Session:
         canonical_chunk: ``C``, tokens per canonical prefill chunk (``kvstate.schedule``): feeds are cut
             at multiples of ``C``, and a resume restarts from the last such cut it holds, so a warm
             answer is the cold answer bit for bit in every dtype. 0 turns it off (a resume then keeps
-            the longest common prefix: exact within float32 rounding, not bitwise).
+            the longest common prefix: exact within float32 rounding, not bitwise). Default
+            (``None``): 64, or 256 with ``canonical_marks`` (``kvstate.schedule.default_chunk``).
         canonical_marks: token ids that start a conversation's turn (a chat template's user-turn
             prefix, ``kvstate.text.turn_marks(tokenizer)``): the cuts then also fall where each
             occurrence begins, with the chunks of ``C`` aligned to it, so a chat's next turn, once
@@ -89,10 +90,12 @@ class Session:
     """
 
     def __init__(self, model: torch.nn.Module, *, tokenizer: object | None = None,
-                 chunk_size: int = 512, canonical_chunk: int = DEFAULT_CANONICAL_CHUNK, sliding_reserve: int = 64,
+                 chunk_size: int = 512, canonical_chunk: int | None = None, sliding_reserve: int = 64,
                  max_checkpoints: int = 16, checkpoint_every: int | None = None, store: PrefixCache | None = None,
                  sources: Sequence[PrefixCache] = (), state: State | None = None,
                  canonical_marks: Sequence[int] = (), _fingerprint: Fingerprint | None = None) -> None:
+        marks = check_marks(canonical_marks)
+        canonical_chunk = default_chunk(marks) if canonical_chunk is None else canonical_chunk
         check_settings(chunk_size=chunk_size, canonical_chunk=canonical_chunk, sliding_reserve=sliding_reserve,
                         max_checkpoints=max_checkpoints, checkpoint_every=checkpoint_every)
         check_model_object(model)
@@ -103,7 +106,7 @@ class Session:
         self.chunk_size, self.sliding_reserve = chunk_size, sliding_reserve
         # families that continue one token per forward cannot run the schedule (docs/exactness.md)
         self.canonical_chunk = 0 if self._binding.caps.stepwise else canonical_chunk
-        self.canonical_marks = check_marks(canonical_marks)
+        self.canonical_marks = marks
         self.max_checkpoints, self.checkpoint_every = max_checkpoints, checkpoint_every
         self.store = store  # may be replaced or set to None later; it is read on every call
         self.sources: tuple[PrefixCache, ...] = tuple(sources)
@@ -201,9 +204,9 @@ class Session:
         param = next(model.parameters())
         state = load_state(path, map_location=param.device, dtype=param.dtype if cast_dtype else None)
         reserve = max((int(layer.meta().get("reserve") or 0) for layer in state.layers), default=0)
-        if canonical_chunk is None:
-            canonical_chunk = state.canonical_chunk or DEFAULT_CANONICAL_CHUNK
         marks = state.canonical_marks if canonical_marks is None else canonical_marks
+        if canonical_chunk is None:
+            canonical_chunk = state.canonical_chunk or None
         return cls(model, tokenizer=tokenizer, chunk_size=chunk_size, canonical_chunk=canonical_chunk,
                    sliding_reserve=reserve, state=state, canonical_marks=marks)
 

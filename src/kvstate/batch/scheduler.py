@@ -37,6 +37,7 @@ from ..errors import InputError
 from ..options import end_ids
 from ..protocols import PrefixCache
 from ..request import check_marks
+from ..schedule import default_chunk
 from ..state import State
 from .prefixes import RecentPrompts
 from .sampling import Choice, Processor, Sampler, Sampling
@@ -146,7 +147,7 @@ class Scheduler:
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
-                 prefill_tokens: int | None = None, share_prefixes: bool = True, canonical_chunk: int = 64,
+                 prefill_tokens: int | None = None, share_prefixes: bool = True, canonical_chunk: int | None = None,
                  chunk_size: int = 512, canonical_marks: Sequence[int] = (),
                  sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None) -> None:
         from ..adapters.fingerprinting import fingerprint as digest
@@ -158,13 +159,14 @@ class Scheduler:
                 raise InputError(f"Scheduler {name} must be a positive int", expected=">= 1", found=repr(value),
                                  fix=f"pass {name}=8, say")
         self.model, self.max_batch, self.prefill_tokens = model, max_batch, prefill_tokens
-        self.canonical_chunk, self.chunk_size = canonical_chunk, chunk_size
         self.canonical_marks = check_marks(canonical_marks)
+        self.canonical_chunk = default_chunk(self.canonical_marks) if canonical_chunk is None else canonical_chunk
+        self.chunk_size = chunk_size
         self.sources = (*sources, *((RecentPrompts(max_batch),) if share_prefixes else ()))
         self.fingerprint = fingerprint or digest(model, tokenizer)
         self.engine = Engine(bind(model))
         self._packed = Packed(self.engine, rows, invariant)
-        self._single = Single(self.engine, FeedSettings(chunk_size, canonical=canonical_chunk,
+        self._single = Single(self.engine, FeedSettings(chunk_size, canonical=self.canonical_chunk,
                                                         marks=self.canonical_marks))
         self._handles = itertools.count()
         self._waiting: deque[_Job] = deque()

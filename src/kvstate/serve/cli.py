@@ -25,9 +25,10 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
     s.add_argument("--store", help="prefix store shared by restarts and workers: a folder or redis://host:port/db")
     s.add_argument("--store-chunk-tokens", type=positive, default=64,
                    help="store granularity in tokens (a multiple of --canonical-chunk, so every entry is reusable)")
-    s.add_argument("--canonical-chunk", type=non_negative, default=64, metavar="C",
-                   help="prefill in chunks aligned to multiples of C, so a pool or store hit answers bit for bit "
-                   "as a cold run (default 64; 0: off, reuse the longest prefix, exact to float32 rounding only)")
+    s.add_argument("--canonical-chunk", type=non_negative, default=None, metavar="C",
+                   help="prefill in chunks of C aligned to the turn marks (or to multiples of C), so a pool or store "
+                   "hit answers bit for bit as a cold run (default 256 with turn marks, 64 without; 0: off, reuse "
+                   "the longest prefix, exact to float32 rounding only)")
     s.add_argument("--no-turn-marks", action="store_true",
                    help="cut canonical chunks at multiples of C only. By default they also start where the chat "
                    "template starts a user turn, so once an answer is settled the next turn feeds only its own "

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..schedule import default_chunk
 from ..store import PrefixStore
 from .chat import Prompt, Renderer
 from .errors import BadRequest
@@ -28,7 +29,7 @@ class Settings:
     pool_bytes: int = 2 << 30
     store_chunk_tokens: int = 64
     chunk_size: int = 512
-    canonical_chunk: int = 64  # the canonical schedule (kvstate.schedule); 0 turns it off
+    canonical_chunk: int | None = None  # the schedule's C (kvstate.schedule.default_chunk); 0 turns it off
     turn_marks: bool = True  # cut the schedule where the chat template starts a user turn (kvstate.schedule)
     max_batch: int = 1  # > 1: requests decode together (kvstate.serve.batching, issue 25)
     batch_invariant: bool = True  # False: plain kernels in the batched forward (measures the invariance tax)
@@ -58,9 +59,11 @@ class Server:
         self._stores: dict[str, PrefixStore] = {}
         if settings.store is not None and settings.reuse:
             self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
+        self.marks = self.renderer.marks if settings.canonical_chunk != 0 and settings.turn_marks else ()
+        chunk = settings.canonical_chunk
+        self.canonical_chunk = default_chunk(self.marks) if chunk is None else chunk
         args = (model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue, settings.chunk_size,
-                settings.canonical_chunk)
-        self.marks = self.renderer.marks if settings.canonical_chunk and settings.turn_marks else ()
+                self.canonical_chunk)
         turns = dict(canonical_marks=self.marks, follow=lambda job, text: self.renderer.following(job.prompt, text))
         if settings.max_batch > 1:
             from .batching import BatchRunner
