@@ -111,6 +111,40 @@ def test_marks_travel_in_state_files_and_another_schedule_starts_over(tmp_path):
     assert plain.last_plan.reused == 0
 
 
+def test_the_default_chunk_holds_a_turn_with_marks_and_a_short_tail_without(tmp_path):
+    """C defaults to 256 with marks (a turn starts on a cut, so C only has to hold the turn) and to 64 without
+    (every turn re-feeds the tail since the last multiple of C); a loaded state keeps its own C."""
+    from kvstate.batch import Scheduler
+    from kvstate.schedule import MARKED_CHUNK, POSITION_CHUNK
+
+    model = model_in("llama")
+    assert (MARKED_CHUNK, POSITION_CHUNK) == (256, 64)
+    assert Session(model).canonical_chunk == 64 and Session(model, canonical_marks=MARKS).canonical_chunk == 256
+    assert Session(model, canonical_chunk=C, canonical_marks=MARKS).canonical_chunk == C
+    assert Scheduler(model, canonical_marks=MARKS).canonical_chunk == 256 and Scheduler(model).canonical_chunk == 64
+    s = Session(model, canonical_marks=MARKS)
+    turn = user_turn(200, seed=4)  # 202 tokens: one forward at C = 256, as the cold run
+    run(s, turn)
+    assert s.state.canonical_chunk == 256 and s.last_plan.fed == 202
+    s.save(tmp_path / "chat.kvs")
+    assert Session.load(tmp_path / "chat.kvs", model).canonical_chunk == 256
+    assert Session.load(tmp_path / "chat.kvs", model, canonical_marks=()).canonical_chunk == 256  # the file's C
+
+
+def test_the_server_takes_256_with_the_templates_marks_and_64_without():
+    from kvstate.serve import Server, Settings
+    from kvstate.serve.cli import load
+
+    model, tokenizer = load("tiny:llama")
+    marked, plain = Server(model, tokenizer, "t"), Server(model, tokenizer, "t", Settings(turn_marks=False))
+    assert marked.marks and (marked.canonical_chunk, marked.runner.canonical_chunk) == (256, 256)
+    assert not plain.marks and (plain.canonical_chunk, plain.runner.canonical_chunk) == (64, 64)
+    off = Server(model, tokenizer, "t", Settings(canonical_chunk=0))
+    assert off.runner.canonical_chunk == 0
+    for server in (marked, plain, off):
+        server.close()
+
+
 def test_malformed_marks_are_refused():
     with pytest.raises(InputError, match="canonical_marks"):
         Session(model_in("llama"), canonical_marks=["user"])
