@@ -65,16 +65,19 @@ def mutate(data: bytes, ops) -> bytes:
     return bytes(out)
 
 
-@settings(max_examples=10_000, derandomize=True, deadline=None, database=None,
+# 10,000 mutated files (issue 3): 200 examples of 50 files each, as hypothesis spends about 1.5 ms of its own on
+# every example, eight times what loading one file takes
+@settings(max_examples=200, derandomize=True, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
-@given(ops=st.lists(mutation, min_size=1, max_size=3))
-def test_fuzzed_files_raise_state_file_error_or_load_unchanged(original, ops):
+@given(batch=st.lists(st.lists(mutation, min_size=1, max_size=3), min_size=50, max_size=50))
+def test_fuzzed_files_raise_state_file_error_or_load_unchanged(original, batch):
     data, state = original
-    try:
-        loaded = load_bytes(mutate(data, ops))
-    except StateFileError:
-        return
-    assert_states_equal(loaded, state)  # a harmless edit (e.g. JSON whitespace) changed nothing
+    for ops in batch:
+        try:
+            loaded = load_bytes(mutate(data, ops))
+        except StateFileError:
+            continue
+        assert_states_equal(loaded, state)  # a harmless edit (e.g. JSON whitespace) changed nothing
 
 
 def test_seeded_byte_fuzz_covers_every_offset(original):
