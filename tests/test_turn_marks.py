@@ -233,3 +233,40 @@ def test_a_served_chat_reuses_everything_before_the_new_user_turn(max_batch):
             server.runner.drain()  # the settle runs on the model thread after the reply
             messages.append({"role": "assistant", "content": answer})
             settled = server.renderer.following(prompt, answer)
+
+
+@pytest.mark.parametrize("max_batch", [1, 4], ids=["one-at-a-time", "batched"])
+def test_a_request_sent_while_a_settle_waits_runs_first_and_the_settle_is_kept(max_batch, monkeypatch):
+    """A settle waits ``SETTLE_GRACE`` for a request before it runs (here 60 s, so the order is certain): another
+    chat's request sent right after a reply runs at once, and the reply is settled later, when the model is idle
+    again, so its chat's next turn still reuses everything before the new user message."""
+    from tests.serving import chat_turn, client, live, make_server, reference
+
+    from kvstate.serve import runner
+    from kvstate.serve.cli import load
+
+    monkeypatch.setattr(runner, "SETTLE_GRACE", 60.0)
+    model, tokenizer = load("tiny:llama")
+    server = make_server(model, tokenizer, max_batch=max_batch)
+    chats = {name: [{"role": "user", "content": f"I am {name}. Where is the sea?"}] for name in ("Ada", "Ben")}
+    with live(server) as url:
+        api = client(url)
+        prompts = {}
+        for name, messages in chats.items():  # Ben's request arrives while Ada's settle waits its grace
+            prompts[name] = server.renderer.chat(messages)
+            answer, _ = chat_turn(api, messages, stream=False, max_tokens=8)
+            assert answer == reference(model, tokenizer, prompts[name].ids, 8)
+            messages.append({"role": "assistant", "content": answer})
+        assert len(server.runner._unsettled) == 2  # neither settled yet: the model thread waits for a request
+        monkeypatch.setattr(runner, "SETTLE_GRACE", 0.0)
+        server.runner._arrived.set()  # end the 60 s wait (the settles are kept), then run them with no grace
+        server.runner._executor.submit(server.runner._settle_idle).result()
+        assert not server.runner._unsettled
+        for name, messages in chats.items():
+            settled = server.renderer.following(prompts[name], messages[-1]["content"])
+            messages.append({"role": "user", "content": "And the sky?"})
+            prompt = server.renderer.chat(messages)
+            answer, cached = chat_turn(api, messages, stream=True, max_tokens=8)
+            assert answer == reference(model, tokenizer, prompt.ids, 8)
+            assert prompt.ids[:len(settled)] == settled and cached == len(settled), (name, cached, len(settled))
+    server.close()

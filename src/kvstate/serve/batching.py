@@ -66,7 +66,6 @@ class BatchRunner(Runner):
                                    chunk_size=self.chunk_size, fingerprint=self.fingerprint)
         self._inbox: deque[tuple[Job, concurrent.futures.Future[Result]]] = deque()
         self._active: dict[int, _Active] = {}
-        self._settle_later: list[tuple[str, Any, Any]] = []
         self._looping = False
         self.peak = 0  # the most requests that ever decoded together
 
@@ -76,6 +75,7 @@ class BatchRunner(Runner):
         with self._lock:
             self._count(job)
             self._inbox.append((job, future))
+            self._arrived.set()
             start, self._looping = not self._looping, True
         future.add_done_callback(lambda _: self._done(job))
         if start:
@@ -112,9 +112,7 @@ class BatchRunner(Runner):
             except Exception as exc:  # a shared forward failed: every running request fails with it
                 logging.getLogger("kvstate.serve").error("a batched step failed", exc_info=True)
                 self._fail_all(exc)
-        for namespace, state, through in self._settle_later:
-            self._settle(namespace, state, through)
-        self._settle_later.clear()
+        self._settle_idle()
 
     def _take(self, job: Job, future: concurrent.futures.Future[Result]) -> None:
         """Hand ``job`` to the scheduler, or run it alone now when its options are not the sampler's."""
@@ -181,8 +179,7 @@ class BatchRunner(Runner):
         finish = "stop" if stopped else completion.finish_reason
         if completion.state is not None:
             self.pool.put(job.namespace, completion.state)
-            if self.canonical_chunk and self.pool.max_bytes:  # nothing to settle for without a pool
-                self._settle_later.append((job.namespace, completion.state, self._through(job, text)))
+            self._defer_settle(job.namespace, completion.state, self._through(job, text))
         k = job.request.logprobs
         logprobs = active.streamer.logprobs if k is None or active.streamer.complete else build(
             tokens, lambda i: (completion.logprobs[i], completion.top_logprobs[i]), self.tokenizer, text)

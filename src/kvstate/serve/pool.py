@@ -68,6 +68,11 @@ class StatePool:
             while self._states and self.nbytes > self.max_bytes:
                 self._states.popitem(last=False)
 
+    def holds(self, namespace: str, state: State) -> bool:
+        """Whether ``state`` itself is still pooled (not covered by a newer state, nor evicted)."""
+        with self._lock:
+            return any(s is state for (ns, _), s in self._states.items() if ns == namespace)
+
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self._states.values())

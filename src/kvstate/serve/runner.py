@@ -23,6 +23,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,11 @@ from .pool import StatePool
 
 class Cancelled(Exception):
     """The client disconnected; the job stops without committing anything."""
+
+
+# How long an idle model waits before settling a reply: a client that sends its next request as soon as
+# a reply ends gets it to the runner within a few ms here (rendering and tokenizing included)
+SETTLE_GRACE = 0.05
 
 
 @dataclass(eq=False)
@@ -83,6 +89,9 @@ class Runner:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstate-model")
         self._pending = 0
         self._jobs: set[Job] = set()  # queued or running, so close() can cancel them
+        # replies whose settle waits for an idle model (``_settle_idle``); past 16 the oldest is dropped
+        self._unsettled: deque[tuple[str, Any, Any]] = deque(maxlen=16)
+        self._arrived = threading.Event()  # set by every submit: a settle waiting for its grace yields
         self._lock = threading.Lock()
         self._stops: dict[tuple[str, ...], Any] = {}  # StopStringCriteria by stop strings (``_stop_criterion``)
 
@@ -95,6 +104,7 @@ class Runner:
         """Queue ``job``; a full queue is a 429 before anything is queued."""
         with self._lock:
             self._count(job)
+        self._arrived.set()
         future = self._executor.submit(self._run, job)
         future.add_done_callback(lambda _: self._done(job))
         return future
@@ -136,12 +146,30 @@ class Runner:
             logging.getLogger("kvstate.serve").warning("rendering the next turn's history failed", exc_info=True)
             return None
 
+    def _defer_settle(self, namespace: str, state: Any, through: Any) -> None:
+        """Queue a reply's settle for when the model is idle (called on the model thread)."""
+        if self.canonical_chunk and self.pool.max_bytes:  # a pool of 0 bytes: no reuse, nothing to settle for
+            self._unsettled.append((namespace, state, through))
+
+    def _settle_idle(self) -> None:
+        """Settle the waiting replies, newest first, while no request waits. Each first waits ``SETTLE_GRACE``
+        for a request: one sent as soon as a reply ends (the chat's next turn, or another chat) runs first
+        instead of waiting for a settle, which is one forward. It then re-feeds those tokens itself, in the
+        same canonical chunks, so only who pays for them changes; the settle is retried after the next job."""
+        while self._unsettled:
+            namespace, state, _ = self._unsettled[-1]
+            if not self.pool.holds(namespace, state):  # the chat went on (or was evicted): nothing to settle
+                self._unsettled.pop()
+                continue
+            self._arrived.clear()  # before reading _pending: a submit after this sets it again
+            if self._pending or self._arrived.wait(SETTLE_GRACE) or self._pending:
+                return
+            self._settle(*self._unsettled.pop())
+
     def _settle(self, namespace: str, state: Any, through: Any = None) -> None:
         """After a reply: recompute its decoded tokens in canonical chunks, so the next turn's pool hit
         re-feeds only the tail since the last cut (issue 23). Runs on the model thread between jobs; a
         failure here costs the next turn that re-feed, never an answer."""
-        if self._pending:  # another request waits: it re-feeds what it needs itself (the same chunks)
-            return
         try:
             session = Session(self.model, state=state, chunk_size=self.chunk_size,
                               canonical_chunk=self.canonical_chunk, canonical_marks=self.canonical_marks,
@@ -189,9 +217,9 @@ class Runner:
             raise BadRequest(f"invalid generation options: {exc}") from exc
         tokens = outcome.tokens[0].tolist()
         text, stopped = streamer.final(tokens)
-        if self.canonical_chunk and self.pool.max_bytes:  # queued behind the reply (a pool of 0 bytes: no reuse)
-            with contextlib.suppress(RuntimeError):  # the executor is shutting down: nothing to settle for
-                self._executor.submit(self._settle, job.namespace, outcome.state, self._through(job, text))
+        self._defer_settle(job.namespace, outcome.state, self._through(job, text))
+        with contextlib.suppress(RuntimeError):  # the executor is shutting down: nothing to settle for
+            self._executor.submit(self._settle_idle)
         finish = "stop" if stopped else outcome.finish_reason[0]
         k = job.request.logprobs
         logprobs = streamer.logprobs if k is None or streamer.complete else \
