@@ -92,6 +92,7 @@ class Runner:
         # replies whose settle waits for an idle model (``_settle_idle``); past 16 the oldest is dropped
         self._unsettled: deque[tuple[str, Any, Any]] = deque(maxlen=16)
         self._arrived = threading.Event()  # set by every submit: a settle waiting for its grace yields
+        self._closing = False
         self._lock = threading.Lock()
         self._stops: dict[tuple[str, ...], Any] = {}  # StopStringCriteria by stop strings (``_stop_criterion``)
 
@@ -161,10 +162,15 @@ class Runner:
             if not self.pool.holds(namespace, state):  # the chat went on (or was evicted): nothing to settle
                 self._unsettled.pop()
                 continue
-            self._arrived.clear()  # before reading _pending: a submit after this sets it again
-            if self._pending or self._arrived.wait(SETTLE_GRACE) or self._pending:
+            if not self._idle_for(SETTLE_GRACE):
                 return
             self._settle(*self._unsettled.pop())
+
+    def _idle_for(self, seconds: float) -> bool:
+        """Whether no request arrives (and the runner is not closing) within ``seconds``."""
+        self._arrived.clear()  # before reading the flags: a submit or close after this sets it again
+        busy = lambda: self._pending or self._closing  # noqa: E731
+        return not (busy() or self._arrived.wait(seconds) or busy())
 
     def _settle(self, namespace: str, state: Any, through: Any = None) -> None:
         """After a reply: recompute its decoded tokens in canonical chunks, so the next turn's pool hit
@@ -189,6 +195,8 @@ class Runner:
         with self._lock:
             for job in self._jobs:
                 job.cancelled.set()
+            self._closing = True
+        self._arrived.set()  # a settle waiting for its grace returns, and no other starts
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _run(self, job: Job) -> Result:
