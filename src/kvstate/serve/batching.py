@@ -179,7 +179,7 @@ class BatchRunner(Runner):
         finish = "stop" if stopped else completion.finish_reason
         if completion.state is not None:
             self.pool.put(job.namespace, completion.state)
-            self._defer_settle(job.namespace, completion.state, self._through(job, text))
+            self._defer_settle(job, completion.state, text)
         k = job.request.logprobs
         logprobs = active.streamer.logprobs if k is None or active.streamer.complete else build(
             tokens, lambda i: (completion.logprobs[i], completion.top_logprobs[i]), self.tokenizer, text)

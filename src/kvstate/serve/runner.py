@@ -147,10 +147,10 @@ class Runner:
             logging.getLogger("kvstate.serve").warning("rendering the next turn's history failed", exc_info=True)
             return None
 
-    def _defer_settle(self, namespace: str, state: Any, through: Any) -> None:
-        """Queue a reply's settle for when the model is idle (called on the model thread)."""
+    def _defer_settle(self, job: Job, state: Any, text: str) -> None:
+        """Queue the settle of ``job``'s reply ``text`` (its state ``state``) for when the model is idle."""
         if self.canonical_chunk and self.pool.max_bytes:  # a pool of 0 bytes: no reuse, nothing to settle for
-            self._unsettled.append((namespace, state, through))
+            self._unsettled.append((job.namespace, state, self._through(job, text)))
 
     def _settle_idle(self) -> None:
         """Settle the waiting replies, newest first, while no request waits. Each first waits ``SETTLE_GRACE``
@@ -169,8 +169,10 @@ class Runner:
     def _idle_for(self, seconds: float) -> bool:
         """Whether no request arrives (and the runner is not closing) within ``seconds``."""
         self._arrived.clear()  # before reading the flags: a submit or close after this sets it again
-        busy = lambda: self._pending or self._closing  # noqa: E731
-        return not (busy() or self._arrived.wait(seconds) or busy())
+        return not (self._busy() or self._arrived.wait(seconds) or self._busy())
+
+    def _busy(self) -> bool:
+        return bool(self._pending) or self._closing
 
     def _settle(self, namespace: str, state: Any, through: Any = None) -> None:
         """After a reply: recompute its decoded tokens in canonical chunks, so the next turn's pool hit
@@ -225,7 +227,7 @@ class Runner:
             raise BadRequest(f"invalid generation options: {exc}") from exc
         tokens = outcome.tokens[0].tolist()
         text, stopped = streamer.final(tokens)
-        self._defer_settle(job.namespace, outcome.state, self._through(job, text))
+        self._defer_settle(job, outcome.state, text)
         with contextlib.suppress(RuntimeError):  # the executor is shutting down: nothing to settle for
             self._executor.submit(self._settle_idle)
         finish = "stop" if stopped else outcome.finish_reason[0]
