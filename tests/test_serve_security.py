@@ -139,15 +139,17 @@ def test_unknown_routes_get_openai_errors_and_few_metric_labels(tiny):
     assert "xxxx" not in metrics and "yyyy" not in metrics and 'endpoint="unmatched",status="404"' in metrics
 
 
-def test_options_transformers_rejects_late_are_a_400_and_commit_nothing(tiny):
+# transformers refuses these only when generate builds its processors and criteria: a logit bias on token 500,
+# outside the tiny vocabulary, and a stop string no token of the tokenizer spells (found by schemathesis)
+@pytest.mark.parametrize("option", [{"logit_bias": {"500": 5}}, {"stop": ["\u2603"]}], ids=["logit_bias", "stop"])
+def test_options_transformers_rejects_late_are_a_400_and_commit_nothing(tiny, option):
     server = make_server(*tiny)
     with live(server) as url:
         chat_turn(client(url), HI, stream=False)
         server.runner.drain()  # the reply's settled state joins the pool after the reply; then nothing more may
         pooled = list(server.pool._states.values())
-        # token 500 is outside the tiny vocabulary: transformers refuses the bias when it builds its processors
         request = {"model": MODEL, "messages": [*HI, {"role": "user", "content": "More"}], "max_tokens": 2,
-                   "logit_bias": {"500": 5}}
+                   **option}
         status, body = _post(url, "/v1/chat/completions", json.dumps(request).encode())
         assert status == 400 and body["error"]["message"].startswith("invalid generation options")
         host, port = url.removeprefix("http://").split(":")

@@ -213,8 +213,11 @@ class Runner:
                           _fingerprint=self.fingerprint)
         streamer = _Streamer(self.tokenizer, job)
         options = dict(job.request.options)
-        if "stop_strings" in options:
-            options["stopping_criteria"] = [self._stop_criterion(tuple(options.pop("stop_strings")))]
+        if "stop_strings" in options:  # generate(stop_strings=...) refuses the same strings (no token spells one)
+            try:
+                options["stopping_criteria"] = [self._stop_criterion(tuple(options.pop("stop_strings")))]
+            except ValueError as exc:
+                raise BadRequest(f"invalid generation options: {exc}") from exc
         if job.request.seed is not None:
             torch.manual_seed(job.request.seed)
         try:
