@@ -270,3 +270,27 @@ def test_a_request_sent_while_a_settle_waits_runs_first_and_the_settle_is_kept(m
             assert answer == reference(model, tokenizer, prompt.ids, 8)
             assert prompt.ids[:len(settled)] == settled and cached == len(settled), (name, cached, len(settled))
     server.close()
+
+
+def test_a_waiting_settle_lets_go_of_a_state_the_pool_evicted(monkeypatch):
+    """A settle kept for later holds its state only while the pool does: once the pool evicts it, the runner drops
+    it too, so waiting settles never keep K/V past the pool's byte budget."""
+    from tests.serving import chat_turn, client, live, make_server
+
+    from kvstate.serve import runner
+    from kvstate.serve.cli import load
+
+    monkeypatch.setattr(runner, "SETTLE_GRACE", 60.0)  # no settle runs during the test
+    model, tokenizer = load("tiny:llama")
+    server = make_server(model, tokenizer)
+    with live(server) as url:
+        api = client(url)
+        chat_turn(api, [{"role": "user", "content": "I am Ada."}], stream=False, max_tokens=8)
+        namespace, ada, _ = server.runner._unsettled[-1]
+        server.pool.max_bytes = ada.nbytes * 3 // 2  # room for one such state: the next reply evicts Ada's
+        chat_turn(api, [{"role": "user", "content": "I am Ben."}], stream=False, max_tokens=8)
+        ben = server.runner._unsettled[-1][1]
+        assert server.pool.holds(namespace, ben) and not server.pool.holds(namespace, ada)
+        server.runner._arrived.set()  # end the wait; then the runner's own pass drops what the pool let go
+        server.runner._executor.submit(server.runner._forget_unpooled).result()
+        assert len(server.runner._unsettled) == 1 and server.runner._unsettled[0][1] is ben

@@ -157,14 +157,18 @@ class Runner:
         for a request: one sent as soon as a reply ends (the chat's next turn, or another chat) runs first
         instead of waiting for a settle, which is one forward. It then re-feeds those tokens itself, in the
         same canonical chunks, so only who pays for them changes; the settle is retried after the next job."""
-        while self._unsettled:
-            namespace, state, _ = self._unsettled[-1]
-            if not self.pool.holds(namespace, state):  # the chat went on (or was evicted): nothing to settle
-                self._unsettled.pop()
-                continue
-            if not self._idle_for(SETTLE_GRACE):
+        while True:
+            self._forget_unpooled()
+            if not self._unsettled or not self._idle_for(SETTLE_GRACE):
                 return
             self._settle(*self._unsettled.pop())
+
+    def _forget_unpooled(self) -> None:
+        """Drop the waiting settles of states the pool no longer holds: their chat went on (a newer state covers
+        them) or the pool evicted them, and holding them here would keep their K/V past the pool's budget."""
+        held = [entry for entry in self._unsettled if self.pool.holds(entry[0], entry[1])]
+        self._unsettled.clear()
+        self._unsettled.extend(held)
 
     def _idle_for(self, seconds: float) -> bool:
         """Whether no request arrives (and the runner is not closing) within ``seconds``."""
