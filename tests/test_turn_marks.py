@@ -274,13 +274,14 @@ def test_a_request_sent_while_a_settle_waits_runs_first_and_the_settle_is_kept(m
 
 def test_a_waiting_settle_lets_go_of_a_state_the_pool_evicted(monkeypatch):
     """A settle kept for later holds its state only while the pool does: once the pool evicts it, the runner drops
-    it too, so waiting settles never keep K/V past the pool's byte budget."""
+    it too (``_forget_unpooled``, before every settling pass), so waiting settles never keep K/V past the pool's
+    byte budget."""
     from tests.serving import chat_turn, client, live, make_server
 
-    from kvstate.serve import runner
     from kvstate.serve.cli import load
+    from kvstate.serve.runner import Runner
 
-    monkeypatch.setattr(runner, "SETTLE_GRACE", 60.0)  # no settle runs during the test
+    monkeypatch.setattr(Runner, "_settle_idle", lambda self: None)  # the settles wait; nothing races the checks
     model, tokenizer = load("tiny:llama")
     server = make_server(model, tokenizer)
     with live(server) as url:
@@ -290,7 +291,7 @@ def test_a_waiting_settle_lets_go_of_a_state_the_pool_evicted(monkeypatch):
         server.pool.max_bytes = ada.nbytes * 3 // 2  # room for one such state: the next reply evicts Ada's
         chat_turn(api, [{"role": "user", "content": "I am Ben."}], stream=False, max_tokens=8)
         ben = server.runner._unsettled[-1][1]
+        assert len(server.runner._unsettled) == 2
         assert server.pool.holds(namespace, ben) and not server.pool.holds(namespace, ada)
-        server.runner._arrived.set()  # end the wait; then the runner's own pass drops what the pool let go
-        server.runner._executor.submit(server.runner._forget_unpooled).result()
+        server.runner._executor.submit(server.runner._forget_unpooled).result()  # on the model thread, as it runs
         assert len(server.runner._unsettled) == 1 and server.runner._unsettled[0][1] is ben
