@@ -41,9 +41,10 @@ import torch
 Spans = Sequence[tuple[int, int]]
 Ids = torch.Tensor | Sequence[int] | None
 MIN_SEGMENT = 8  # a mark closer than this to the previous segment start (a BOS before it) starts none
-# The default C, measured in bench/bench_canonical.py (docs/exactness.md, "Choosing C"). Cutting at positions, a
-# resume re-feeds the tail since the last multiple of C (so C is small) and a cold prefill pays for small chunks (so
-# not too small). With turn marks a turn starts on a cut, so C only needs to hold a turn: up to C tokens, one forward.
+# The default C, measured in bench/bench_canonical.py (docs/exactness.md, "Settings and the opt-out"). Cutting at
+# positions, a resume re-feeds the tail since the last multiple of C (so C is small) and a cold prefill pays for small
+# chunks (so not too small). With turn marks a turn starts on a cut, so C only needs to hold a turn: up to C tokens,
+# one forward.
 POSITION_CHUNK = 64
 MARKED_CHUNK = 256
 

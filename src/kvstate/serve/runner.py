@@ -217,14 +217,11 @@ class Runner:
                           _fingerprint=self.fingerprint)
         streamer = _Streamer(self.tokenizer, job)
         options = dict(job.request.options)
-        if "stop_strings" in options:  # generate(stop_strings=...) refuses the same strings (no token spells one)
-            try:
-                options["stopping_criteria"] = [self._stop_criterion(tuple(options.pop("stop_strings")))]
-            except ValueError as exc:
-                raise BadRequest(f"invalid generation options: {exc}") from exc
         if job.request.seed is not None:
             torch.manual_seed(job.request.seed)
         try:
+            if "stop_strings" in options:  # refused as generate(stop_strings=...) would: no token spells one
+                options["stopping_criteria"] = [self._stop_criterion(tuple(options.pop("stop_strings")))]
             outcome = session.run(ids, streamer=streamer, **options, **job.inputs)
         except (ValueError, TypeError) as exc:
             if streamer.tokens:  # a failure mid-answer is the server's, not the request's
