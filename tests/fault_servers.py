@@ -1,8 +1,8 @@
 """OpenAI-compatible test servers with a real prefix cache over a tiny real model, each planting one fault.
 
 Independent of kvstate's own serving code, so ``verify --against`` is tested against servers it did
-not produce. The engine is a block cache like vLLM's: a prompt is prefilled in 64-token chunks
-aligned to multiples of 64, a hit reuses a multiple of 64 slots of the entry sharing the longest
+not produce. The engine is a block cache like vLLM's: a prompt is prefilled in 32-token chunks
+aligned to multiples of 32, a hit reuses a multiple of 32 slots of the entry sharing the longest
 prefix, and what is left is fed in the same aligned chunks, so a correct hit is bitwise the cold
 run. Images become 64 tokens derived from their bytes (a discrete image tokenizer), which the
 entries' keys hold. ``FAULTS`` each break one rule:
@@ -34,7 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from tests.serving import uvicorn_app
 
 FAULTS = ("refeed-last", "drop-last", "stale-key", "media-key", "leak", "shift-positions")
-BLOCK, KEY_TOKENS, IMAGE_TOKENS, PLACEHOLDER = 64, 48, 64, 3
+BLOCK, KEY_TOKENS, IMAGE_TOKENS, PLACEHOLDER = 32, 48, 64, 3
 
 
 def tiny_llama() -> tuple[Any, Any]:
