@@ -1,7 +1,7 @@
 """Every contact with transformers internals lives in this package.
 
-``versions`` holds the tested window (checked on ``import kvstate``), ``core`` the cache,
-generation and model-side helpers, ``own_cache`` the models with a cache class of their own,
+``versions`` holds the tested window (checked on ``import kvstate``), ``core`` the cache and
+model-side helpers, ``generation`` the seams of ``generate``, ``own_cache`` the models with a cache class of their own,
 ``scan`` the Mamba selective scan, ``watch`` the attention listener that compression scores with,
 ``packed`` the batched decode forward and ``room`` its in-place appends (issue 25). ``core`` loads
 on first attribute access, so the version gate runs before torch or transformers import.
@@ -12,15 +12,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("core", "own_cache", "packed", "room", "scan", "versions", "watch")
+_SUBMODULES = ("core", "generation", "own_cache", "packed", "room", "scan", "versions", "watch")
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES or name.startswith("__"):  # let the import system load submodules itself
         raise AttributeError(name)
-    module = importlib.import_module(f"{__name__}.core")
-    if not hasattr(module, name):
-        module = importlib.import_module(f"{__name__}.own_cache")
+    for sub in ("core", "generation", "own_cache"):
+        module = importlib.import_module(f"{__name__}.{sub}")
+        if hasattr(module, name):
+            break
     value = getattr(module, name)
     globals()[name] = value
     return value

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._compat.core import own_thread
+from .._compat.generation import own_thread
 from ..adapters.binding import Runtime
 from ..errors import KVStateError
 
