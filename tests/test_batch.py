@@ -12,6 +12,7 @@ continued by a ``Session`` equals a cold ``Session`` bitwise.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from kvstate.errors import InputError
 from kvstate.selfcheck import bind
 from kvstate.testing.shrink import tiny_causal_lm
 from kvstate.testing.tiny import CONFIGS, IMAGE_TOKEN, RECURRENT, image_span, tiny_image
-from tiny import prompt, tiny_model
+from tiny import assert_same_state, prompt, tiny_model
 
 ROWS = 4  # the packed forward's tile: small, so batches of 1-16 cross several tiles (and keep a spare row)
 
@@ -65,9 +66,11 @@ def answered(completion) -> tuple:
     return completion.tokens, completion.logprobs, completion.top_logprobs
 
 
-def run_batched(model, requests, specs, max_batch: int, rows: int) -> dict[int, object]:
-    """Submit each request at its arrival step, cancel at its cancel step; completions by request index."""
-    scheduler = Scheduler(model, max_batch=max_batch, rows=rows)
+def run_batched(model, requests, specs, max_batch: int, rows: int, prefill_tokens: int | None = None
+                ) -> dict[int, object]:
+    """Submit each request at its arrival step, cancel at its cancel step; completions by request index.
+    With ``prefill_tokens``, histories longer than that are fed in pieces over several steps."""
+    scheduler = Scheduler(model, max_batch=max_batch, rows=rows, prefill_tokens=prefill_tokens)
     handles: dict[int, int] = {}
     done: dict[int, object] = {}
     step = 0
@@ -87,13 +90,14 @@ def run_batched(model, requests, specs, max_batch: int, rows: int) -> dict[int, 
 @settings(max_examples=15, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(specs=st.integers(1, 16).flatmap(lambda n: st.lists(REQUEST, min_size=n, max_size=n)),
-       max_batch=st.one_of(st.just(16), st.integers(1, 16)), rows=st.sampled_from([4, 16]))
+       max_batch=st.one_of(st.just(16), st.integers(1, 16)), rows=st.sampled_from([4, 16]),
+       prefill_tokens=st.one_of(st.none(), st.integers(1, 80)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_vl", "lfm2"])
-def test_a_batched_answer_is_the_answer_alone_bitwise(arch, dtype, specs, max_batch, rows):
+def test_a_batched_answer_is_the_answer_alone_bitwise(arch, dtype, specs, max_batch, rows, prefill_tokens):
     model = model_in(arch, dtype)
     requests = [request_of(arch, dtype, spec) for spec in specs]
-    batched = run_batched(model, requests, specs, max_batch, rows)
+    batched = run_batched(model, requests, specs, max_batch, rows, prefill_tokens)
     assert sorted(batched) == list(range(len(specs)))  # every request finished, cancelled or not
     for i, request in enumerate(requests):
         got = batched[i]
@@ -362,6 +366,55 @@ def test_a_prefill_budget_admits_a_burst_over_several_steps():
     assert running[:2] == [2, 4]  # 10 + 10 prompt tokens reach the budget of 15: two a step
     done = {e.handle: e.completion for e in events if isinstance(e, Done)}
     assert [answered(done[h]) for h in handles] == [answered(c) for c in generate_many(model, requests, rows=ROWS)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_a_long_history_is_fed_in_pieces_between_the_running_streams_steps(arch):
+    """prefill_tokens bounds a step's prefill for one long history too: it is fed up to cuts of the schedule
+    over several steps, the running streams take a token at every one of them, and its answer, state and
+    reused slots are those of a whole prefill (the same forwards, at other times)."""
+    model = model_in(arch, torch.float32)
+    settings = {"rows": ROWS, "canonical_chunk": 8}
+    short = [BatchRequest(prompt(3, seed=i)[0], max_new_tokens=14) for i in range(2)]
+    long = BatchRequest(prompt(61, seed=7)[0], max_new_tokens=4, top_logprobs=2)
+    scheduler = Scheduler(model, prefill_tokens=12, **settings)
+    handles = [scheduler.submit(r) for r in short]
+    scheduler.step()
+    late = scheduler.submit(long)
+    waited = 0
+    done = {}
+    while late not in done:
+        events = scheduler.step()
+        done |= {e.handle: e.completion for e in events if isinstance(e, Done)}
+        firsts = [e for e in events if isinstance(e, Token) and e.handle == late]
+        assert {e.handle for e in events if isinstance(e, Token)} >= set(handles), "a running stream waited"
+        waited += not firsts
+    assert waited >= 4  # 61 tokens at about 12 a step (cuts every 8)
+    done |= {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
+    alone = generate_many(model, [long], **settings)[0]
+    assert answered(done[late]) == answered(alone) and done[late].reused == alone.reused == 0
+    assert_same_state(done[late].prefilled, alone.prefilled)
+    cold = Session(model, canonical_chunk=8)
+    cold.generate(long.ids[None], max_new_tokens=1, do_sample=False)
+    # a generate's state keeps its own checkpoints (recurrent layers); every slot and logit is the same
+    assert_same_state(replace(done[late].prefilled, checkpoints=()), replace(cold.state, checkpoints=()))
+    for handle, request in zip(handles, short, strict=True):
+        assert answered(done[handle]) == answered(generate_many(model, [request], **settings)[0])
+
+
+def test_pieces_start_from_the_longest_prefix_a_source_holds_and_count_only_it_as_reused():
+    model = model_in("llama", torch.float32)
+    first = BatchRequest(prompt(40, seed=5)[0], max_new_tokens=3)
+    second = BatchRequest(torch.cat([prompt(40, seed=5)[0], prompt(30, seed=6)[0]]), max_new_tokens=3)
+    scheduler = Scheduler(model, rows=ROWS, canonical_chunk=8, prefill_tokens=10)
+    done = {}
+    for request in (first, second):
+        handle = scheduler.submit(request)
+        done[handle] = next(e.completion for e in scheduler.run() if isinstance(e, Done))
+    together, alone = done[1], generate_many(model, [second], rows=ROWS, canonical_chunk=8, share_prefixes=False)[0]
+    assert together.reused == 40 and alone.reused == 0  # the first prompt's canonical chunks, then its own pieces
+    assert answered(together) == answered(alone)
+    assert_same_state(together.prefilled, alone.prefilled)
 
 
 def test_sampling_truncations_behave_as_their_definitions():

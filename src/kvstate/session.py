@@ -266,6 +266,20 @@ class Session:
         self._commit(outcome.state, plan)
         return outcome
 
+    def take_prefix(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None) -> int:
+        """Make the state the longest prefix of the history ``input_ids`` ``[B, L]`` that ``run`` would
+        reuse (from this state or a source), feeding nothing; returns its length in slots.
+
+        For feeding a long history in pieces (``kvstate.batch`` interleaves them with decode steps):
+        ``extend`` up to cuts of the canonical schedule, then ``run`` on the whole history. Each forward
+        is one that a single ``run`` makes, and ``run`` reuses only canonical slots at a cut, so the
+        answer is bitwise the single ``run``'s however the pieces went.
+        """
+        request = self._validate(input_ids, attention_mask, {})
+        plan = self._plan(request)
+        self._commit(plan.start, plan)  # type: ignore[arg-type]
+        return plan.start.tokens_seen  # type: ignore[union-attr]
+
     def settle(self, through: IdsLike | None = None) -> int:
         """Recompute, in canonical chunks, the slots a resume would feed again: the decoded answer up to
         the state's last cut (issue 23). Returns how many slots were fed (0: nothing to do, or not

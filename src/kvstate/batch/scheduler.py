@@ -6,7 +6,11 @@ than ``max_batch`` run, then runs one decode step for every running stream:
 
 * **admission** prefills the request's whole history through ``Session.run`` (the canonical
   schedule, its prefix sources, media, validation: the same forwards a ``Session`` runs), so the
-  prefilled ``State`` is ``Session``'s bit for bit, and picks the first token from its logits;
+  prefilled ``State`` is ``Session``'s bit for bit, and picks the first token from its logits. With
+  ``prefill_tokens``, a history longer than that is fed in pieces that end at cuts of the schedule,
+  about ``prefill_tokens`` tokens a step (``Session.take_prefix``, ``extend``, then ``run``): the
+  same forwards, spread over steps, so one long prompt never holds the running streams for its
+  whole prefill;
 * **a decode step** feeds every stream's last token in one packed forward (attention-only
   families) or one forward per stream (the rest; ``kvstate.engine.decode``) and picks each
   stream's next token with its own ``Sampler``.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -37,7 +41,7 @@ from ..errors import InputError
 from ..options import end_ids
 from ..protocols import PrefixCache
 from ..request import check_marks
-from ..schedule import default_chunk
+from ..schedule import Canonical, default_chunk
 from ..state import State
 from .prefixes import RecentPrompts
 from .sampling import Choice, Processor, Sampler, Sampling
@@ -125,6 +129,9 @@ class _Job:
         self.decoder: Packed | Single | None = None
         self.prefilled: State | None = None
         self.reused = 0
+        self.session: Any = None  # a history fed in pieces: its Session, the ids [1, L], the cuts left
+        self.ids: torch.Tensor | None = None
+        self.cuts: deque[int] = deque()
 
 
 class Scheduler:
@@ -137,9 +144,10 @@ class Scheduler:
             products run ``rows`` rows at a time. Answers are the same for any batch under one ``rows``.
         invariant: False packs exactly the running rows with plain kernels (faster when few streams
             run; a row's bits then depend on its batch). For measuring the invariance tax.
-        prefill_tokens: a step admits prompts until this many prompt tokens were admitted (one prompt at
-            least), so the running streams' next tokens never wait for a whole burst of prefills; None:
-            admit every request that fits.
+        prefill_tokens: a step feeds about this many prompt tokens (one canonical chunk at least): it
+            admits prompts until that many were admitted, and a longer history is fed in pieces over
+            several steps, so the running streams' next tokens never wait for a burst of prefills or one
+            long prefill. None: admit every request that fits, each history whole.
         share_prefixes: a prompt resumes from the longest prefix it shares with the last ``max_batch``
             admitted prompts (``kvstate.batch.prefixes``; bitwise the cold answer). A server whose
             requests belong to different keys turns it off and uses one pool namespace per key.
@@ -170,6 +178,7 @@ class Scheduler:
                                                         marks=self.canonical_marks))
         self._handles = itertools.count()
         self._waiting: deque[_Job] = deque()
+        self._feeding: deque[_Job] = deque()  # admitted; their histories are fed in pieces (FIFO)
         self._running: list[_Job] = []
         self._cancelled: set[int] = set()
         self._stopping: set[int] = set()
@@ -177,7 +186,7 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """Requests wait or run."""
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._feeding or self._running)
 
     @property
     def running(self) -> int:
@@ -215,10 +224,11 @@ class Scheduler:
 
     def abort(self) -> list[int]:
         """Drop every waiting and running request without events (after a failed step); their handles."""
-        jobs = [*self._waiting, *self._running]
+        jobs = [*self._waiting, *self._feeding, *self._running]
         for job in self._running:
             job.decoder.close(job.stream)  # type: ignore[union-attr, arg-type]
         self._waiting.clear()
+        self._feeding.clear()
         self._running.clear()
         return [job.handle for job in jobs]
 
@@ -234,13 +244,26 @@ class Scheduler:
     def stepping(self) -> Iterator[Event]:
         """``step``, yielding each event as soon as it happens (a first token right after its prefill)."""
         yield from self._ends()
-        admitted = 0  # prompt tokens admitted in this step
-        while self._waiting and len(self._running) < self.max_batch and self._room(admitted):
+        spent = 0  # prompt tokens fed in this step
+        for job in list(self._feeding):
+            if not self._room(spent):
+                break
+            spent += yield from self._feed(job, spent)
+        while self._waiting and len(self._running) + len(self._feeding) < self.max_batch and self._room(spent):
             job = self._waiting.popleft()
-            admitted += torch.as_tensor(job.request.ids).shape[-1]
+            try:
+                pieces = self._pieces(job, spent)
+            except Exception as exc:  # the request's own input failed: the batch goes on without it
+                yield Failed(job.handle, exc)
+                continue
+            if pieces:
+                self._feeding.append(job)
+                spent += yield from self._feed(job, spent)
+                continue
+            spent += torch.as_tensor(job.request.ids).shape[-1]
             try:
                 choice = self._admit(job)
-            except Exception as exc:  # the request's own input failed: the batch goes on without it
+            except Exception as exc:
                 yield Failed(job.handle, exc)
                 continue
             yield from self._took(job, choice)
@@ -253,9 +276,55 @@ class Scheduler:
                 yield from events
 
     # ----- internals -----------------------------------------------------------------------------
-    def _room(self, admitted: int) -> bool:
-        """Whether this step may admit another prompt after ``admitted`` prompt tokens."""
-        return self.prefill_tokens is None or admitted == 0 or admitted < self.prefill_tokens
+    def _room(self, spent: int) -> bool:
+        """Whether this step may feed more prompt tokens after ``spent``."""
+        return self.prefill_tokens is None or spent == 0 or spent < self.prefill_tokens
+
+    def _session(self, request: BatchRequest) -> Any:
+        from ..session import Session
+
+        return Session(self.model, state=request.state, sources=(*request.sources, *self.sources),
+                       chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
+                       canonical_marks=self.canonical_marks, _fingerprint=self.fingerprint)
+
+    def _pieces(self, job: _Job, spent: int) -> bool:
+        """Whether ``job``'s history is fed in pieces: longer than this step may feed, text only, under a
+        canonical schedule a family follows. Then its session takes the longest prefix a source holds,
+        and ``job.cuts`` are the schedule's cuts after it (``Session.take_prefix``)."""
+        request, budget = job.request, self.prefill_tokens
+        ids = torch.as_tensor(request.ids, dtype=torch.long).reshape(1, -1)
+        if budget is None or ids.shape[1] <= budget - spent or request.inputs or not self.canonical_chunk \
+                or self.engine.binding.caps.stepwise:
+            return False
+        job.session, job.ids = self._session(request), ids.to(next(self.model.parameters()).device)
+        job.reused = job.session.take_prefix(job.ids)
+        schedule = Canonical(self.canonical_chunk, marks=self.canonical_marks)
+        job.cuts = deque(schedule.cuts(job.reused, ids.shape[1], (), job.ids[0])[:-1])
+        return True
+
+    def _feed(self, job: _Job, spent: int) -> Generator[Event, None, int]:
+        """Feed ``job``'s next piece (one cut at least, then every cut within this step's tokens), or, when
+        the rest fits or no cut is left, run its history to the first token. Returns the tokens fed."""
+        session, ids = job.session, job.ids
+        assert session is not None and ids is not None
+        T, L = session.state.tokens_seen, ids.shape[1]
+        left = (self.prefill_tokens or L) - spent
+        try:
+            if job.cuts and left < L - T:
+                end = job.cuts.popleft()
+                while job.cuts and job.cuts[0] - T <= left:
+                    end = job.cuts.popleft()
+                session.extend(ids[:, T:end])
+                return end - T
+            self._feeding.remove(job)
+            choice = self._first(job, session, ids)
+        except Exception as exc:  # a failed piece commits nothing of the request; the batch goes on
+            if job in self._feeding:
+                self._feeding.remove(job)
+            yield Failed(job.handle, exc)
+            return 0
+        yield from self._took(job, choice)
+        return L - T
 
     def _decode(self, decoder: Packed | Single, jobs: list[_Job]) -> list[torch.Tensor]:
         """One decode step of ``jobs``; a model that refuses its first packed forward decodes them one per
@@ -270,16 +339,16 @@ class Scheduler:
 
     def _admit(self, job: _Job) -> Choice:
         """Prefill ``job``'s history as ``Session`` does; the first token from the prompt's logits."""
-        from ..session import Session
+        ids = torch.as_tensor(job.request.ids, dtype=torch.long)
+        return self._first(job, self._session(job.request), ids[None] if ids.dim() == 1 else ids)
 
+    def _first(self, job: _Job, session: Any, ids: torch.Tensor) -> Choice:
+        """``session.run`` over the whole history ``ids`` ``[1, L]``; the job starts decoding from its state.
+        After pieces, ``job.reused`` keeps what a source held before them (the pieces are this request's)."""
         request = job.request
-        ids = torch.as_tensor(request.ids, dtype=torch.long)
-        ids = ids[None] if ids.dim() == 1 else ids
-        session = Session(self.model, state=request.state, sources=(*request.sources, *self.sources),
-                          chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
-                          canonical_marks=self.canonical_marks, _fingerprint=self.fingerprint)
         outcome = session.run(ids, max_new_tokens=1, do_sample=False, **dict(request.inputs))
-        job.prefilled, job.reused = outcome.prefilled, outcome.reused
+        job.prefilled = outcome.prefilled
+        job.reused = job.reused if job.session is not None else outcome.reused
         job.stream = Stream(outcome.prefilled, room=request.max_new_tokens)
         packs = self._packed.usable and packable(self.engine, outcome.prefilled)
         job.decoder = self._packed if packs else self._single
@@ -310,9 +379,10 @@ class Scheduler:
 
     def _ends(self) -> Iterator[Done]:
         """``Done`` for the requests cancelled or stopped since the last step."""
-        for job in [j for j in self._waiting if j.handle in self._cancelled | self._stopping]:
-            self._waiting.remove(job)
-            yield Done(job.handle, Completion((), (), (), "cancelled", None, None, 0))
+        for queue in (self._waiting, self._feeding):
+            for job in [j for j in queue if j.handle in self._cancelled | self._stopping]:
+                queue.remove(job)
+                yield Done(job.handle, Completion((), (), (), "cancelled", None, None, 0))
         for job in [j for j in self._running if j.handle in self._cancelled | self._stopping]:
             yield self._finish(job, "cancelled" if job.handle in self._cancelled else "stop")
         self._cancelled.clear()
