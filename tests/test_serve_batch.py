@@ -121,6 +121,33 @@ def ask_alone(model, tokenizer) -> str:
     return reference(model, tokenizer, Renderer(tokenizer).chat(messages).ids, 12)
 
 
+def test_a_long_prompt_fed_in_pieces_answers_as_a_whole_prefill_and_resumes(tiny):
+    """A step feeds about chunk_size prompt tokens: a history longer than that is fed in pieces between the
+    running answer's steps. Every answer is plain generate's, and the next turn reuses the pieced prompt."""
+    model, tokenizer = tiny
+    server = make_server(model, tokenizer, max_batch=4, chunk_size=24)
+    words = " ".join(f"{TOPICS[i % len(TOPICS)]} {i}" for i in range(40))
+    messages = [{"role": "user", "content": f"Summarize: {words}."}]
+    renderer = Renderer(tokenizer)
+    assert len(renderer.chat(messages).ids) > 4 * 24  # several pieces
+    with live(server) as url:
+        talk = client(url).chat.completions.create(model="tiny:llama", messages=[{"role": "user", "content": "Talk."}],
+                                                   max_tokens=40, temperature=0, stream=True)
+        first = next(iter(talk))  # running
+        api = client(url)
+        long = api.chat.completions.create(model="tiny:llama", messages=messages, max_tokens=8, temperature=0)
+        streamed = (first.choices[0].delta.content or "") + "".join(c.choices[0].delta.content or "" for c in talk
+                                                                      if c.choices)
+        messages += [{"role": "assistant", "content": long.choices[0].message.content},
+                     {"role": "user", "content": "Shorter?"}]
+        again = api.chat.completions.create(model="tiny:llama", messages=messages, max_tokens=8, temperature=0)
+    assert long.choices[0].message.content == reference(model, tokenizer, renderer.chat(messages[:1]).ids, 8)
+    assert streamed == reference(model, tokenizer, renderer.chat([{"role": "user", "content": "Talk."}]).ids, 40)
+    assert long.usage.prompt_tokens_details.cached_tokens == 0  # the pieces are this request's own work
+    assert again.usage.prompt_tokens_details.cached_tokens > 4 * 24
+    assert again.choices[0].message.content == reference(model, tokenizer, renderer.chat(messages).ids, 8)
+
+
 def test_concurrent_requests_share_a_system_prompt_computed_once(tiny):
     model, tokenizer = tiny
     server = make_server(model, tokenizer, max_batch=4)
