@@ -66,11 +66,12 @@ def answered(completion) -> tuple:
     return completion.tokens, completion.logprobs, completion.top_logprobs
 
 
-def run_batched(model, requests, specs, max_batch: int, rows: int, prefill_tokens: int | None = None
-                ) -> dict[int, object]:
+def run_batched(model, requests, specs, max_batch: int, rows: int, prefill_tokens: int | None = None,
+                canonical_chunk: int | None = None) -> dict[int, object]:
     """Submit each request at its arrival step, cancel at its cancel step; completions by request index.
     With ``prefill_tokens``, histories longer than that are fed in pieces over several steps."""
-    scheduler = Scheduler(model, max_batch=max_batch, rows=rows, prefill_tokens=prefill_tokens)
+    scheduler = Scheduler(model, max_batch=max_batch, rows=rows, prefill_tokens=prefill_tokens,
+                          canonical_chunk=canonical_chunk)
     handles: dict[int, int] = {}
     done: dict[int, object] = {}
     step = 0
@@ -91,17 +92,17 @@ def run_batched(model, requests, specs, max_batch: int, rows: int, prefill_token
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(specs=st.integers(1, 16).flatmap(lambda n: st.lists(REQUEST, min_size=n, max_size=n)),
        max_batch=st.one_of(st.just(16), st.integers(1, 16)), rows=st.sampled_from([4, 16]),
-       prefill_tokens=st.one_of(st.none(), st.integers(1, 80)))
+       prefill_tokens=st.one_of(st.none(), st.integers(1, 80)), chunk=st.sampled_from([None, 8, 24]))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_vl", "lfm2"])
-def test_a_batched_answer_is_the_answer_alone_bitwise(arch, dtype, specs, max_batch, rows, prefill_tokens):
+def test_a_batched_answer_is_the_answer_alone_bitwise(arch, dtype, specs, max_batch, rows, prefill_tokens, chunk):
     model = model_in(arch, dtype)
     requests = [request_of(arch, dtype, spec) for spec in specs]
-    batched = run_batched(model, requests, specs, max_batch, rows, prefill_tokens)
+    batched = run_batched(model, requests, specs, max_batch, rows, prefill_tokens, chunk)
     assert sorted(batched) == list(range(len(specs)))  # every request finished, cancelled or not
     for i, request in enumerate(requests):
         got = batched[i]
-        alone = generate_many(model, [request], rows=rows)[0]
+        alone = generate_many(model, [request], rows=rows, canonical_chunk=chunk)[0]  # one whole prefill
         if got.finish_reason == "cancelled":  # what it streamed before the cancel is the start of its answer
             assert answered(got) == tuple(x[:len(got.tokens)] for x in answered(alone)), f"request {i}"
             continue
@@ -400,6 +401,21 @@ def test_a_long_history_is_fed_in_pieces_between_the_running_streams_steps(arch)
     assert_same_state(replace(done[late].prefilled, checkpoints=()), replace(cold.state, checkpoints=()))
     for handle, request in zip(handles, short, strict=True):
         assert answered(done[handle]) == answered(generate_many(model, [request], **settings)[0])
+
+
+def test_a_history_cancelled_between_its_pieces_leaves_nothing_behind():
+    model = model_in("llama", torch.float32)
+    scheduler = Scheduler(model, rows=ROWS, canonical_chunk=8, prefill_tokens=8)
+    handle = scheduler.submit(BatchRequest(prompt(60, seed=9)[0], max_new_tokens=3))
+    assert scheduler.step() == [] and scheduler.step() == [] and scheduler.busy  # two pieces fed, no token yet
+    scheduler.cancel(handle)
+    (done,) = scheduler.step()
+    assert isinstance(done, Done) and done.completion.finish_reason == "cancelled" and done.completion.state is None
+    assert not scheduler.busy
+    after = BatchRequest(prompt(20, seed=10)[0], max_new_tokens=3)
+    late = scheduler.submit(after)
+    got = next(e.completion for e in scheduler.run() if isinstance(e, Done) and e.handle == late)
+    assert answered(got) == answered(generate_many(model, [after], rows=ROWS, canonical_chunk=8)[0])
 
 
 def test_pieces_start_from_the_longest_prefix_a_source_holds_and_count_only_it_as_reused():
