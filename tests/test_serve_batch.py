@@ -122,10 +122,10 @@ def ask_alone(model, tokenizer) -> str:
 
 
 def test_a_long_prompt_fed_in_pieces_answers_as_a_whole_prefill_and_resumes(tiny):
-    """A step feeds about chunk_size prompt tokens: a history longer than that is fed in pieces between the
+    """A step feeds about --prefill-per-step prompt tokens: a history longer than that is fed in pieces between the
     running answer's steps. Every answer is plain generate's, and the next turn reuses the pieced prompt."""
     model, tokenizer = tiny
-    server = make_server(model, tokenizer, max_batch=4, chunk_size=24)
+    server = make_server(model, tokenizer, max_batch=4, prefill_per_step=24)
     words = " ".join(f"{TOPICS[i % len(TOPICS)]} {i}" for i in range(40))
     messages = [{"role": "user", "content": f"Summarize: {words}."}]
     renderer = Renderer(tokenizer)

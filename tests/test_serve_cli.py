@@ -42,7 +42,8 @@ def _start(port: int, store: str, *extra: str) -> subprocess.Popen:
 
 
 
-@pytest.mark.parametrize("extra", [(), ("--max-batch", "4")], ids=["one-at-a-time", "batched"])
+@pytest.mark.parametrize("extra", [(), ("--max-batch", "4", "--prefill-per-step", "8")],  # batched: in pieces
+                         ids=["one-at-a-time", "batched"])
 def test_process_restart_on_a_folder_store_resumes_the_conversation(tmp_path, extra):
     model, tokenizer = load("tiny:llama")
     renderer, store, messages = Renderer(tokenizer), str(tmp_path / "store"), []

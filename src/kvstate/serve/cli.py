@@ -41,6 +41,10 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
     s.add_argument("--max-batch", type=positive, default=1, metavar="N",
                    help="requests that decode together in one forward, each answer bit for bit what it gets alone "
                    "(default 1: one request at a time, as before)")
+    s.add_argument("--prefill-per-step", type=positive, default=512, metavar="TOKENS",
+                   help="with --max-batch: prompt tokens a step feeds between decode steps, about (one canonical "
+                   "chunk at least). A burst of prompts and a long history are spread over steps, so running "
+                   "answers keep streaming; smaller: shorter stalls, slower first tokens (default 512)")
     s.add_argument("--batch-invariance", choices=["on", "off"], default="on",
                    help="on (default): batched forwards run in fixed 16-row tiles, so an answer never depends on "
                    "the other requests; off: plain kernels, for measuring what that costs (docs/batching.md)")
@@ -78,6 +82,7 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
                         max_queue=args.max_queue, pool_bytes=args.pool_bytes,
                         store_chunk_tokens=args.store_chunk_tokens, canonical_chunk=args.canonical_chunk,
                         turn_marks=not args.no_turn_marks, max_batch=args.max_batch,
+                        prefill_per_step=args.prefill_per_step,
                         batch_invariant=args.batch_invariance == "on",
                         reuse=not args.no_reuse)
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)

@@ -32,6 +32,7 @@ class Settings:
     canonical_chunk: int | None = None  # the schedule's C (kvstate.schedule.default_chunk); 0 turns it off
     turn_marks: bool = True  # cut the schedule where the chat template starts a user turn (kvstate.schedule)
     max_batch: int = 1  # > 1: requests decode together (kvstate.serve.batching, issue 25)
+    prefill_per_step: int = 512  # batched: prompt tokens a step feeds, about (kvstate.batch.Scheduler.prefill_tokens)
     batch_invariant: bool = True  # False: plain kernels in the batched forward (measures the invariance tax)
     reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
 
@@ -69,7 +70,8 @@ class Server:
             from .batching import BatchRunner
 
             self.runner: Runner = BatchRunner(*args, max_batch=settings.max_batch,
-                                              invariant=settings.batch_invariant, **turns)
+                                              invariant=settings.batch_invariant,
+                                              prefill_tokens=settings.prefill_per_step, **turns)
         else:
             self.runner = Runner(*args, **turns)
         self.started = int(time.time())
