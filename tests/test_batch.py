@@ -189,12 +189,14 @@ def test_a_shared_system_prompt_is_computed_once_and_answers_stay_cold(dtype):
                                                                                                       together))
 
 
-def test_a_second_turn_from_a_batch_state_is_the_cold_second_turn():
+@pytest.mark.parametrize("pieces", [None, 16], ids=["whole", "in-pieces"])
+def test_a_second_turn_from_a_batch_state_is_the_cold_second_turn(pieces):
     model = model_in("gemma3_text", torch.bfloat16)
-    first = generate_many(model, [BatchRequest(prompt(80, seed=3)[0], max_new_tokens=5)], rows=ROWS)[0]
-    turn = torch.cat([prompt(80, seed=3)[0], torch.tensor(first.tokens), prompt(9, seed=4)[0]])
+    first = generate_many(model, [BatchRequest(prompt(80, seed=3)[0], max_new_tokens=5)], rows=ROWS,
+                          prefill_tokens=pieces)[0]
+    turn = torch.cat([prompt(80, seed=3)[0], torch.tensor(first.tokens), prompt(9 + 30 * bool(pieces), seed=4)[0]])
     warm = generate_many(model, [BatchRequest(turn, max_new_tokens=5, top_logprobs=3, state=first.state)],
-                         rows=ROWS)[0]
+                         rows=ROWS, prefill_tokens=pieces)[0]
     cold = generate_many(model, [BatchRequest(turn, max_new_tokens=5, top_logprobs=3)], rows=ROWS)[0]
     assert answered(warm) == answered(cold) and warm.reused == 64 and cold.reused == 0
 
