@@ -420,6 +420,24 @@ def test_a_history_cancelled_between_its_pieces_leaves_nothing_behind():
     assert answered(got) == answered(generate_many(model, [after], rows=ROWS, canonical_chunk=8)[0])
 
 
+@pytest.mark.parametrize("budget", [8, 33])
+def test_a_compressed_state_is_continued_in_one_run_not_in_pieces(budget):
+    """A compressed state holds no canonical cut to feed pieces from: its feed is chunked from where it ends,
+    so pieces would change the forwards. It is continued in one run, as without a prefill budget."""
+    from kvstate.compress import KNorm
+
+    model = model_in("llama", torch.bfloat16)
+    session = Session(model, canonical_chunk=8)
+    session.generate(prompt(40, seed=1), max_new_tokens=1, do_sample=False)
+    session.compress(KNorm(0.5))
+    ids = torch.cat([session.state.tokens[0], prompt(50, seed=2)[0]])
+    request = BatchRequest(ids, max_new_tokens=5, top_logprobs=2, state=session.state)
+    whole = generate_many(model, [request], rows=ROWS, canonical_chunk=8)[0]
+    budgeted = generate_many(model, [request], rows=ROWS, canonical_chunk=8, prefill_tokens=budget)[0]
+    assert answered(budgeted) == answered(whole) and budgeted.reused == whole.reused == 40
+    assert torch.equal(budgeted.prefilled.last_logits, whole.prefilled.last_logits)
+
+
 def test_pieces_start_from_the_longest_prefix_a_source_holds_and_count_only_it_as_reused():
     model = model_in("llama", torch.float32)
     first = BatchRequest(prompt(40, seed=5)[0], max_new_tokens=3)

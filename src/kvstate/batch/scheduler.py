@@ -297,9 +297,17 @@ class Scheduler:
                 or self.engine.binding.caps.stepwise:
             return False
         job.session, job.ids = self._session(request), ids.to(next(self.model.parameters()).device)
-        job.reused = job.session.take_prefix(job.ids)
-        schedule = Canonical(self.canonical_chunk, marks=self.canonical_marks)
-        job.cuts = deque(schedule.cuts(job.reused, ids.shape[1], (), job.ids[0])[:-1])
+        job.reused = T = job.session.take_prefix(job.ids)
+        state, schedule = job.session.state, Canonical(self.canonical_chunk, marks=self.canonical_marks)
+        spans = tuple((m.start, m.end) for m in state.media)
+        # as Engine._canonical_ends: a feed follows the schedule only from a canonical cut of an uncompressed
+        # state; from anywhere else pieces would change the forwards, so the rest goes in one run
+        canonical = not state.is_compressed and (not T or (
+            state.canonical_for(self.canonical_chunk, state.device.type, self.canonical_marks) == T
+            and schedule.last_cut(T, spans, job.ids[0]) == T))
+        if not canonical:
+            return True
+        job.cuts = deque(schedule.cuts(T, ids.shape[1], spans, job.ids[0])[:-1])
         return True
 
     def _feed(self, job: _Job, spent: int) -> Generator[Event, None, int]:
