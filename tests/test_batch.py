@@ -190,8 +190,9 @@ def test_a_shared_system_prompt_is_computed_once_and_answers_stay_cold(dtype):
 
 
 @pytest.mark.parametrize("pieces", [None, 16], ids=["whole", "in-pieces"])
-def test_a_second_turn_from_a_batch_state_is_the_cold_second_turn(pieces):
-    model = model_in("gemma3_text", torch.bfloat16)
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_a_second_turn_from_a_batch_state_is_the_cold_second_turn(arch, pieces):
+    model = model_in(arch, torch.bfloat16)
     first = generate_many(model, [BatchRequest(prompt(80, seed=3)[0], max_new_tokens=5)], rows=ROWS,
                           prefill_tokens=pieces)[0]
     turn = torch.cat([prompt(80, seed=3)[0], torch.tensor(first.tokens), prompt(9 + 30 * bool(pieces), seed=4)[0]])
