@@ -339,6 +339,29 @@ def test_settle_recomputes_the_answer_so_the_next_turn_reuses_it(arch):
     assert unsettled.last_plan.reused == 16  # without it, the answer is fed again on the critical path
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_take_prefix_then_pieces_then_run_is_the_cold_run_bitwise(arch):
+    """``Session.take_prefix`` takes what ``run`` would reuse and feeds nothing; ``extend`` up to cuts, then
+    ``run`` (how ``kvstate.batch`` feeds a long history in pieces), answers as one cold run, bit for bit."""
+    from kvstate.errors import InputError
+
+    model = model_in(arch, torch.bfloat16)
+    skip_stepwise(model, arch)
+    ids = prompt(21)
+    s = Session(model, canonical_chunk=C)
+    answer = run(s, ids, {}, n=6)  # 21 + 5 processed; canonical up to 21
+    turn2 = torch.cat([ids, answer[0], prompt(30, seed=9)], 1)
+    ones = {"attention_mask": torch.ones_like(turn2)}  # an answer id equal to the pad id stays a token
+    assert s.take_prefix(turn2, ones["attention_mask"]) == 16 == s.state.tokens_seen  # the last cut it holds
+    with pytest.raises(InputError):
+        s.take_prefix(torch.tensor([[10**9]]))
+    assert s.state.tokens_seen == 16  # a refused call changes nothing
+    for end in (24, 40, 48):  # cuts of C = 8: pieces of one and of two chunks
+        s.extend(turn2[:, s.state.tokens_seen:end])
+    assert_bitwise(run(s, turn2, ones), cold(model, turn2, ones), "pieces")
+    assert s.last_plan.reused == 48
+
+
 @pytest.mark.parametrize("arch", ["gemma3_text", "gemma2"])
 def test_a_chat_past_the_sliding_window_keeps_resuming_from_its_state(arch):
     """Each turn of a chat far longer than the window (12) plus the reserve (4) restarts at the last cut before
