@@ -288,9 +288,10 @@ class Scheduler:
                        canonical_marks=self.canonical_marks, _fingerprint=self.fingerprint)
 
     def _pieces(self, job: _Job, spent: int) -> bool:
-        """Whether ``job``'s history is fed in pieces: longer than this step may feed, text only, under a
-        canonical schedule a family follows. Then its session takes the longest prefix a source holds,
-        and ``job.cuts`` are the schedule's cuts after it (``Session.take_prefix``)."""
+        """Whether ``job``'s history goes through ``_feed``: longer than this step may feed, text only, under a
+        canonical schedule its family follows. Its session then takes the longest prefix a source holds
+        (``Session.take_prefix``); ``job.cuts`` are the schedule's cuts after it, none when it starts off
+        the schedule (then ``_feed`` runs the rest at once)."""
         request, budget = job.request, self.prefill_tokens
         ids = torch.as_tensor(request.ids, dtype=torch.long).reshape(1, -1)
         if budget is None or ids.shape[1] <= budget - spent or request.inputs or not self.canonical_chunk \
