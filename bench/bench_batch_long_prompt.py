@@ -1,7 +1,8 @@
 """One long prompt arrives while short chats stream: how long do the running streams wait? (issue 25)
 
 Eight short chat prompts decode together on one ``kvstate.batch.Scheduler`` (default model, greedy).
-A few steps in, one long prompt (the README's text, ``--long`` tokens) arrives. With
+A few steps in, one long prompt (the README's text, ``--long`` tokens) arrives, and two steps
+later one more short prompt (its TTFT shows whether it waits for the long prefill). With
 ``prefill_tokens=None`` its whole prefill runs in one step, and every running stream waits for it;
 with ``prefill_tokens=N`` it is fed in pieces of about N tokens a step, at cuts of the canonical
 schedule, between the decode steps (the same forwards, so the same answer). Per setting: the
@@ -38,8 +39,8 @@ def long_prompt(tokenizer: object, n: int) -> torch.Tensor:
     return torch.tensor(ids[:n])
 
 
-def run(model: object, short: list[torch.Tensor], long: torch.Tensor, budget: int | None, tokens: int,
-        arrival: int) -> dict[str, object]:
+def run(model: object, short: list[torch.Tensor], long: torch.Tensor, extra: torch.Tensor, budget: int | None,
+        tokens: int, arrival: int) -> dict[str, object]:
     from kvstate.batch import BatchRequest, Done, Scheduler, Token
 
     scheduler = Scheduler(model, max_batch=16, prefill_tokens=budget)  # type: ignore[arg-type]
@@ -47,29 +48,35 @@ def run(model: object, short: list[torch.Tensor], long: torch.Tensor, budget: in
     last: dict[int, float] = {}
     gaps: list[float] = []
     done: dict[int, object] = {}
-    late, submitted, first = None, 0.0, None
+    late, after, submitted = None, None, {}
+    first: dict[int, float] = {}
     start, step = time.perf_counter(), 0
     while scheduler.busy:
         if step == arrival:
-            late, submitted = scheduler.submit(BatchRequest(long, max_new_tokens=16, stop_ids=())), time.perf_counter()
+            late = scheduler.submit(BatchRequest(long, max_new_tokens=16, stop_ids=()))
+            submitted[late] = time.perf_counter()
+        if step == arrival + 2:
+            after = scheduler.submit(BatchRequest(extra, max_new_tokens=16, stop_ids=()))
+            submitted[after] = time.perf_counter()
         for event in scheduler.step():
             now = time.perf_counter()
             if isinstance(event, Token) and event.handle in handles:
                 if event.handle in last:
                     gaps.append(now - last[event.handle])
                 last[event.handle] = now
-            elif isinstance(event, Token) and event.handle == late and first is None:
-                first = now - submitted
+            elif isinstance(event, Token) and event.handle in submitted and event.handle not in first:
+                first[event.handle] = now - submitted[event.handle]
             elif isinstance(event, Done):
                 done[event.handle] = event.completion
         step += 1
     seconds = time.perf_counter() - start
     gaps.sort()
-    answers = [(done[h].tokens, done[h].logprobs) for h in [*handles, late]]  # type: ignore[attr-defined]
+    answers = [(done[h].tokens, done[h].logprobs) for h in [*handles, late, after]]  # type: ignore[attr-defined]
     return {"prefill_tokens": budget, "seconds": seconds, "steps": step,
             "short_tokens_per_s": len(short) * tokens / seconds, "short_gap_max_s": gaps[-1],
             "short_gap_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
-            "short_gap_p50_s": gaps[len(gaps) // 2], "long_ttft_s": first, "answers": answers}
+            "short_gap_p50_s": gaps[len(gaps) // 2], "long_ttft_s": first[late],  # type: ignore[index]
+            "short_after_long_ttft_s": first[after], "answers": answers}  # type: ignore[index]
 
 
 def main() -> None:
@@ -85,11 +92,12 @@ def main() -> None:
     from kvstate.models import load_default_model
 
     model, tokenizer = load_default_model(dtype=getattr(torch, args.dtype), progress=False)
-    short, long = prompts(tokenizer, 8), long_prompt(tokenizer, args.long)
-    run(model, short[:1], short[1], None, 2, 0)  # warm-up
+    every = prompts(tokenizer, 9)
+    short, extra, long = every[:8], every[8], long_prompt(tokenizer, args.long)
+    run(model, short[:1], short[1], short[2], None, 2, 0)  # warm-up
     results = []
     for budget in [None, *args.budgets]:
-        result = run(model, short, long, budget, args.tokens, arrival=3)
+        result = run(model, short, long, extra, budget, args.tokens, arrival=3)
         results.append(result)
         print({k: v for k, v in result.items() if k != "answers"}, flush=True)
     whole = results[0]["answers"]
