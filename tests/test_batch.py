@@ -406,6 +406,25 @@ def test_a_long_history_is_fed_in_pieces_between_the_running_streams_steps(arch)
         assert answered(done[handle]) == answered(generate_many(model, [request], **settings)[0])
 
 
+def test_a_short_prompt_is_admitted_while_a_long_history_is_still_being_fed():
+    """Waiting prompts go first and a history being fed gets at least one piece a step: a short prompt sent
+    after a long one answers before the long one's first token, and every answer is its answer alone."""
+    model = model_in("llama", torch.float32)
+    settings = {"rows": ROWS, "canonical_chunk": 8}
+    long, short = BatchRequest(prompt(80, seed=1)[0], max_new_tokens=3), BatchRequest(prompt(5, seed=2)[0],
+                                                                                       max_new_tokens=3)
+    scheduler = Scheduler(model, prefill_tokens=16, **settings)  # two chunks of 8 a step: the long one fills it
+    first = scheduler.submit(long)
+    assert scheduler.step() == []  # its first piece
+    second = scheduler.submit(short)
+    events = list(scheduler.run())
+    order = [e.handle for e in events if isinstance(e, Token)]
+    assert order.index(second) < order.index(first), order
+    got = {e.handle: e.completion for e in events if isinstance(e, Done)}
+    for handle, request in ((first, long), (second, short)):
+        assert answered(got[handle]) == answered(generate_many(model, [request], **settings)[0])
+
+
 def test_a_history_cancelled_between_its_pieces_leaves_nothing_behind():
     model = model_in("llama", torch.float32)
     scheduler = Scheduler(model, rows=ROWS, canonical_chunk=8, prefill_tokens=8)

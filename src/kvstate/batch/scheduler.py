@@ -244,11 +244,9 @@ class Scheduler:
     def stepping(self) -> Iterator[Event]:
         """``step``, yielding each event as soon as it happens (a first token right after its prefill)."""
         yield from self._ends()
-        spent = 0  # prompt tokens fed in this step
-        for job in list(self._feeding):
-            if not self._room(spent):
-                break
-            spent += yield from self._feed(job, spent)
+        # waiting prompts first, so a short one never waits for another's long history; then the histories
+        # being fed, the oldest one piece at least (none starves): a step feeds the budget plus one chunk
+        spent, started = 0, set()  # prompt tokens fed in this step; histories whose first piece it fed
         while self._waiting and len(self._running) + len(self._feeding) < self.max_batch and self._room(spent):
             job = self._waiting.popleft()
             try:
@@ -258,6 +256,7 @@ class Scheduler:
                 continue
             if pieces:
                 self._feeding.append(job)
+                started.add(job.handle)
                 spent += yield from self._feed(job, spent)
                 continue
             spent += torch.as_tensor(job.request.ids).shape[-1]
@@ -267,6 +266,10 @@ class Scheduler:
                 yield Failed(job.handle, exc)
                 continue
             yield from self._took(job, choice)
+        for k, job in enumerate(j for j in list(self._feeding) if j.handle not in started):
+            if k and not self._room(spent):
+                break
+            spent += yield from self._feed(job, spent)
         for decoder in (self._packed, self._single):
             ending = self._cancelled | self._stopping  # asked during this step: they sit its decode out
             jobs = [j for j in self._running if j.decoder is decoder and j.handle not in ending]
