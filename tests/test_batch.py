@@ -425,6 +425,18 @@ def test_a_short_prompt_is_admitted_while_a_long_history_is_still_being_fed():
         assert answered(got[handle]) == answered(generate_many(model, [request], **settings)[0])
 
 
+def test_pieces_accept_a_history_past_the_generation_configs_max_length():
+    """take_prefix plans with one new token, as the run it prepares: a history longer than the model's
+    generation_config.max_length (the server's tiny models: 512) is refused by neither (the request's own
+    max_new_tokens decides). The first version planned with no options and refused it."""
+    model = tiny_model("llama")
+    model.generation_config.max_length = 30
+    request = BatchRequest(prompt(40, seed=3)[0], max_new_tokens=3)
+    whole = generate_many(model, [request], rows=ROWS, canonical_chunk=8)[0]
+    pieces = generate_many(model, [request], rows=ROWS, canonical_chunk=8, prefill_tokens=8)[0]
+    assert answered(pieces) == answered(whole) and len(whole.tokens) == 3
+
+
 def test_a_history_cancelled_between_its_pieces_leaves_nothing_behind():
     model = model_in("llama", torch.float32)
     scheduler = Scheduler(model, rows=ROWS, canonical_chunk=8, prefill_tokens=8)

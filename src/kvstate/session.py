@@ -266,16 +266,19 @@ class Session:
         self._commit(outcome.state, plan)
         return outcome
 
-    def take_prefix(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None) -> int:
+    def take_prefix(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None, **inputs: Any) -> int:
         """Make the state the longest prefix of the history ``input_ids`` ``[B, L]`` that ``run`` would
         reuse (from this state or a source), feeding nothing; returns its length in slots.
 
         For feeding a long history in pieces (``kvstate.batch`` interleaves them with decode steps):
         ``extend`` up to cuts of the canonical schedule, then ``run`` on the whole history. Each forward
         is one that a single ``run`` makes, and ``run`` reuses only canonical slots at a cut, so the
-        answer is bitwise the single ``run``'s however the pieces went.
+        answer is bitwise the single ``run``'s however the pieces went. ``inputs``: the history's media
+        inputs (``pixel_values``...), as ``run`` takes them.
         """
-        request = self._validate(input_ids, attention_mask, {})
+        # planning needs no generation options; one new token keeps generate's length checks from refusing
+        # a history that run, with its own max_new_tokens, accepts
+        request = self._validate(input_ids, attention_mask, {"max_new_tokens": 1, **inputs})
         plan = self._plan(request)
         self._commit(plan.start, plan)  # type: ignore[arg-type]
         return plan.start.tokens_seen  # type: ignore[union-attr]
