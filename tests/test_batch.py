@@ -437,6 +437,28 @@ def test_pieces_accept_a_history_past_the_generation_configs_max_length():
     assert answered(pieces) == answered(whole) and len(whole.tokens) == 3
 
 
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_pieces_follow_turn_marks_and_a_diverging_state_as_one_run_does(arch):
+    """Pieces end at the cuts the turn marks make (a history that ends inside an incomplete mark included),
+    and a state whose history was edited rolls back to the same cut either way: answers and reuse equal."""
+    model = model_in(arch, torch.bfloat16)
+    mark = [7, 8]
+    turns = [mark + prompt(n, seed=n)[0].tolist() for n in (12, 29, 5, 21)]
+    marked = BatchRequest(torch.tensor([1, *[t for turn in turns for t in turn], mark[0]]), max_new_tokens=3,
+                          top_logprobs=2)
+    session = Session(model, canonical_chunk=8)
+    session.generate(prompt(70, seed=1), max_new_tokens=4, do_sample=False)
+    edited = BatchRequest(torch.cat([session.state.tokens[0, :37], prompt(50, seed=5)[0]]), max_new_tokens=3,
+                          top_logprobs=2, state=session.state)
+    for request, options in ((marked, {"canonical_chunk": 16, "canonical_marks": mark}),
+                             (edited, {"canonical_chunk": 8})):
+        whole = generate_many(model, [request], rows=ROWS, **options)[0]
+        for budget in (1, 9):
+            pieces = generate_many(model, [request], rows=ROWS, prefill_tokens=budget, **options)[0]
+            assert answered(pieces) == answered(whole) and pieces.reused == whole.reused, (budget, options)
+            assert torch.equal(pieces.prefilled.last_logits, whole.prefilled.last_logits)
+
+
 def test_a_history_cancelled_between_its_pieces_leaves_nothing_behind():
     model = model_in("llama", torch.float32)
     scheduler = Scheduler(model, rows=ROWS, canonical_chunk=8, prefill_tokens=8)
