@@ -318,17 +318,24 @@ def test_the_device_script_runs_on_the_cpu(tmp_path):
     assert all(path["bitwise"] and path["reused"] > 0 for r in report["results"] for path in r["paths"].values())
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
-def test_settle_recomputes_the_answer_so_the_next_turn_reuses_it(arch):
-    """``Session.settle`` (what the server runs after a reply) feeds the decoded answer in canonical chunks:
-    the next turn then reuses it, and still answers bit for bit as the cold run."""
+def answered_turn(arch: str, answer: int, then: int) -> tuple:
+    """A bf16 session that answered a 21-token prompt with ``answer`` tokens, and the next turn's history
+    (prompt, answer, ``then`` new tokens) with its all-ones mask (an answer id equal to the pad id stays a
+    token): ``(model, session, turn2, {"attention_mask": ...})``."""
     model = model_in(arch, torch.bfloat16)
     skip_stepwise(model, arch)
     ids = prompt(21)
     s = Session(model, canonical_chunk=C)
-    answer = run(s, ids, {}, n=12)  # 21 + 11 processed; canonical up to 21
-    turn2 = torch.cat([ids, answer[0], prompt(5, seed=9)], 1)
-    ones = {"attention_mask": torch.ones_like(turn2)}  # an answer id equal to the pad id stays a token
+    new = run(s, ids, {}, n=answer)[0]
+    turn2 = torch.cat([ids, new, prompt(then, seed=9)], 1)
+    return model, s, turn2, {"attention_mask": torch.ones_like(turn2)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_settle_recomputes_the_answer_so_the_next_turn_reuses_it(arch):
+    """``Session.settle`` (what the server runs after a reply) feeds the decoded answer in canonical chunks:
+    the next turn then reuses it, and still answers bit for bit as the cold run."""
+    model, s, turn2, ones = answered_turn(arch, answer=12, then=5)  # 21 + 11 processed; canonical up to 21
     unsettled = s.fork()
     fed = s.settle()
     assert fed == 32 - 16 and s.state.tokens_seen == 32 and s.state.canonical == 32  # cuts at 16 and 32
@@ -345,13 +352,7 @@ def test_take_prefix_then_pieces_then_run_is_the_cold_run_bitwise(arch):
     ``run`` (how ``kvstate.batch`` feeds a long history in pieces), answers as one cold run, bit for bit."""
     from kvstate.errors import InputError
 
-    model = model_in(arch, torch.bfloat16)
-    skip_stepwise(model, arch)
-    ids = prompt(21)
-    s = Session(model, canonical_chunk=C)
-    answer = run(s, ids, {}, n=6)  # 21 + 5 processed; canonical up to 21
-    turn2 = torch.cat([ids, answer[0], prompt(30, seed=9)], 1)
-    ones = {"attention_mask": torch.ones_like(turn2)}  # an answer id equal to the pad id stays a token
+    model, s, turn2, ones = answered_turn(arch, answer=6, then=30)  # 21 + 5 processed; canonical up to 21
     assert s.take_prefix(turn2, ones["attention_mask"]) == 16 == s.state.tokens_seen  # the last cut it holds
     with pytest.raises(InputError):
         s.take_prefix(torch.tensor([[10**9]]))

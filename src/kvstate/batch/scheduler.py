@@ -41,7 +41,7 @@ from ..errors import InputError
 from ..options import end_ids
 from ..protocols import PrefixCache
 from ..request import check_marks
-from ..schedule import Canonical, default_chunk
+from ..schedule import default_chunk
 from ..state import State
 from .prefixes import RecentPrompts
 from .sampling import Choice, Processor, Sampler, Sampling
@@ -291,27 +291,19 @@ class Scheduler:
                        canonical_marks=self.canonical_marks, _fingerprint=self.fingerprint)
 
     def _pieces(self, job: _Job, spent: int) -> bool:
-        """Whether ``job``'s history goes through ``_feed``: longer than this step may feed, text only, under a
-        canonical schedule its family follows. Its session then takes the longest prefix a source holds
-        (``Session.take_prefix``); ``job.cuts`` are the schedule's cuts after it, none when it starts off
-        the schedule (then ``_feed`` runs the rest at once)."""
+        """Whether ``job``'s history goes through ``_feed``: text longer than this step may feed. Its session
+        then takes the longest prefix a source holds (``Session.take_prefix``), and ``job.cuts`` are the
+        chunk ends the engine would feed the rest with: none where that feed does not follow the canonical
+        schedule (a compressed state, one-token-per-forward families...), whose chunks pieces would change,
+        so ``_feed`` runs the rest at once."""
         request, budget = job.request, self.prefill_tokens
         ids = torch.as_tensor(request.ids, dtype=torch.long).reshape(1, -1)
-        if budget is None or ids.shape[1] <= budget - spent or request.inputs or not self.canonical_chunk \
-                or self.engine.binding.caps.stepwise:
+        if budget is None or ids.shape[1] <= budget - spent or request.inputs:
             return False
         job.session, job.ids = self._session(request), ids.to(next(self.model.parameters()).device)
         job.reused = T = job.session.take_prefix(job.ids)
-        state, schedule = job.session.state, Canonical(self.canonical_chunk, marks=self.canonical_marks)
-        spans = tuple((m.start, m.end) for m in state.media)
-        # as Engine._canonical_ends: a feed follows the schedule only from a canonical cut of an uncompressed
-        # state; from anywhere else pieces would change the forwards, so the rest goes in one run
-        canonical = not state.is_compressed and (not T or (
-            state.canonical_for(self.canonical_chunk, state.device.type, self.canonical_marks) == T
-            and schedule.last_cut(T, spans, job.ids[0]) == T))
-        if not canonical:
-            return True
-        job.cuts = deque(schedule.cuts(T, ids.shape[1], spans, job.ids[0])[:-1])
+        cuts = self.engine.canonical_cuts(job.session.state, job.ids[:, T:], self._single.settings)
+        job.cuts = deque(cuts[:-1] if cuts else ())
         return True
 
     def _feed(self, job: _Job, spent: int) -> Generator[Event, None, int]:

@@ -194,9 +194,9 @@ class Engine:
     def _run_feed(self, state: State, feed: Feed, settings: FeedSettings, chunk_size: int) -> State:
         T, Q = state.tokens_seen, feed.ids.shape[1]
         schedule = Canonical(settings.canonical, marks=settings.marks)
-        history = self._history(state, feed, settings)
+        history = self._history(state, feed.ids, settings)
         spans = (*((m.start, m.end) for m in state.media), *feed.spans)
-        ends = self._canonical_ends(state, feed, settings, schedule, history, spans)
+        ends = self._canonical_ends(state, feed.ids, settings, schedule, history, spans)
         checkpointed = any(layer.checkpointed for layer in state.layers)
         start = 0
         while start < Q:
@@ -221,26 +221,34 @@ class Engine:
             start = end
         return state
 
-    def _canonical_ends(self, state: State, feed: Feed, settings: FeedSettings, schedule: Canonical,
+    def canonical_cuts(self, state: State, ids: torch.Tensor, settings: FeedSettings) -> list[int] | None:
+        """The chunk ends (absolute; the last is ``T + Q``) of ``feed`` over the text ids ``[1, Q]`` after
+        ``state``; None where that feed does not follow the canonical schedule (``_canonical_ends``).
+        ``kvstate.batch`` feeds a long history up to these cuts, a piece a step."""
+        schedule = Canonical(settings.canonical, marks=settings.marks)
+        spans = tuple((m.start, m.end) for m in state.media)
+        return self._canonical_ends(state, ids, settings, schedule, self._history(state, ids, settings), spans)
+
+    def _canonical_ends(self, state: State, ids: torch.Tensor, settings: FeedSettings, schedule: Canonical,
                         history: torch.Tensor | None, spans: tuple[tuple[int, int], ...]) -> list[int] | None:
         """The feed's chunk ends (absolute) under the canonical ``schedule``; None when it does not apply:
         the schedule is off, the family feeds one token per forward, or the feed starts off a canonical cut."""
         if not schedule.enabled or self.binding.caps.stepwise or state.is_compressed:
             return None
-        if settings.marks and feed.ids.shape[0] != 1:  # one row's marks are not another's
+        if settings.marks and ids.shape[0] != 1:  # one row's marks are not another's
             return None
         T = state.tokens_seen
         if T and (state.canonical_for(settings.canonical, state.device.type, settings.marks) != T
                   or schedule.last_cut(T, spans, history) != T):
             return None
-        return schedule.cuts(T, T + feed.ids.shape[1], spans, history)
+        return schedule.cuts(T, T + ids.shape[1], spans, history)
 
     @staticmethod
-    def _history(state: State, feed: Feed, settings: FeedSettings) -> torch.Tensor | None:
+    def _history(state: State, ids: torch.Tensor, settings: FeedSettings) -> torch.Tensor | None:
         """The ids ``[L]`` the turn marks are found in (row 0), or None without marks."""
         if not settings.marks:
             return None
-        return torch.cat([state.tokens[0], feed.ids[0]])
+        return torch.cat([state.tokens[0], ids[0]])
 
     def _chunk_inputs(self, feed: Feed, start: int, end: int) -> ModelInputs:
         """The model inputs of the media items in the feed's slots ``[start, end)`` (chunks never split one)."""
