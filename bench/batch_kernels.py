@@ -3,15 +3,21 @@
 * ``linear``: a row of ``F.linear(X[:M], W)`` against the same row with ``M = 1`` and ``M = 64``, for
   each ``M``; and, for a fixed tile of ``T`` rows, whether a row's result depends on its place in the
   tile, on the other rows' contents, or on zero padding (what ``kvstate.engine.invariant`` relies on);
+* ``prepacked``: the same fixed-tile checks for the prepacked oneDNN kernel the packed decode uses
+  (``kvstate._compat.kernels``), and the time of one 16-row tile by each weight (the output layer's
+  262144 x 640 included) with ``F.linear`` and with the prepacked kernel;
 * ``elementwise``: element-wise kernels on ``[P, H]`` at ``P = 1`` against inside ``P`` rows, and, with
   ``P`` fixed, which rows differ from row 0 (the vector loop's scalar tail).
 
-    python bench/batch_kernels.py        # seconds; writes bench/results/batch_kernels.json
+    python bench/batch_kernels.py        # a minute; writes bench/results/batch_kernels.json
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,14 +45,49 @@ def by_rows(W: torch.Tensor, X: torch.Tensor) -> dict[int, str]:
     return out
 
 
-def tile(W: torch.Tensor, X: torch.Tensor, T: int, gen: torch.Generator) -> dict[str, bool]:
-    base = F.linear(X[:T], W)
-    place = all(torch.equal(torch.roll(F.linear(torch.roll(X[:T], k, 0), W), -k, 0), base) for k in range(1, T))
+def product(W: torch.Tensor, T: int, prepacked: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x [T, K] -> x @ W.T``: ``F.linear``, or the packed decode's prepacked kernel for tiles of ``T`` rows."""
+    from kvstate._compat.kernels import tile_kernel
+
+    kernel = tile_kernel(W, T) if prepacked else None
+    if prepacked and kernel is None:
+        raise SystemExit("this torch has no oneDNN linear kernels")
+    return (lambda x: kernel(x, None)) if kernel is not None else (lambda x: F.linear(x, W))
+
+
+def tile(W: torch.Tensor, X: torch.Tensor, T: int, gen: torch.Generator, prepacked: bool = False) -> dict[str, bool]:
+    f = product(W, T, prepacked)
+    base = f(X[:T])
+    place = all(torch.equal(torch.roll(f(torch.roll(X[:T], k, 0)), -k, 0), base) for k in range(1, T))
     others = X[:T].clone()
     others[1:] = torch.randn(T - 1, X.shape[1], generator=gen).to(X.dtype)
-    content = torch.equal(F.linear(others, W)[0], base[0])
+    content = torch.equal(f(others)[0], base[0])
     others[1:] = 0
-    return {"place": place, "other_rows": content, "zero_padding": torch.equal(F.linear(others, W)[0], base[0])}
+    return {"place": place, "other_rows": content, "zero_padding": torch.equal(f(others)[0], base[0])}
+
+
+def milliseconds(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeat: int) -> float:
+    f(x)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        f(x)
+        times.append(time.perf_counter() - start)
+    return round(1000 * statistics.median(times), 3)
+
+
+def prepacked(dtype: torch.dtype) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(2)
+    invariant, cost = [], []
+    for K, N in (*SHAPES, (640, 262144)):
+        W, X = torch.randn(N, K, generator=gen).to(dtype), torch.randn(64, K, generator=gen).to(dtype)
+        if N < 262144:
+            invariant.append({"K": K, "N": N, "fixed_tile_invariant": {T: all(tile(W, X, T, gen, True).values())
+                                                                       for T in TILES}})
+        repeat = 5 if N == 262144 else 50
+        cost.append({"K": K, "N": N, "rows": 16, "F.linear_ms": milliseconds(product(W, 16, False), X[:16], repeat),
+                     "prepacked_ms": milliseconds(product(W, 16, True), X[:16], repeat)})
+    return {"invariant": invariant, "tile_of_16_cost": cost}
 
 
 def linear(dtype: torch.dtype) -> list[dict[str, object]]:
@@ -85,7 +126,8 @@ def main() -> None:
         torch.set_num_threads(threads)
         for dtype in (torch.float32, torch.bfloat16):
             key = f"{str(dtype).removeprefix('torch.')}_threads{threads}"
-            result[key] = {"linear": linear(dtype), "elementwise": elementwise(dtype)}
+            result[key] = {"linear": linear(dtype), "prepacked": prepacked(dtype), "elementwise": elementwise(dtype)}
+            print(key, result[key]["prepacked"]["tile_of_16_cost"], flush=True)  # type: ignore[index]
     write_results("batch_kernels", result)
 
 

@@ -11,6 +11,7 @@ continued by a ``Session`` equals a cold ``Session`` bitwise.
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import replace
 
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstate import Session
+from kvstate._compat.kernels import tile_kernel
 from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, generate_many
 from kvstate.engine.decode import packable
 from kvstate.engine.invariant import tiled, tiled_linear
@@ -531,17 +533,44 @@ def test_a_stop_id_ends_the_answer():
     assert stopped.tokens == free.tokens[:end] and stopped.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("kernel", ["F.linear", "prepacked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [4, 8, 16])
-def test_a_tiled_row_depends_on_neither_its_place_nor_the_other_rows(dtype, rows):
+def test_a_tiled_row_depends_on_neither_its_place_nor_the_other_rows(dtype, rows, kernel):
     gen = torch.Generator().manual_seed(rows)
     weight, x = torch.randn(2048, 640, generator=gen).to(dtype), torch.randn(3 * rows, 640, generator=gen).to(dtype)
-    reference = tiled(x[:1], weight, None, rows)[0]
-    for place in (0, rows - 1, rows + 2, 3 * rows - 1):
-        others = torch.randn(3 * rows, 640, generator=gen).to(dtype)
-        others[place] = x[0]
-        assert torch.equal(tiled(others, weight, None, rows)[place], reference), place
-    assert torch.equal(reference, F.linear(F.pad(x[:1], (0, 0, 0, rows - 1)), weight)[0])
+    bias = torch.randn(2048, generator=gen).to(dtype)
+    packed = tile_kernel(weight, rows) if kernel == "prepacked" else None
+    if kernel == "prepacked" and packed is None:
+        pytest.skip("this torch has no oneDNN linear kernels")
+    for b in (None, bias):
+        reference = tiled(x[:1], weight, b, rows, packed)[0]
+        for place in (0, rows - 1, rows + 2, 3 * rows - 1):
+            others = torch.randn(3 * rows, 640, generator=gen).to(dtype)
+            others[place] = x[0]
+            assert torch.equal(tiled(others, weight, b, rows, packed)[place], reference), place
+        padded = F.pad(x[:1], (0, 0, 0, rows - 1))
+        assert torch.equal(reference, (packed(padded, b) if packed else F.linear(padded, weight, b))[0])
+
+
+def test_the_packed_decode_runs_its_tiles_on_prepacked_weights_made_again_when_a_weight_changes():
+    from kvstate._compat import kernels
+
+    if not kernels.available():
+        pytest.skip("this torch has no oneDNN linear kernels")
+    model = wide_llama(torch.float32)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    requests = [BatchRequest(prompt(5 + 9 * i, seed=i)[0], max_new_tokens=4, top_logprobs=2) for i in range(3)]
+    before = [answered(c) for c in generate_many(model, requests, rows=8)]
+    assert all(8 in kernels._held(m.weight) for m in linears)  # every product of the tile ran prepacked
+    assert before != [answered(c) for c in generate_many(model, requests, rows=8, prepack=False)]  # other kernels
+    with torch.no_grad():  # in place: the packed copies are stale, and must not be used
+        for m in linears:
+            m.weight.mul_(1.25)
+    fresh = copy.deepcopy(model)  # new weight tensors, packed from scratch
+    changed = [answered(c) for c in generate_many(model, requests, rows=8)]
+    assert changed == [answered(c) for c in generate_many(fresh, requests, rows=8)] and changed != before
+    assert Scheduler(model, rows=1)._packed.linears == []  # one-row tiles keep Session's decode kernels
 
 
 ERRORS = {

@@ -245,3 +245,33 @@ def test_penalties_and_logit_bias_decode_in_the_batch(tiny):
         assert alone[i] == reference(model, tokenizer, ids, 10, **options), i
         changed.append(alone[i] != reference(model, tokenizer, ids, 10))
     assert sum(changed) >= 3, changed  # the processors changed the answers
+
+
+def test_batch_prepack_chooses_the_tiles_kernels_and_either_answers_as_plain_generate(tiny):
+    """--batch-prepack on (the default) runs the tiles on prepacked weights, off on torch's F.linear: other bits,
+    each as exact (greedy text equals plain generate's, concurrent answers equal alone)."""
+    from kvstate._compat.kernels import available
+    from kvstate.cli import _parser
+
+    model, tokenizer = tiny
+    parse = _parser().parse_args
+    assert parse(["serve"]).batch_prepack == "on" and parse(["serve", "--batch-prepack", "off"]).batch_prepack == "off"
+    for prepack in (True, False):
+        server = make_server(model, tokenizer, max_batch=4, batch_prepack=prepack)
+        assert bool(server.runner.scheduler._packed.linears) is (prepack and available())
+        with live(server) as url:
+            together: list = [None] * 4
+            threads = [threading.Thread(target=lambda i=i, out=together: out.__setitem__(i, ask(client(url), 2 * i,
+                                                                                                    False)))
+                       for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            assert together == [ask(client(url), 2 * i, False) for i in range(4)], prepack
+        assert together[1][0] == ask_alone_i(model, tokenizer, 2), prepack
+
+
+def ask_alone_i(model, tokenizer, i: int) -> str:
+    messages = [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}]
+    return reference(model, tokenizer, Renderer(tokenizer).chat(messages).ids, 12)

@@ -144,6 +144,10 @@ class Scheduler:
             products run ``rows`` rows at a time. Answers are the same for any batch under one ``rows``.
         invariant: False packs exactly the running rows with plain kernels (faster when few streams
             run; a row's bits then depend on its batch). For measuring the invariance tax.
+        prepack: the tile's products run on weights prepacked for ``rows`` rows (oneDNN, CPU fp32 and
+            bf16, ``rows > 1``; ``kvstate._compat.kernels``): a decode step of the default model about
+            20% faster in fp32, for a copy of the linear weights (1.1 GB there). False: ``F.linear``'s
+            kernels (other bits, as another ``rows`` gives).
         prefill_tokens: a step feeds about this many prompt tokens (one canonical chunk at least): it
             admits prompts until that many were admitted, and a longer history is fed in pieces over
             several steps, so the running streams' next tokens never wait for a burst of prefills or one
@@ -155,8 +159,8 @@ class Scheduler:
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
-                 prefill_tokens: int | None = None, share_prefixes: bool = True, canonical_chunk: int | None = None,
-                 chunk_size: int = 512, canonical_marks: Sequence[int] = (),
+                 prepack: bool = True, prefill_tokens: int | None = None, share_prefixes: bool = True,
+                 canonical_chunk: int | None = None, chunk_size: int = 512, canonical_marks: Sequence[int] = (),
                  sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None) -> None:
         from ..adapters.fingerprinting import fingerprint as digest
         from ..selfcheck import bind
@@ -173,7 +177,7 @@ class Scheduler:
         self.sources = (*sources, *((RecentPrompts(max_batch),) if share_prefixes else ()))
         self.fingerprint = fingerprint or digest(model, tokenizer)
         self.engine = Engine(bind(model))
-        self._packed = Packed(self.engine, rows, invariant)
+        self._packed = Packed(self.engine, rows, invariant, prepack)
         self._single = Single(self.engine, FeedSettings(chunk_size, canonical=self.canonical_chunk,
                                                         marks=self.canonical_marks))
         self._handles = itertools.count()

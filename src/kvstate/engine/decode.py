@@ -41,7 +41,7 @@ from ..errors import UnsupportedError
 from ..layers import AttentionLayerState
 from ..state import State, next_position_after
 from .core import Engine
-from .invariant import tiled_linear
+from .invariant import prepacked, tiled_linear
 from .recorder import Forward
 from .values import FeedSettings
 
@@ -78,8 +78,11 @@ def packable(engine: Engine, state: State) -> bool:
 class Packed:
     """Decode steps of attention-only streams in one forward (see the module docstring)."""
 
-    def __init__(self, engine: Engine, rows: int, invariant: bool = True) -> None:
+    def __init__(self, engine: Engine, rows: int, invariant: bool = True, prepack: bool = True) -> None:
         self.engine, self.rows, self.invariant = engine, rows, invariant
+        # the tile's products on prepacked weights (kvstate._compat.kernels); never for one-row tiles
+        self.linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear] \
+            if invariant and prepack and rows > 1 else []
         self.spare = not _tail_free(engine.model, rows)
         self.usable = True  # False once the model refused a packed forward (``Unpackable``)
         self.verified = False  # a packed forward ran with every check (the model's code path is fixed after)
@@ -103,7 +106,8 @@ class Packed:
                 engine.cache_kwarg: cache}
         tiles = tiled_linear(self.rows, P) if self.invariant and (self.rows < P or not self.plain) else nullcontext()
         try:
-            with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles as mode:
+            with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles as mode, \
+                    prepacked(self.linears, self.rows, mode):
                 logits = engine.model(**call).logits[0, :n]  # [n, V]
             self._check(cache)
             if not self.verified and mode is not None:

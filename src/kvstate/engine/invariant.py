@@ -24,6 +24,7 @@ runs those without it).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,14 +33,19 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .._compat.kernels import Kernel, tile_kernel
 from .._compat.packed import Unpackable, attending
 
 
-def tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+def tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+          kernel: Kernel | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed in tiles of ``rows`` rows (``x`` ``[..., K]``, zero-padded). One
     tile is the plain call; a tile of more is called with ``x``'s rank (``[1, .., 1, rows, K]``), as one
-    tile would be."""
+    tile would be. With ``kernel`` (``kvstate._compat.kernels``), every tile is ``kernel`` on ``[rows, K]``."""
     K = x.shape[-1]
+    if kernel is not None:
+        out = tiled_mm(x.reshape(-1, K), weight, rows, lambda tile, _: kernel(tile.contiguous(), bias))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     if x.numel() == rows * K:
         return F.linear(x, weight, bias)
     lead = (1,) * (x.dim() - 2)
@@ -101,8 +107,10 @@ class TiledLinear(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:  # the mode is off inside this call, so the tiles run the plain kernel
             x, weight, *rest = args
+            if x.numel() == 0:  # a module whose rows ``prepacked`` computes (or no rows at all)
+                return func(*args, **kwargs)
             bias = rest[0] if rest else kwargs.get("bias")
-            self._spans(x.numel() // x.shape[-1])
+            self.spans(x.numel() // x.shape[-1])
             return tiled(x, weight, bias, self.rows)
         if func in _PRODUCTS and not attending():
             return self._product(func, args, kwargs)
@@ -110,7 +118,8 @@ class TiledLinear(TorchFunctionMode):
             self.uniform = False
         return func(*args, **kwargs)
 
-    def _spans(self, rows: int) -> None:
+    def spans(self, rows: int) -> None:
+        """The census: a product over ``rows`` rows ran."""
         if rows != self.packed:
             self.uniform = False
 
@@ -119,12 +128,12 @@ class TiledLinear(TorchFunctionMode):
         routed rows), exact as is when it sums over one term (RoPE's angles), refused otherwise."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if func in _MATMUL and len(tensors) == 2 and not kwargs and all(t.dim() == 2 for t in tensors):
-            self._spans(tensors[0].shape[0])
+            self.spans(tensors[0].shape[0])
             return tiled_mm(tensors[0], tensors[1], self.rows)
         if func in (torch.addmm, torch.Tensor.addmm) and len(tensors) == 3 and not kwargs and \
                 tensors[0].dim() <= 1 and tensors[1].dim() == tensors[2].dim() == 2:  # GPT-2's Conv1D
             bias, a, b = tensors
-            self._spans(a.shape[0])
+            self.spans(a.shape[0])
             return tiled_mm(a, b, self.rows, lambda x, w: torch.addmm(bias, x, w))
         if func in _GROUPED and _plain_grouped(args, kwargs):
             self.uniform = False
@@ -142,3 +151,37 @@ def tiled_linear(rows: int, packed: int | None = None) -> Iterator[TiledLinear]:
     ``packed`` (the forward's row count), the mode yielded takes the census (``TiledLinear.uniform``)."""
     with TiledLinear(rows, packed) as mode:
         yield mode
+
+
+@contextmanager
+def prepacked(linears: list[torch.nn.Module], rows: int, mode: TiledLinear | None = None) -> Iterator[None]:
+    """Inside, each of ``linears`` (plain ``nn.Linear`` modules) whose weight has a tile kernel
+    (``kvstate._compat.kernels``) computes its rows with it, in tiles of ``rows`` rows, on this thread.
+
+    Module hooks, registered for the ``with`` block only: the pre-hook keeps the input and hands the
+    module zero rows, the hook returns the tiled product. Forwards with the tiling ``mode`` and without
+    it therefore compute the same bits, and ``mode`` counts the rows for its census."""
+    kept: dict[torch.nn.Module, torch.Tensor] = {}
+    owner = threading.get_ident()
+
+    def before(module: torch.nn.Module, args: tuple) -> tuple | None:
+        if threading.get_ident() != owner or not args or args[0].dim() < 2 \
+                or tile_kernel(module.weight, rows) is None:
+            return None
+        kept[module] = args[0]
+        return (args[0][..., :0, :], *args[1:])
+
+    def after(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        x = kept.pop(module, None)
+        if x is None:
+            return None
+        if mode is not None:
+            mode.spans(x.numel() // x.shape[-1])
+        return tiled(x, module.weight, module.bias, rows, tile_kernel(module.weight, rows))
+
+    handles = [h for m in linears for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

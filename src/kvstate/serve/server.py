@@ -34,6 +34,7 @@ class Settings:
     max_batch: int = 1  # > 1: requests decode together (kvstate.serve.batching, issue 25)
     prefill_per_step: int = 512  # batched: prompt tokens a step feeds, about (kvstate.batch.Scheduler.prefill_tokens)
     batch_invariant: bool = True  # False: plain kernels in the batched forward (measures the invariance tax)
+    batch_prepack: bool = True  # the tiles on prepacked weights (kvstate.batch.Scheduler.prepack)
     reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
 
 
@@ -70,7 +71,7 @@ class Server:
             from .batching import BatchRunner
 
             self.runner: Runner = BatchRunner(*args, max_batch=settings.max_batch,
-                                              invariant=settings.batch_invariant,
+                                              invariant=settings.batch_invariant, prepack=settings.batch_prepack,
                                               prefill_tokens=settings.prefill_per_step, **turns)
         else:
             self.runner = Runner(*args, **turns)

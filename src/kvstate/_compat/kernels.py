@@ -1,0 +1,72 @@
+"""Prepacked CPU matrix kernels for the packed decode's fixed tiles (issue 25), through torch's private
+oneDNN ops ``mkldnn._reorder_linear_weight`` and ``mkldnn._linear_pointwise`` (torch 2.13).
+
+A decode tile is a product of ``rows`` (16) rows by each weight ``[N, K]``. ``F.linear`` picks its
+kernel per call and, for so few rows, leaves most of the CPU idle: on the default model's output
+layer (262k x 640, fp32, 2 threads) 16 rows took 69 ms against 31 ms for one. oneDNN, given the
+weight once in its own blocked layout for that row count, took 50 ms there and about half the
+time on the body's products; a decode step of 16 streams went from 162 to 132 ms (fp32) and from
+89 to 79 ms (bf16). Measured: ``bench/batch_kernels.py``, ``docs/batching.md``.
+
+What the tile contract needs holds as for ``F.linear`` (checked for fp32 and bf16, 1 and 2 threads,
+tiles of 2 to 64 rows, the default model's widths; ``tests/test_batch.py`` keeps checking it): with
+the row count fixed, a row's result depends neither on its place among the rows nor on the other
+rows. The bits are not ``F.linear``'s, so a tile of one row (``rows=1``, ``Session``'s decode shape)
+never uses these kernels.
+
+The packed copy costs about the weight's size again (1.1 GB for the default model in fp32); it is
+made on first use, kept while the weight lives, and made again if the weight changes in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+
+import torch
+
+Kernel = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+_DTYPES = (torch.float32, torch.bfloat16)
+# id(weight) -> (a weak reference to it, {rows: (weight._version when packed, packed weight)}), dropped with the
+# weight (a WeakKeyDictionary would compare tensors with ``==`` on a hash collision)
+_PACKED: dict[int, tuple[weakref.ref, dict[int, tuple[int, torch.Tensor]]]] = {}
+
+
+def _held(weight: torch.Tensor) -> dict[int, tuple[int, torch.Tensor]]:
+    key = id(weight)
+    entry = _PACKED.get(key)
+    if entry is None or entry[0]() is not weight:
+        entry = _PACKED[key] = (weakref.ref(weight, lambda _ref: _PACKED.pop(key, None)), {})
+    return entry[1]
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this torch has the oneDNN linear ops (a CPU build with mkldnn)."""
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise"))
+
+
+def tile_kernel(weight: torch.Tensor, rows: int) -> Kernel | None:
+    """The product ``kernel(x, bias)`` of ``x`` ``[rows, K]`` by ``weight`` ``[N, K]`` (``F.linear``'s
+    layout) -> ``[rows, N]``, on ``weight`` prepacked for ``rows`` rows; None where none applies (one
+    row, not a CPU fp32 / bf16 2-D weight, no oneDNN): the caller then uses ``F.linear``."""
+    if rows < 2 or weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in _DTYPES \
+            or weight.is_meta or not available():
+        return None
+    held = _held(weight)
+    version = weight._version
+    entry = held.get(rows)
+    if entry is None or entry[0] != version:
+        with torch.no_grad():
+            entry = held[rows] = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
+                                                                                  rows))
+    packed = entry[1]
+
+    def kernel(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    return kernel
