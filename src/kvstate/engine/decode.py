@@ -19,7 +19,9 @@ turns ``n`` streams' next tokens into ``n`` logits rows ``[V]`` and, at the end,
   at the end. A forward of exactly ``rows`` rows runs without the tiling mode once the first
   packed forward's census showed that every product spans all rows and nothing routes rows
   (``kvstate.engine.invariant``): each product is then one tile, the same call either way, and
-  the mode's per-operation cost (about 10% of a step) is saved. ``invariant=False`` packs ``n``
+  the mode's per-operation cost (about 10% of a step) is saved. With ``prepack`` (the default; tiles of
+  more than one row, CPU fp32 / bf16) every plain ``nn.Linear`` computes its tiles on its weight
+  prepacked for ``rows`` rows (``kvstate.engine.invariant.prepacked``). ``invariant=False`` packs ``n``
   rows with plain kernels (the invariance tax's baseline; a row's bits then depend on ``n``).
 * ``Single`` (recurrent and hybrid families, compressed states, families whose decode needs
   more inputs than a token): one ``Engine.feed`` per stream and step, the path
