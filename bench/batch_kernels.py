@@ -5,7 +5,8 @@
   tile, on the other rows' contents, or on zero padding (what ``kvstate.engine.invariant`` relies on);
 * ``prepacked``: the same fixed-tile checks for the prepacked oneDNN kernel the packed decode uses
   (``kvstate._compat.kernels``), and the time of one 16-row tile by each weight (the output layer's
-  262144 x 640 included) with ``F.linear`` and with the prepacked kernel;
+  262144 x 640 included) with ``F.linear`` and with the prepacked kernel; and the body's products of 16
+  short prompts prefilled one by one, in one product, or in prepacked tiles (``prefill_body``);
 * ``elementwise``: element-wise kernels on ``[P, H]`` at ``P = 1`` against inside ``P`` rows, and, with
   ``P`` fixed, which rows differ from row 0 (the vector loop's scalar tail).
 
@@ -100,6 +101,40 @@ def linear(dtype: torch.dtype) -> list[dict[str, object]]:
     return rows
 
 
+LAYER = ((640, 1024), (640, 256), (640, 256), (1024, 640), (640, 2048), (640, 2048), (2048, 640))  # (K, N)
+
+
+def prefill_body(dtype: torch.dtype, prompts: int = 16, length: int = 22) -> dict[str, float]:
+    """The body's products of the default model (18 layers, weights from memory) for ``prompts`` prompts of
+    ``length`` tokens: each prompt alone with ``F.linear`` (today's canonical prefill), all rows in one
+    ``F.linear`` per weight (what transformers' continuous batching does), and all rows in prepacked tiles of
+    ``T`` rows (a packed prefill that keeps each prompt's bits: docs/batching.md, "Where continuous batching
+    still wins"); and one prompt alone in one prepacked tile. Milliseconds."""
+    gen = torch.Generator().manual_seed(3)
+    weights = [[torch.randn(N, K, generator=gen).to(dtype) for K, N in LAYER] for _ in range(18)]
+
+    def body(rows: int, times: int, T: int | None = None) -> float:
+        x = {K: torch.randn(T or rows, K, generator=gen).to(dtype) for K in (640, 1024, 2048)}
+        calls = [[product(W, T, True) if T else (lambda v, W=W: F.linear(v, W)) for W in layer] for layer in weights]
+        tiles = -(-rows // T) if T else 1
+
+        def run(_: torch.Tensor) -> torch.Tensor:
+            for _ in range(times * tiles):
+                for layer, fs in zip(weights, calls, strict=True):
+                    for W, f in zip(layer, fs, strict=True):
+                        f(x[W.shape[1]])
+            return x[640]
+
+        return milliseconds(run, x[640], 3)
+
+    total = prompts * length
+    out = {"each_prompt_alone_F.linear": body(length, prompts), "all_rows_one_F.linear": body(total, 1)}
+    out.update({f"all_rows_prepacked_tiles_of_{T}": body(total, 1, T) for T in (32, 64, 128)})
+    out["one_prompt_F.linear"] = body(length, 1)
+    out.update({f"one_prompt_prepacked_tile_of_{T}": body(length, 1, T) for T in (32, 64)})
+    return {"prompts": prompts, "length": length, **out}
+
+
 def elementwise(dtype: torch.dtype) -> dict[str, object]:
     gen = torch.Generator().manual_seed(1)
     one_row, fixed = [], []
@@ -128,6 +163,9 @@ def main() -> None:
             key = f"{str(dtype).removeprefix('torch.')}_threads{threads}"
             result[key] = {"linear": linear(dtype), "prepacked": prepacked(dtype), "elementwise": elementwise(dtype)}
             print(key, result[key]["prepacked"]["tile_of_16_cost"], flush=True)  # type: ignore[index]
+            if threads == 2:
+                result[key]["prefill_body_ms"] = prefill_body(dtype)  # type: ignore[index]
+                print(key, result[key]["prefill_body_ms"], flush=True)  # type: ignore[index]
     write_results("batch_kernels", result)
 
 
