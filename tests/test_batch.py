@@ -26,7 +26,7 @@ from kvstate._compat.kernels import tile_kernel
 from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, generate_many
 from kvstate.engine.decode import packable
 from kvstate.engine.invariant import tiled, tiled_linear
-from kvstate.errors import InputError
+from kvstate.errors import InputError, UnsupportedError
 from kvstate.selfcheck import bind
 from kvstate.testing.shrink import tiny_causal_lm
 from kvstate.testing.tiny import CONFIGS, IMAGE_TOKEN, RECURRENT, image_span, tiny_image
@@ -551,6 +551,29 @@ def test_a_tiled_row_depends_on_neither_its_place_nor_the_other_rows(dtype, rows
             assert torch.equal(tiled(others, weight, b, rows, packed)[place], reference), place
         padded = F.pad(x[:1], (0, 0, 0, rows - 1))
         assert torch.equal(reference, (packed(padded, b) if packed else F.linear(padded, weight, b))[0])
+
+
+def test_weights_that_cannot_be_prepacked_give_a_typed_error_before_any_stream_changed(monkeypatch):
+    from kvstate._compat import kernels
+
+    if not kernels.available():
+        pytest.skip("this torch has no oneDNN linear kernels")
+
+    def refuse(weight, rows):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    model = tiny_model("llama")  # fresh weights: nothing prepacked yet
+    requests = [BatchRequest(prompt(6 + i, seed=i)[0], max_new_tokens=3, top_logprobs=2) for i in range(2)]
+    scheduler = Scheduler(model, rows=ROWS)
+    handles = [scheduler.submit(r) for r in requests]
+    monkeypatch.setattr(kernels, "_reorder", refuse)
+    with pytest.raises(UnsupportedError) as info:
+        list(scheduler.run())
+    assert "--batch-prepack off" in str(info.value) and "not enough memory" in str(info.value)
+    assert all(not j.stream.fed and j.stream.live is None for j in scheduler._running)  # the forward never ran
+    monkeypatch.undo()  # memory again: the same scheduler goes on, each answer as a fresh scheduler gives it
+    done = {e.handle: answered(e.completion) for e in scheduler.run() if isinstance(e, Done)}
+    assert [done[h] for h in handles] == [answered(c) for c in generate_many(model, requests, rows=ROWS)]
 
 
 def test_the_packed_decode_runs_its_tiles_on_prepacked_weights_made_again_when_a_weight_changes():

@@ -50,6 +50,12 @@ def available() -> bool:
             and hasattr(ops, "_linear_pointwise"))
 
 
+def _reorder(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` ``[N, K]`` in oneDNN's blocked layout for products of ``rows`` rows (a copy)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
+
+
 def tile_kernel(weight: torch.Tensor, rows: int) -> Kernel | None:
     """The product ``kernel(x, bias)`` of ``x`` ``[rows, K]`` by ``weight`` ``[N, K]`` (``F.linear``'s
     layout) -> ``[rows, N]``, on ``weight`` prepacked for ``rows`` rows; None where none applies (one
@@ -61,9 +67,7 @@ def tile_kernel(weight: torch.Tensor, rows: int) -> Kernel | None:
     version = weight._version
     entry = held.get(rows)
     if entry is None or entry[0] != version:
-        with torch.no_grad():
-            entry = held[rows] = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
-                                                                                  rows))
+        entry = held[rows] = (version, _reorder(weight, rows))
     packed = entry[1]
 
     def kernel(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -36,6 +36,7 @@ from contextlib import ExitStack, nullcontext
 
 import torch
 
+from .._compat.kernels import tile_kernel
 from .._compat.packed import PackedCache, Unpackable, packed
 from .._compat.room import compact, reserve
 from ..adapters.binding import Live
@@ -94,6 +95,7 @@ class Packed:
 
     def step(self, streams: list[Stream], tokens: list[int]) -> list[torch.Tensor]:
         """Feed ``tokens[i]`` to ``streams[i]``; the logits row after it, per stream."""
+        self._prepack()
         engine, n = self.engine, len(streams)
         P = self.rows * -(-(n + self.spare) // self.rows) if self.invariant else n
         device = streams[0].state.device
@@ -150,6 +152,18 @@ class Packed:
             stream.live = stream.hold.enter_context(self.engine.runtime.attached(stream.state))
             reserve(stream.live.cache, stream.room)
         return stream.live
+
+    def _prepack(self) -> None:
+        """Make the tiles' prepacked weights before the forward (a lookup once made): a machine that cannot hold
+        the copy gets a typed error while every stream is still as it was, never a half-run forward."""
+        try:
+            for module in self.linears:
+                tile_kernel(module.weight, self.rows)
+        except (RuntimeError, MemoryError) as exc:
+            raise UnsupportedError("could not prepack the linear weights for the packed decode's tiles",
+                                   expected="memory for a copy of the linear weights",
+                                   found=f"{type(exc).__name__}: {str(exc)[:200]}",
+                                   fix="pass Scheduler(prepack=False) (kvstate serve --batch-prepack off)") from exc
 
     def _check(self, cache: PackedCache) -> None:
         """Every attention layer ran through the packed attention (else the rows saw each other)."""
