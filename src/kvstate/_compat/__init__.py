@@ -1,9 +1,10 @@
-"""Every contact with transformers internals lives in this package.
+"""Every contact with transformers internals (and with torch's private ops) lives in this package.
 
 ``versions`` holds the tested window (checked on ``import kvstate``), ``core`` the cache and
 model-side helpers, ``generation`` the seams of ``generate``, ``own_cache`` the models with a cache class of their own,
 ``scan`` the Mamba selective scan, ``watch`` the attention listener that compression scores with,
-``packed`` the batched decode forward and ``room`` its in-place appends (issue 25). ``core`` loads
+``packed`` the batched decode forward, ``room`` its in-place appends and ``kernels`` its tiles' prepacked
+products (issue 25). ``core`` loads
 on first attribute access, so the version gate runs before torch or transformers import.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("core", "generation", "own_cache", "packed", "room", "scan", "versions", "watch")
+_SUBMODULES = ("core", "generation", "kernels", "own_cache", "packed", "room", "scan", "versions", "watch")
 
 
 def __getattr__(name: str) -> Any:
