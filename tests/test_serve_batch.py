@@ -116,8 +116,8 @@ def test_a_full_queue_is_a_429_and_a_disconnect_leaves_the_server_healthy(tiny):
     assert finish in ("stop", "length") and text == ask_alone(model, tokenizer)
 
 
-def ask_alone(model, tokenizer) -> str:
-    messages = [{"role": "user", "content": f"Tell me about {TOPICS[0]}."}]
+def ask_alone(model, tokenizer, i: int = 0) -> str:
+    messages = [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}]
     return reference(model, tokenizer, Renderer(tokenizer).chat(messages).ids, 12)
 
 
@@ -269,9 +269,4 @@ def test_batch_prepack_chooses_the_tiles_kernels_and_either_answers_as_plain_gen
             for t in threads:
                 t.join(timeout=300)
             assert together == [ask(client(url), 2 * i, False) for i in range(4)], prepack
-        assert together[1][0] == ask_alone_i(model, tokenizer, 2), prepack
-
-
-def ask_alone_i(model, tokenizer, i: int) -> str:
-    messages = [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}]
-    return reference(model, tokenizer, Renderer(tokenizer).chat(messages).ids, 12)
+        assert together[1][0] == ask_alone(model, tokenizer, 2), prepack

@@ -3,10 +3,10 @@ oneDNN ops ``mkldnn._reorder_linear_weight`` and ``mkldnn._linear_pointwise`` (t
 
 A decode tile is a product of ``rows`` (16) rows by each weight ``[N, K]``. ``F.linear`` picks its
 kernel per call and, for so few rows, leaves most of the CPU idle: on the default model's output
-layer (262k x 640, fp32, 2 threads) 16 rows took 69 ms against 31 ms for one. oneDNN, given the
-weight once in its own blocked layout for that row count, took 50 ms there and about half the
-time on the body's products; a decode step of 16 streams went from 162 to 132 ms (fp32) and from
-89 to 79 ms (bf16). Measured: ``bench/batch_kernels.py``, ``docs/batching.md``.
+layer (262k x 640, fp32, 2 threads) 16 rows took 70 ms against 31 ms for one. oneDNN, given the
+weight once in its own blocked layout for that row count, took 51 ms there and 30-60% less on
+the body's products; a decode step of 16 streams went from 165 to 137 ms (fp32) and from 89 to
+83 ms (bf16). Measured: ``bench/batch_kernels.py``, ``docs/batching.md``.
 
 What the tile contract needs holds as for ``F.linear`` (checked for fp32 and bf16, 1 and 2 threads,
 tiles of 2 to 64 rows, the default model's widths; ``tests/test_batch.py`` keeps checking it): with

@@ -36,7 +36,7 @@ from contextlib import ExitStack, nullcontext
 
 import torch
 
-from .._compat.kernels import tile_kernel
+from .._compat.kernels import Kernel, available, tile_kernel
 from .._compat.packed import PackedCache, Unpackable, packed
 from .._compat.room import compact, reserve
 from ..adapters.binding import Live
@@ -85,7 +85,7 @@ class Packed:
         self.engine, self.rows, self.invariant = engine, rows, invariant
         # the tile's products on prepacked weights (kvstate._compat.kernels); never for one-row tiles
         self.linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear] \
-            if invariant and prepack and rows > 1 else []
+            if invariant and prepack and rows > 1 and available() else []
         self.spare = not _tail_free(engine.model, rows)
         self.usable = True  # False once the model refused a packed forward (``Unpackable``)
         self.verified = False  # a packed forward ran with every check (the model's code path is fixed after)
@@ -95,7 +95,7 @@ class Packed:
 
     def step(self, streams: list[Stream], tokens: list[int]) -> list[torch.Tensor]:
         """Feed ``tokens[i]`` to ``streams[i]``; the logits row after it, per stream."""
-        self._prepack()
+        kernels = self._kernels()  # before the forward: nothing of a refused packing reaches a stream
         engine, n = self.engine, len(streams)
         P = self.rows * -(-(n + self.spare) // self.rows) if self.invariant else n
         device = streams[0].state.device
@@ -111,7 +111,7 @@ class Packed:
         tiles = tiled_linear(self.rows, P) if self.invariant and (self.rows < P or not self.plain) else nullcontext()
         try:
             with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles as mode, \
-                    prepacked(self.linears, self.rows, mode):
+                    prepacked(kernels, self.rows, mode):
                 logits = engine.model(**call).logits[0, :n]  # [n, V]
             self._check(cache)
             if not self.verified and mode is not None:
@@ -153,17 +153,17 @@ class Packed:
             reserve(stream.live.cache, stream.room)
         return stream.live
 
-    def _prepack(self) -> None:
-        """Make the tiles' prepacked weights before the forward (a lookup once made): a machine that cannot hold
-        the copy gets a typed error while every stream is still as it was, never a half-run forward."""
+    def _kernels(self) -> dict[torch.nn.Module, Kernel]:
+        """Each linear module's tile kernel (its weight prepacked once, then a lookup); modules without one keep
+        ``F.linear``. A machine that cannot hold the copy gets a typed error, before any forward."""
         try:
-            for module in self.linears:
-                tile_kernel(module.weight, self.rows)
+            found = {module: tile_kernel(module.weight, self.rows) for module in self.linears}
         except (RuntimeError, MemoryError) as exc:
             raise UnsupportedError("could not prepack the linear weights for the packed decode's tiles",
                                    expected="memory for a copy of the linear weights",
                                    found=f"{type(exc).__name__}: {str(exc)[:200]}",
                                    fix="pass Scheduler(prepack=False) (kvstate serve --batch-prepack off)") from exc
+        return {module: kernel for module, kernel in found.items() if kernel is not None}
 
     def _check(self, cache: PackedCache) -> None:
         """Every attention layer ran through the packed attention (else the rows saw each other)."""

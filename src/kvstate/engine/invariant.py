@@ -30,7 +30,7 @@ calls, and the census still counts their rows.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .._compat.kernels import Kernel, tile_kernel
+from .._compat.kernels import Kernel
 from .._compat.packed import Unpackable, attending
 
 
@@ -159,9 +159,9 @@ def tiled_linear(rows: int, packed: int | None = None) -> Iterator[TiledLinear]:
 
 
 @contextmanager
-def prepacked(linears: list[torch.nn.Module], rows: int, mode: TiledLinear | None = None) -> Iterator[None]:
-    """Inside, each of ``linears`` (plain ``nn.Linear`` modules) whose weight has a tile kernel
-    (``kvstate._compat.kernels``) computes its rows with it, in tiles of ``rows`` rows, on this thread.
+def prepacked(kernels: Mapping[torch.nn.Module, Kernel], rows: int, mode: TiledLinear | None = None) -> Iterator[None]:
+    """Inside, each module of ``kernels`` (plain ``nn.Linear`` modules, each with its weight's tile kernel from
+    ``kvstate._compat.kernels``) computes its rows with that kernel, in tiles of ``rows`` rows, on this thread.
 
     Module hooks, registered for the ``with`` block only: the pre-hook keeps the input and hands the
     module zero rows, the hook returns the tiled product. Forwards with the tiling ``mode`` and without
@@ -170,8 +170,7 @@ def prepacked(linears: list[torch.nn.Module], rows: int, mode: TiledLinear | Non
     owner = threading.get_ident()
 
     def before(module: torch.nn.Module, args: tuple) -> tuple | None:
-        if threading.get_ident() != owner or not args or args[0].dim() < 2 \
-                or tile_kernel(module.weight, rows) is None:
+        if threading.get_ident() != owner or not args or args[0].dim() < 2:
             return None
         kept[module] = args[0]
         return (args[0][..., :0, :], *args[1:])
@@ -182,9 +181,9 @@ def prepacked(linears: list[torch.nn.Module], rows: int, mode: TiledLinear | Non
             return None
         if mode is not None:
             mode.spans(x.numel() // x.shape[-1])
-        return tiled(x, module.weight, module.bias, rows, tile_kernel(module.weight, rows))
+        return tiled(x, module.weight, module.bias, rows, kernels[module])
 
-    handles = [h for m in linears for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    handles = [h for m in kernels for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
     try:
         yield
     finally:
