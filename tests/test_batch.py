@@ -261,15 +261,17 @@ def test_one_tile_forwards_skip_the_tiling_mode_after_the_census_with_the_same_b
 def test_one_row_tiles_are_session_decode_bitwise(arch, dtype):
     # with tiles of one row every product has Session's one-row decode shape: the packing itself (caches appended in
     # place, per-stream attention, positions) then changes no bit, and four conversations decode together as a Session
-    # decodes each. The tiny models have 2 K/V heads: their layers attend over strided views of the room.
+    # decodes each; a Session with the scheduler's prefill tile prefills each as the scheduler's packed prefill does.
+    # The tiny models have 2 K/V heads: their layers attend over strided views of the room.
     model = wide_llama(dtype) if arch == "wide llama" else model_in(arch, dtype)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
     requests = [BatchRequest(torch.randint(3, vocab, (7 + 30 * i,), generator=gen), max_new_tokens=5)
                 for i in range(4)]
     for request, completion in zip(requests, generate_many(model, requests, rows=1), strict=True):
-        out = Session(model).generate(torch.as_tensor(request.ids)[None], max_new_tokens=5, do_sample=False,
-                                      return_dict_in_generate=True, output_logits=True)
+        out = Session(model, prefill_rows=32).generate(torch.as_tensor(request.ids)[None], max_new_tokens=5,
+                                                       do_sample=False, return_dict_in_generate=True,
+                                                       output_logits=True)
         tokens = out.sequences[0].tolist()
         logprobs = [float(torch.log_softmax(step[0].float(), -1)[t])
                     for step, t in zip(out.logits, tokens, strict=True)]
@@ -320,12 +322,20 @@ def test_a_batch_state_continues_in_a_session_bitwise_as_a_cold_run(arch):
     requests = [BatchRequest(ids, max_new_tokens=6, inputs=inputs) for ids, inputs in made]
     for request, completion in zip(requests, generate_many(model, requests, rows=ROWS), strict=True):
         turn = torch.cat([torch.as_tensor(request.ids), torch.tensor(completion.tokens), prompt(4, seed=9)[0]])[None]
-        warm = Session(model, state=completion.state)
         options = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True,
                        **request.inputs)
-        a, b = warm.generate(turn, **options), Session(model).generate(turn, **options)
+        # a Session with the scheduler's prefill tile continues the batch state as its own cold run
+        warm = Session(model, state=completion.state, prefill_rows=32)
+        a, b = warm.generate(turn, **options), Session(model, prefill_rows=32).generate(turn, **options)
         assert torch.equal(a.sequences, b.sequences) and torch.equal(torch.cat(a.logits), torch.cat(b.logits))
         assert warm.last_plan.reused == 64 * (len(request.ids) // 64), len(request.ids)  # the canonical prompt
+        # a plain Session feeds slots of other kernels again, never reuses them; a hybrid (lfm2: conv layers)
+        # has no tiled prefill, so its states are the plain Session's
+        plain = Session(model, state=completion.state)
+        a, b = plain.generate(turn, **options), Session(model).generate(turn, **options)
+        assert torch.equal(a.sequences, b.sequences) and torch.equal(torch.cat(a.logits), torch.cat(b.logits))
+        tiled = completion.state.canonical_device == "cpu+tile32"
+        assert plain.last_plan.reused == (0 if tiled else warm.last_plan.reused) and tiled == (arch != "lfm2")
 
 
 def test_streamed_tokens_are_the_completion_and_a_waiting_request_can_be_cancelled():
@@ -400,7 +410,7 @@ def test_a_long_history_is_fed_in_pieces_between_the_running_streams_steps(arch)
     alone = generate_many(model, [long], **settings)[0]
     assert answered(done[late]) == answered(alone) and done[late].reused == alone.reused == 0
     assert_same_state(done[late].prefilled, alone.prefilled)
-    cold = Session(model, canonical_chunk=8)
+    cold = Session(model, canonical_chunk=8, prefill_rows=32)  # the scheduler's prefill tile (its default)
     cold.generate(long.ids[None], max_new_tokens=1, do_sample=False)
     # a generate's state keeps its own checkpoints (recurrent layers); every slot and logit is the same
     assert_same_state(replace(done[late].prefilled, checkpoints=()), replace(cold.state, checkpoints=()))
@@ -564,16 +574,25 @@ def test_weights_that_cannot_be_prepacked_give_a_typed_error_before_any_stream_c
 
     model = tiny_model("llama")  # fresh weights: nothing prepacked yet
     requests = [BatchRequest(prompt(6 + i, seed=i)[0], max_new_tokens=3, top_logprobs=2) for i in range(2)]
+    # the prefill's tiles: each request fails on its own, with the fix, and nothing ran for it
     scheduler = Scheduler(model, rows=ROWS)
     handles = [scheduler.submit(r) for r in requests]
     monkeypatch.setattr(kernels, "_reorder", refuse)
+    events = list(scheduler.run())
+    assert [e.handle for e in events] == handles and all(isinstance(e, Failed) for e in events)
+    assert all(isinstance(e.error, UnsupportedError) and "--batch-prefill-rows 0" in str(e.error)
+               and "not enough memory" in str(e.error) for e in events)
+    # the decode's tiles (prompts prefilled without tiles): the step raises before any stream changed
+    scheduler = Scheduler(model, rows=ROWS, prefill_rows=0)
+    handles = [scheduler.submit(r) for r in requests]
     with pytest.raises(UnsupportedError) as info:
         list(scheduler.run())
     assert "--batch-prepack off" in str(info.value) and "not enough memory" in str(info.value)
     assert all(not j.stream.fed and j.stream.live is None for j in scheduler._running)  # the forward never ran
     monkeypatch.undo()  # memory again: the same scheduler goes on, each answer as a fresh scheduler gives it
     done = {e.handle: answered(e.completion) for e in scheduler.run() if isinstance(e, Done)}
-    assert [done[h] for h in handles] == [answered(c) for c in generate_many(model, requests, rows=ROWS)]
+    fresh = generate_many(model, requests, rows=ROWS, prefill_rows=0)
+    assert [done[h] for h in handles] == [answered(c) for c in fresh]
 
 
 def test_the_packed_decode_runs_its_tiles_on_prepacked_weights_made_again_when_a_weight_changes():

@@ -179,7 +179,7 @@ def check_model_object(model: torch.nn.Module) -> None:
 
 def check_settings(**settings: int | None) -> None:
     rules = {"chunk_size": 1, "canonical_chunk": 0, "sliding_reserve": 0, "max_checkpoints": 0,
-             "checkpoint_every": 1}
+             "checkpoint_every": 1, "prefill_rows": 0}
     for name, value in settings.items():
         if value is None and name == "checkpoint_every":
             continue

@@ -32,7 +32,8 @@ from . import resume
 from .adapters.fingerprinting import fingerprint
 from .adopt import adopt, check_session_args, check_weights
 from .engine import Engine, Feed, FeedSettings, Outcome
-from .errors import StoreWarning
+from .engine.prefill import tile_of
+from .errors import InputError, StoreWarning
 from .identity import Fingerprint
 from .protocols import PrefixCache, StateSource
 from .request import (
@@ -84,6 +85,11 @@ class Session:
         sources: more prefix caches after the session's own state and ``store`` (``PrefixCache``:
             the server's pool, another store); each is asked for prefixes and offered new states.
         state: start from this state instead of an empty one (checked against the model).
+        prefill_rows: run prefill chunks as tiled forwards whose matrix products take this many rows at a
+            time (``kvstate.engine.prefill``): the chunk computation a ``Scheduler`` with the same
+            ``prefill_rows`` makes, alone or packed with other prompts, so its states continue here bit
+            for bit (and this session's continue there). 0 (the default): plain forwards. States record
+            the kernels (``State.canonical_device``); a resume reuses only slots of the same ones.
 
     A session is used by one thread at a time; sessions that share a model may run
     in different threads (the engine serializes their runs on that model).
@@ -93,11 +99,12 @@ class Session:
                  chunk_size: int = 512, canonical_chunk: int | None = None, sliding_reserve: int = 64,
                  max_checkpoints: int = 16, checkpoint_every: int | None = None, store: PrefixCache | None = None,
                  sources: Sequence[PrefixCache] = (), state: State | None = None,
-                 canonical_marks: Sequence[int] = (), _fingerprint: Fingerprint | None = None) -> None:
+                 canonical_marks: Sequence[int] = (), prefill_rows: int = 0, _prepack: bool = True,
+                 _invariant: bool = True, _fingerprint: Fingerprint | None = None) -> None:
         marks = check_marks(canonical_marks)
         canonical_chunk = default_chunk(marks) if canonical_chunk is None else canonical_chunk
         check_settings(chunk_size=chunk_size, canonical_chunk=canonical_chunk, sliding_reserve=sliding_reserve,
-                        max_checkpoints=max_checkpoints, checkpoint_every=checkpoint_every)
+                       max_checkpoints=max_checkpoints, checkpoint_every=checkpoint_every, prefill_rows=prefill_rows)
         check_model_object(model)
         check_session_args(tokenizer, state)
         self.model = model
@@ -108,6 +115,7 @@ class Session:
         self.canonical_chunk = 0 if self._binding.caps.stepwise else canonical_chunk
         self.canonical_marks = marks
         self.max_checkpoints, self.checkpoint_every = max_checkpoints, checkpoint_every
+        self.prefill_rows, self._prepack, self._invariant = prefill_rows, _prepack, _invariant
         self.store = store  # may be replaced or set to None later; it is read on every call
         self.sources: tuple[PrefixCache, ...] = tuple(sources)
         self._fingerprint = _fingerprint or fingerprint(model, tokenizer)
@@ -189,14 +197,14 @@ class Session:
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: torch.nn.Module, *, cast_dtype: bool = False,
              tokenizer: object | None = None, chunk_size: int = 512, canonical_chunk: int | None = None,
-             canonical_marks: Sequence[int] | None = None) -> Session:
+             canonical_marks: Sequence[int] | None = None, prefill_rows: int | None = None) -> Session:
         """A session on ``model`` continuing the state saved at ``path``.
 
         The state is checked against the model (fingerprint, layers, heads, dtype) and
         moved to the model's device. ``cast_dtype=True`` opts in to casting a state of
         another dtype; the cast is recorded in ``state.metadata``. ``canonical_chunk``
-        and ``canonical_marks`` default to the schedule the state was fed with, so its canonical slots
-        stay reusable.
+        , ``canonical_marks`` and ``prefill_rows`` default to the schedule the state was fed with, so its
+        canonical slots stay reusable.
         """
         from .io import load_state
 
@@ -207,8 +215,10 @@ class Session:
         marks = state.canonical_marks if canonical_marks is None else canonical_marks
         if canonical_chunk is None:
             canonical_chunk = state.canonical_chunk or None
+        if prefill_rows is None:
+            prefill_rows = tile_of(state.canonical_device)
         return cls(model, tokenizer=tokenizer, chunk_size=chunk_size, canonical_chunk=canonical_chunk,
-                   sliding_reserve=reserve, state=state, canonical_marks=marks)
+                   sliding_reserve=reserve, state=state, canonical_marks=marks, prefill_rows=prefill_rows)
 
     # ----- feeding tokens --------------------------------------------------------------
     def extend(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None, *,
@@ -234,6 +244,33 @@ class Session:
         new = self._engine.feed(state, feed, self._settings()).with_checkpoint(self.max_checkpoints)
         self._commit(new.with_media(state, ext.media))
         return new.last_logits.clone()  # type: ignore[union-attr]
+
+    @staticmethod
+    def extend_many(sessions: Sequence[Session], input_ids: Sequence[IdsLike]) -> None:
+        """``sessions[i].extend(input_ids[i])`` for every ``i`` (text ids ``[1, Q_i]``), the chunks of each
+        round packed into one forward where the sessions' ``prefill_rows`` tile them: each session's state
+        is bitwise what its own ``extend`` gives. The sessions share one model and their settings. Every
+        input is checked before any forward; on a failure no session changes."""
+        if not sessions:
+            return
+        first = sessions[0]
+        if any(s.model is not first.model or s._settings() != first._settings() for s in sessions) or \
+                len(input_ids) != len(sessions):
+            raise InputError("extend_many takes sessions of one model and settings, one ids each",
+                             expected=f"{len(sessions)} ids for sessions of one model and settings",
+                             found=f"{len(input_ids)} ids", fix="group the sessions by model and settings")
+        states, feeds, media = [], [], []
+        for session, given in zip(sessions, input_ids, strict=True):
+            session._check_weights()
+            ids = session._ids(given)
+            state = session._state_for_batch(ids.shape[0])
+            ext = validate_extension(session._binding, state, ids, None, None, {})
+            states.append(state)
+            feeds.append(Feed(ext.ids, ext.mask, ext.positions, ext.inputs, ext.spans))
+            media.append(ext.media)
+        new = first._engine.feed_many(states, feeds, first._settings())
+        for session, old, state, items in zip(sessions, states, new, media, strict=True):
+            session._commit(state.with_checkpoint(session.max_checkpoints).with_media(old, items))
 
     def generate(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None,
                  **generate_kwargs: Any) -> Any:
@@ -323,7 +360,7 @@ class Session:
         external = [] if request.query is None else [(n, resume.Guarded(s)) for n, s in self._caches()]
         return resume.choose([*own, *external], request, self._empty(request.batch_size),
                              rollback=self._binding.caps.rollback,
-                             schedule=self._schedule(),
+                             schedule=self._schedule(request.batch_size),
                              adopt=lambda found: self._adopt(found.to(self.device)))
 
     def _offer(self, outcome: Outcome, request: Request) -> None:
@@ -353,10 +390,11 @@ class Session:
 
     def _settings(self) -> FeedSettings:
         return FeedSettings(self.chunk_size, self.checkpoint_every, self.max_checkpoints, self.canonical_chunk,
-                            self.canonical_marks)
+                            self.canonical_marks, self.prefill_rows, self._prepack, self._invariant)
 
-    def _schedule(self) -> Canonical:
-        return Canonical(self.canonical_chunk, self.device.type, self.canonical_marks)
+    def _schedule(self, batch_size: int | None = None) -> Canonical:
+        batch = self._state.batch_size if batch_size is None else batch_size
+        return Canonical(self.canonical_chunk, self._engine.kernels(batch, self._settings()), self.canonical_marks)
 
     def _ids(self, input_ids: IdsLike) -> torch.Tensor:
         return as_ids(input_ids, self.device, vocab_size(self.model))

@@ -1,17 +1,20 @@
-"""A packed decode forward: the next token of several conversations in one forward of batch 1 (issue 25).
+"""A packed forward: the rows of several conversations in one forward of batch 1 (issue 25): the next
+token of each (a decode step), or a prefill chunk of each.
 
-The rows of ``n`` conversations are laid side by side as one sequence ``[1, P]`` (``P >= n``;
-rows past ``n`` are padding), each with its own ``position_ids``. Two transformers seams keep
-the conversations apart:
+Conversation ``i``'s rows are a segment ``[start_i, start_i + n_i)`` of one sequence ``[1, P]`` (rows
+after the last segment are padding), each row with its own ``position_ids``. Two transformers seams
+keep the conversations apart:
 
-* the cache is a ``PackedCache``: ``update`` hands each conversation's key/value row
-  ``[1, Hkv, 1, D]`` to that conversation's own ``DynamicCache`` (what the conversation alone
+* the cache is a ``PackedCache``: ``update`` hands each conversation's key/value rows
+  ``[1, Hkv, n_i, D]`` to that conversation's own ``DynamicCache`` (what the conversation alone
   would append) and keeps the K/V each returns (for a sliding layer, the visible window);
 * the attention function ``kvstate_packed`` (registered in ``AttentionInterface`` on first use,
   never at import) runs the model's own attention once per conversation, over that
-  conversation's K/V only, with the shapes it has alone and no mask (one query row sees every
-  key its cache returns). Its name is not a mask function's name, so transformers builds no
-  mask (``masking_utils`` exits early for such backends).
+  conversation's K/V only, with the shapes it has alone. One query row sees every key its cache
+  returns (no mask); a chunk of ``n > 1`` rows gets a causal mask built here from ``n``, the key
+  count and the layer's sliding window (``segment_mask``), a function of the segment alone. The
+  backend's name is not a mask function's name, so transformers builds no mask (``masking_utils``
+  exits early for such backends).
 
 Segment metadata reaches the attention function through a thread-local set by ``packed``;
 nothing is patched, and the model runs its own backend again when ``packed`` exits. A model that
@@ -44,22 +47,30 @@ class Unpackable(UnsupportedError):
 
 
 class PackedCache:
-    """The cache of a packed forward: ``caches[i]`` is conversation ``i``'s ``DynamicCache``, fed one row
-    (row ``i`` of the packed sequence); rows from ``len(caches)`` on are padding and stored nowhere."""
+    """The cache of a packed forward: ``caches[i]`` is conversation ``i``'s ``DynamicCache``, fed rows
+    ``segments[i]`` (``(start, n)``; by default row ``i`` alone, a decode step) of the packed sequence;
+    rows outside every segment are padding and stored nowhere. ``windows``: each layer's sliding window
+    (None: full attention), for the masks of chunks of more than one row."""
 
-    def __init__(self, caches: Sequence[Any], verify: bool = True) -> None:
+    def __init__(self, caches: Sequence[Any], verify: bool = True,
+                 segments: Sequence[tuple[int, int]] | None = None, windows: Sequence[int | None] = ()) -> None:
         self.caches = list(caches)
+        self.segments = [(i, 1) for i in range(len(self.caches))] if segments is None else list(segments)
+        self.windows = list(windows)
         self.verify = verify  # check that each layer attends with the K/V its cache returned
         self.seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.attended: set[int] = set()  # layers whose attention ran through kvstate_packed
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states, value_states: [1, Hkv, P, D]; row i belongs to conversation i
-        self.seen[layer_idx] = [cache.update(key_states[:, :, i:i + 1].contiguous(),
-                                             value_states[:, :, i:i + 1].contiguous(), layer_idx)
-                                for i, cache in enumerate(self.caches)]
+        # key_states, value_states: [1, Hkv, P, D]; the rows of segment i belong to conversation i
+        self.seen[layer_idx] = [cache.update(key_states[:, :, s:s + n].contiguous(),
+                                             value_states[:, :, s:s + n].contiguous(), layer_idx)
+                                for (s, n), cache in zip(self.segments, self.caches, strict=True)]
         return key_states, value_states
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if layer < len(self.windows) else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         # the conversations have different lengths: a model that asks for one cannot be packed
@@ -88,7 +99,7 @@ def _own_attention(module: Any, name: str) -> Callable[..., Any]:
 
 def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """``query`` ``[1, H, P, D]``: row ``i`` attends over conversation ``i``'s own K/V; padding rows give 0."""
+    """``query`` ``[1, H, P, D]``: segment ``i`` attends over conversation ``i``'s own K/V; padding rows give 0."""
     cache: PackedCache = _LOCAL.cache
     layer = getattr(module, "layer_idx", None)
     if layer not in cache.seen:  # K/V that did not come through this forward's cache update (shared layers)
@@ -98,26 +109,42 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     outs = []
     _LOCAL.attending = True
     try:
-        for i, (k, v) in enumerate(cache.seen[layer]):
+        for (s, n), (k, v) in zip(cache.segments, cache.seen[layer], strict=True):
             if cache.verify:
-                _check_same(key, k, i)
-                _check_same(value, v, i)
-            out, _ = attend(module, query[:, :, i:i + 1].contiguous(), k, v, None, **kwargs)
-            outs.append(out)  # [1, 1, H, Dv]
+                _check_same(key, k, s, n)
+                _check_same(value, v, s, n)
+            mask = None if n == 1 else segment_mask(n, k.shape[2], cache.window(layer), query.dtype, query.device)
+            out, _ = attend(module, query[:, :, s:s + n].contiguous(), k, v, mask, **kwargs)
+            outs.append(out)  # [1, n, H, Dv]
     finally:
         _LOCAL.attending = False
-    P = query.shape[2]
-    if len(outs) < P:
-        outs.append(outs[0].new_zeros(1, P - len(outs), *outs[0].shape[2:]))
+    P, used = query.shape[2], sum(n for _, n in cache.segments)
+    if used < P:
+        outs.append(outs[0].new_zeros(1, P - used, *outs[0].shape[2:]))
     cache.attended.add(layer)
     return torch.cat(outs, dim=1), None
 
 
-def _check_same(packed_rows: torch.Tensor, own: torch.Tensor, i: int) -> None:
-    """Row ``i`` of the K (or V) the model attends with ``[1, Hkv, P, D]`` is the newest slot of stream ``i``'s
-    cache ``[1, Hkv, S, D]``; a model that transforms what its cache returns (MLA's latents) cannot be packed."""
-    same = packed_rows.shape[1] == own.shape[1] and packed_rows.shape[3] == own.shape[3]
-    if not same or not torch.equal(packed_rows[:, :, i], own[:, :, -1]):
+def segment_mask(n: int, keys: int, window: int | None, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """The additive mask ``[1, 1, n, keys]`` of ``n`` new rows over the ``keys`` K/V their cache returned (the
+    last ``n`` are theirs): a row sees the keys up to itself, and with a sliding ``window`` only the last
+    ``window`` of those (transformers' convention: query ``q`` sees key ``k`` when ``q - window < k <= q``)."""
+    q = torch.arange(keys - n, keys, device=device)[:, None]
+    k = torch.arange(keys, device=device)[None]
+    visible = k <= q
+    if window is not None:
+        visible &= k > q - window
+    mask = torch.zeros(n, keys, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def _check_same(packed_rows: torch.Tensor, own: torch.Tensor, start: int, n: int) -> None:
+    """Rows ``[start, start + n)`` of the K (or V) the model attends with ``[1, Hkv, P, D]`` are the newest
+    slots of their stream's cache ``[1, Hkv, S, D]``; a model that transforms what its cache returns (MLA's
+    latents) cannot be packed."""
+    same = packed_rows.shape[1] == own.shape[1] and packed_rows.shape[3] == own.shape[3] and own.shape[2] >= n
+    if not same or not torch.equal(packed_rows[:, :, start:start + n], own[:, :, own.shape[2] - n:]):
         raise Unpackable("the model attends with K/V other than its cache returns", found=tuple(own.shape),
                          fix="decode one conversation per forward")
 

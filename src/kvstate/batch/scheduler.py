@@ -4,18 +4,22 @@
 steps. At each step boundary it drops cancelled requests, admits waiting ones while fewer
 than ``max_batch`` run, then runs one decode step for every running stream:
 
-* **admission** prefills the request's whole history through ``Session.run`` (the canonical
-  schedule, its prefix sources, media, validation: the same forwards a ``Session`` runs), so the
-  prefilled ``State`` is ``Session``'s bit for bit, and picks the first token from its logits. With
-  ``prefill_tokens``, a history longer than that is fed in pieces that end at cuts of the schedule,
-  about ``prefill_tokens`` tokens a step (``Session.take_prefix``, ``extend``, then ``run``): the
-  same forwards, spread over steps, so one long prompt never holds the running streams for its
-  whole prefill;
+* **admission** plans each request as a ``Session`` with the scheduler's ``prefill_rows`` does
+  (``Session.take_prefix``: its prefix sources, validation), feeds the rest of every history
+  admitted in the step together (``Session.extend_many``: the chunks of a round in one tiled
+  forward, each chunk with the bits it gets alone; ``kvstate.engine.prefill``), then runs
+  ``Session.run`` on each history, which finds it fed and picks the first token from its logits.
+  So the prefilled ``State`` is that ``Session``'s bit for bit. Media prompts and non-canonical
+  feeds run ``Session.run`` alone. A prompt that shares a whole chunk with one admitted in the
+  same step waits a step and resumes from that one's state (a shared system prompt is computed
+  once). With ``prefill_tokens``, a history longer than that is fed in pieces that end at cuts of
+  the schedule, about ``prefill_tokens`` tokens a step: the same forwards, spread over steps, so one
+  long prompt never holds the running streams for its whole prefill;
 * **a decode step** feeds every stream's last token in one packed forward (attention-only
   families) or one forward per stream (the rest; ``kvstate.engine.decode``) and picks each
   stream's next token with its own ``Sampler``.
 
-Why a row is what it is alone: a prompt's forwards hold only that prompt; a packed forward has
+Why a row is what it is alone: a prompt's chunk is tiled and attends per prompt; a packed forward has
 a fixed tile shape, its matrix products run per tile and its attention per stream
 (``docs/batching.md`` has the measurements); sampling sees one row and one generator. A
 finished request's ``Completion`` carries its tokens, log-probabilities and its ``State`` after
@@ -28,7 +32,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import deque
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -132,6 +136,7 @@ class _Job:
         self.session: Any = None  # a history fed in pieces: its Session, the ids [1, L], the cuts left
         self.ids: torch.Tensor | None = None
         self.cuts: deque[int] = deque()
+        self.end: int | None = None  # the history's length for a canonical feed (None: Session.run feeds it)
 
 
 class Scheduler:
@@ -148,6 +153,10 @@ class Scheduler:
             bf16, ``rows > 1``; ``kvstate._compat.kernels``): a decode step of the default model about
             20% faster in fp32, for a copy of the linear weights (1.1 GB there). False: ``F.linear``'s
             kernels (other bits, as another ``rows`` gives).
+        prefill_rows: the prefill's tile: prompt chunks run in tiled forwards whose products take this many
+            rows at a time (``kvstate.engine.prefill``), and the chunks of the prompts admitted in one step
+            share one forward, each with the bits it gets alone; the states are ``Session(prefill_rows=...)``'s.
+            0: each prompt in plain forwards of its own (``Session``'s default kernels).
         prefill_tokens: a step feeds about this many prompt tokens (one canonical chunk at least): it
             admits prompts until that many were admitted, and a longer history is fed in pieces over
             several steps, so the running streams' next tokens never wait for a burst of prefills or one
@@ -159,17 +168,19 @@ class Scheduler:
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
-                 prepack: bool = True, prefill_tokens: int | None = None, share_prefixes: bool = True,
+                 prepack: bool = True, prefill_rows: int = 32, prefill_tokens: int | None = None,
+                 share_prefixes: bool = True,
                  canonical_chunk: int | None = None, chunk_size: int = 512, canonical_marks: Sequence[int] = (),
                  sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None) -> None:
         from ..adapters.fingerprinting import fingerprint as digest
         from ..selfcheck import bind
 
         budget = 1 if prefill_tokens is None else prefill_tokens
-        for name, value in (("max_batch", max_batch), ("rows", rows), ("prefill_tokens", budget)):
-            if not _int_in(value, 1, None):
-                raise InputError(f"Scheduler {name} must be a positive int", expected=">= 1", found=repr(value),
-                                 fix=f"pass {name}=8, say")
+        for name, value, low in (("max_batch", max_batch, 1), ("rows", rows, 1), ("prefill_tokens", budget, 1),
+                                 ("prefill_rows", prefill_rows, 0)):
+            if not _int_in(value, low, None):
+                raise InputError(f"Scheduler {name} must be an int >= {low}", expected=f">= {low}",
+                                 found=repr(value), fix=f"pass {name}=8, say")
         self.model, self.max_batch, self.prefill_tokens = model, max_batch, prefill_tokens
         self.canonical_marks = check_marks(canonical_marks)
         self.canonical_chunk = default_chunk(self.canonical_marks) if canonical_chunk is None else canonical_chunk
@@ -178,8 +189,10 @@ class Scheduler:
         self.fingerprint = fingerprint or digest(model, tokenizer)
         self.engine = Engine(bind(model))
         self._packed = Packed(self.engine, rows, invariant, prepack)
+        self.prefill_rows, self._kernels = prefill_rows, (prepack, invariant)
         self._single = Single(self.engine, FeedSettings(chunk_size, canonical=self.canonical_chunk,
-                                                        marks=self.canonical_marks))
+                                                        marks=self.canonical_marks, tile=prefill_rows,
+                                                        prepack=prepack, invariant=invariant))
         self._handles = itertools.count()
         self._waiting: deque[_Job] = deque()
         self._feeding: deque[_Job] = deque()  # admitted; their histories are fed in pieces (FIFO)
@@ -246,24 +259,33 @@ class Scheduler:
         return list(self.stepping())
 
     def stepping(self) -> Iterator[Event]:
-        """``step``, yielding each event as soon as it happens (a first token right after its prefill)."""
+        """``step``, yielding each event as soon as it happens (the first tokens right after the prefill)."""
         yield from self._ends()
         # waiting prompts first, so a short one never waits for another's long history; then the histories
-        # being fed, the oldest one piece at least (none starves): a step feeds the budget plus one chunk
-        spent, started = 0, set()  # prompt tokens fed in this step; histories whose first piece it fed
-        while self._waiting and len(self._running) + len(self._feeding) < self.max_batch and self._room(spent):
-            job = self._waiting.popleft()
+        # being fed, the oldest one piece at least (none starves): a step feeds the budget plus one chunk.
+        # Text prompts and pieces are fed together after admission (``_prefill``: packed where tiled)
+        spent, started, work = 0, set(), []  # prompt tokens fed; histories whose first piece it fed; (job, end)
+        while self._waiting and len(self._running) + len(self._feeding) + len(work) < self.max_batch \
+                and self._room(spent):
+            job = self._waiting[0]
             try:
                 pieces = self._pieces(job, spent)
+                if not pieces and self._start(job, work):  # it shares a chunk with a prompt fed in this step:
+                    break  # next step, it resumes from that prompt's state (computed once)
             except Exception as exc:  # the request's own input failed: the batch goes on without it
+                self._waiting.popleft()
                 yield Failed(job.handle, exc)
                 continue
+            self._waiting.popleft()
             if pieces:
                 self._feeding.append(job)
                 started.add(job.handle)
-                spent += yield from self._feed(job, spent)
+                spent += self._piece(job, spent, work)
                 continue
             spent += torch.as_tensor(job.request.ids).shape[-1]
+            if job.session is not None:
+                work.append((job, job.end))
+                continue
             try:
                 choice = self._admit(job)
             except Exception as exc:
@@ -273,7 +295,8 @@ class Scheduler:
         for k, job in enumerate(j for j in list(self._feeding) if j.handle not in started):
             if k and not self._room(spent):
                 break
-            spent += yield from self._feed(job, spent)
+            spent += self._piece(job, spent, work)
+        yield from self._prefill(work)
         for decoder in (self._packed, self._single):
             ending = self._cancelled | self._stopping  # asked during this step: they sit its decode out
             jobs = [j for j in self._running if j.decoder is decoder and j.handle not in ending]
@@ -292,47 +315,108 @@ class Scheduler:
 
         return Session(self.model, state=request.state, sources=(*request.sources, *self.sources),
                        chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
-                       canonical_marks=self.canonical_marks, _fingerprint=self.fingerprint)
+                       canonical_marks=self.canonical_marks, prefill_rows=self.prefill_rows,
+                       _prepack=self._kernels[0], _invariant=self._kernels[1], _fingerprint=self.fingerprint)
 
     def _pieces(self, job: _Job, spent: int) -> bool:
-        """Whether ``job``'s history goes through ``_feed``: text longer than this step may feed. Its session
-        then takes the longest prefix a source holds (``Session.take_prefix``), and ``job.cuts`` are the
-        chunk ends the engine would feed the rest with: none where that feed does not follow the canonical
-        schedule (a compressed state, one-token-per-forward families...), whose chunks pieces would change,
-        so ``_feed`` runs the rest at once."""
+        """Whether ``job``'s history is fed in pieces: text longer than this step may feed. Its session then
+        takes the longest prefix a source holds (``Session.take_prefix``), and ``job.cuts`` are the chunk ends
+        the engine would feed the rest with: none where that feed does not follow the canonical schedule (a
+        compressed state, one-token-per-forward families...), whose chunks pieces would change, so the rest
+        then runs at once (``job.end`` None)."""
         request, budget = job.request, self.prefill_tokens
         ids = torch.as_tensor(request.ids, dtype=torch.long).reshape(1, -1)
         if budget is None or ids.shape[1] <= budget - spent or request.inputs:
             return False
-        job.session, job.ids = self._session(request), ids.to(next(self.model.parameters()).device)
-        job.reused = T = job.session.take_prefix(job.ids)
-        cuts = self.engine.canonical_cuts(job.session.state, job.ids[:, T:], self._single.settings)
+        cuts = self._take(job)
         job.cuts = deque(cuts[:-1] if cuts else ())
         return True
 
-    def _feed(self, job: _Job, spent: int) -> Generator[Event, None, int]:
-        """Feed ``job``'s next piece (one cut at least, then every cut within this step's tokens), or, when
-        the rest fits or no cut is left, run its history to the first token. Returns the tokens fed."""
+    def _start(self, job: _Job, work: list[tuple[_Job, int | None]]) -> bool:
+        """Plan a text prompt admitted whole: its session takes the longest prefix a source holds, and the rest
+        is fed with this step's other prompts (``job.end``: the history's length; None where that feed does not
+        follow the canonical schedule: ``Session.run`` then feeds it alone). True (nothing admitted) when one of
+        its chunks is a chunk of a prompt in ``work``: the next step resumes from that prompt's state."""
+        if job.request.inputs:  # media: ``Session.run`` with the pixels
+            return False
+        cuts = self._take(job)
+        if cuts is None:
+            return False
+        for other, _ in work:
+            a, b = job.ids[0], other.ids[0]  # type: ignore[index]
+            n = min(a.shape[0], b.shape[0])
+            same = a[:n] == b[:n]
+            common = n if bool(same.all()) else int(same.int().argmin())
+            if cuts[0] <= common:
+                return True
+        return False
+
+    def _take(self, job: _Job) -> list[int] | None:
+        """``job``'s session, its history ``[1, L]`` and the prefix a source holds; the canonical chunk ends of
+        the rest (None: not a canonical feed; ``job.end`` then None, else ``L``)."""
+        ids = torch.as_tensor(job.request.ids, dtype=torch.long).reshape(1, -1)
+        job.session, job.ids = self._session(job.request), ids.to(next(self.model.parameters()).device)
+        job.reused = T = job.session.take_prefix(job.ids)
+        cuts = self.engine.canonical_cuts(job.session.state, job.ids[:, T:], self._single.settings)
+        job.end = None if cuts is None else ids.shape[1]
+        return cuts
+
+    def _piece(self, job: _Job, spent: int, work: list[tuple[_Job, int | None]]) -> int:
+        """Plan ``job``'s next piece into ``work``: one cut at least, then every cut within this step's tokens,
+        or, when the rest fits or no cut is left, the rest of its history. Returns the tokens it feeds."""
         session, ids = job.session, job.ids
         assert session is not None and ids is not None
         T, L = session.state.tokens_seen, ids.shape[1]
         left = (self.prefill_tokens or L) - spent
-        try:
-            if job.cuts and left < L - T:
+        end: int | None = job.end
+        if job.cuts and left < L - T:
+            end = job.cuts.popleft()
+            while job.cuts and job.cuts[0] - T <= left:
                 end = job.cuts.popleft()
-                while job.cuts and job.cuts[0] - T <= left:
-                    end = job.cuts.popleft()
-                session.extend(ids[:, T:end])
-                return end - T
-            self._feeding.remove(job)
-            choice = self._first(job, session, ids)
-        except Exception as exc:  # a failed piece commits nothing of the request; the batch goes on
+        work.append((job, end))
+        return (end or L) - T
+
+    def _prefill(self, work: list[tuple[_Job, int | None]]) -> Iterator[Event]:
+        """Feed every planned piece (``Session.extend_many``: one packed forward a round where the prefill
+        tiles allow), then start the jobs whose whole history is in (their first token from the prompt's
+        logits). A failure fails its own request only."""
+        feeds = [(job, end) for job, end in work if end is not None and end > job.session.state.tokens_seen]
+        failed = self._extend(feeds)
+        for job, end in work:
+            if job.handle in failed or (end is not None and end < job.ids.shape[1]):  # type: ignore[union-attr]
+                if job.handle in failed:
+                    if job in self._feeding:
+                        self._feeding.remove(job)
+                    yield Failed(job.handle, failed[job.handle])
+                continue  # a piece: the history goes on in a later step
             if job in self._feeding:
                 self._feeding.remove(job)
-            yield Failed(job.handle, exc)
-            return 0
-        yield from self._took(job, choice)
-        return L - T
+            try:
+                choice = self._first(job, job.session, job.ids)
+            except Exception as exc:  # a failed run commits nothing of the request; the batch goes on
+                yield Failed(job.handle, exc)
+                continue
+            yield from self._took(job, choice)
+
+    def _extend(self, feeds: list[tuple[_Job, int]]) -> dict[int, Exception]:
+        """Feed each job's history up to ``end``, together; where that fails, each alone (so only the failing
+        requests fail). Returns the failures by handle."""
+        from ..session import Session
+
+        def piece(job: _Job, end: int) -> torch.Tensor:
+            return job.ids[:, job.session.state.tokens_seen:end]  # type: ignore[index]
+
+        try:
+            Session.extend_many([job.session for job, _ in feeds], [piece(job, end) for job, end in feeds])
+            return {}
+        except Exception:
+            failed: dict[int, Exception] = {}
+            for job, end in feeds:
+                try:
+                    job.session.extend(piece(job, end))
+                except Exception as exc:
+                    failed[job.handle] = exc
+            return failed
 
     def _decode(self, decoder: Packed | Single, jobs: list[_Job]) -> list[torch.Tensor]:
         """One decode step of ``jobs``; a model that refuses its first packed forward decodes them one per

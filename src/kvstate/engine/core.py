@@ -44,6 +44,8 @@ from ..options import GenerateOptions
 from ..schedule import Canonical
 from ..state import State, next_position_after
 from .budgeted import run_budgeted
+from .feeding import FeedRun
+from .prefill import Piece, Tiled, tiled_for
 from .recorder import Forward, Recorder, model_lock
 from .values import Feed, FeedSettings, Outcome, finish_reasons
 
@@ -192,34 +194,44 @@ class Engine:
 
     # ----- internals ---------------------------------------------------------------------------
     def _run_feed(self, state: State, feed: Feed, settings: FeedSettings, chunk_size: int) -> State:
-        T, Q = state.tokens_seen, feed.ids.shape[1]
-        schedule = Canonical(settings.canonical, marks=settings.marks)
-        history = self._history(state, feed.ids, settings)
-        spans = (*((m.start, m.end) for m in state.media), *feed.spans)
-        ends = self._canonical_ends(state, feed.ids, settings, schedule, history, spans)
-        checkpointed = any(layer.checkpointed for layer in state.layers)
-        start = 0
-        while start < Q:
-            if ends is not None:
-                end = ends.pop(0) - T
-            else:
-                end = min(start + self._chunk(state, Q - start, settings, chunk_size, bool(feed.inputs),
-                                              checkpointed), Q)
-            inputs = feed.inputs if ends is None else self._chunk_inputs(feed, start, end)
-            state = self._forward(state, feed.ids[:, start:end], feed.mask[:, :T + end],
-                                  feed.positions[:, start:end], inputs, logits=end >= Q)
-            if ends is not None:  # every slot so far is the cold run's (issue 23); the last chunk's, unless
-                # the history ends inside an incomplete turn mark
-                kept = schedule.keeps(T + start, T + end, history) if end >= Q else T + end
-                state = replace(state, canonical=kept, canonical_chunk=settings.canonical,
-                                canonical_device=state.device.type, canonical_marks=settings.marks)
-            every = settings.checkpoint_every
-            # at every cut, the feed's end too when it is one whatever follows: a resume restarts there
-            cut = ends is not None and (end < Q or schedule.last_cut(T + end, spans, history) == T + end)
-            if checkpointed and (cut or (end < Q and every and state.tokens_seen % every == 0)):
-                state = state.with_checkpoint(settings.max_checkpoints)
-            start = end
-        return state
+        run, tiles = FeedRun(self, state, feed, settings, chunk_size), self.tiles(settings)
+        while not run.done:
+            run.advance(self._forward(run.state, *run.chunk(), tiles=tiles))
+        return run.state
+
+    def feed_many(self, states: list[State], feeds: list[Feed], settings: FeedSettings) -> list[State]:
+        """``feed`` of each ``feeds[i]`` after ``states[i]``, in lockstep: with a prefill tile
+        (``settings.tile``) the chunks of one round that fit run in one packed forward (at most
+        ``MAX_PACKED`` rows), each with the bits it gets alone (``kvstate.engine.prefill``)."""
+        with self.lock, torch.no_grad():
+            runs, tiles = [FeedRun(self, s, f, settings, settings.chunk_size) for s, f in zip(states, feeds,
+                                                                                         strict=True)], \
+                self.tiles(settings)
+            while active := [r for r in runs if not r.done]:
+                chunks = [(r, r.chunk()) for r in active]
+                tiled = [(r, c) for r, c in chunks if tiles is not None and tiles.fits(self, r.state, c[0], c[1], c[3])]
+                for group in _groups(tiled, MAX_PACKED):
+                    pieces = [Piece(r.state, ids, mask, positions, logits) for r, (ids, mask, positions, _, logits)
+                              in group]
+                    for (r, _), new in zip(group, self._tiled(tiles, pieces), strict=True):  # type: ignore[arg-type]
+                        r.advance(new)
+                for r, c in chunks:
+                    if all(r is not t for t, _ in tiled):
+                        r.advance(self._forward(r.state, *c))
+            for r in runs[-1:]:
+                self.runtime.restore(r.state.extras)
+        return [r.state for r in runs]
+
+    def tiles(self, settings: FeedSettings) -> Tiled | None:
+        """The prefill tiles of ``settings`` (None: plain forwards)."""
+        return tiled_for(self, settings.tile, settings.prepack, settings.invariant) if settings.tile else None
+
+    def kernels(self, batch_size: int, settings: FeedSettings) -> str:
+        """The label of the kernels a feed of ``batch_size`` rows runs its chunks on under ``settings``, as
+        canonical states record it: the device type, plus the prefill tile where the family runs one."""
+        device = next(self.model.parameters()).device.type
+        tiles = self.tiles(settings) if batch_size == 1 else None
+        return device if tiles is None or not tiles.usable(self) else tiles.label(device)
 
     def canonical_cuts(self, state: State, ids: torch.Tensor, settings: FeedSettings) -> list[int] | None:
         """The chunk ends (absolute; the last is ``T + Q``) of ``feed`` over the text ids ``[1, Q]`` after
@@ -238,7 +250,7 @@ class Engine:
         if settings.marks and ids.shape[0] != 1:  # one row's marks are not another's
             return None
         T = state.tokens_seen
-        if T and (state.canonical_for(settings.canonical, state.device.type, settings.marks) != T
+        if T and (state.canonical_for(settings.canonical, self.kernels(state.batch_size, settings), settings.marks) != T
                   or schedule.last_cut(T, spans, history) != T):
             return None
         return schedule.cuts(T, T + ids.shape[1], spans, history)
@@ -269,10 +281,13 @@ class Engine:
         return size
 
     def _forward(self, state: State, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 inputs: ModelInputs, logits: bool = True) -> State:
+                 inputs: ModelInputs, logits: bool = True, tiles: Tiled | None = None) -> State:
         """One forward over ``ids`` ``[B, q]``; ``mask`` ``[B, T + q]``; ``positions`` ``[B, q(, R)]``. Without
         ``logits`` (a feed's inner chunk: the next chunk replaces them) the output head is skipped and the
-        state's ``last_logits`` is None; the K/V are the same bits either way."""
+        state's ``last_logits`` is None; the K/V are the same bits either way. With ``tiles``, a chunk that
+        fits runs as a tiled forward of its own (``kvstate.engine.prefill``)."""
+        if tiles is not None and tiles.fits(self, state, ids, mask, inputs):
+            return self._tiled(tiles, [Piece(state, ids, mask, positions, logits)])[0]
         extra = self.runtime.forward_inputs(state.tokens, ids, inputs)
         with self.runtime.attached(state) as live:
             kwargs = dict(extra, input_ids=ids, attention_mask=_mask_arg(mask), use_cache=True, **self._keep_one(),
@@ -288,6 +303,14 @@ class Engine:
             if ids.shape[1] > 8:
                 self.seconds_per_token = (time.perf_counter() - begin) / ids.shape[1]
             return self._advance(state, ids, mask, recorder.fed(ids.shape[1]), live)
+
+    def _tiled(self, tiles: Tiled, pieces: list[Piece]) -> list[State]:
+        begin = time.perf_counter()
+        states = tiles.run(self, pieces)
+        rows = sum(p.ids.shape[1] for p in pieces)
+        if rows > 8:
+            self.seconds_per_token = (time.perf_counter() - begin) / rows
+        return states
 
     def _after_decode(self, state: State, live: Live, recorder: Recorder, new: torch.Tensor,
                       mask: torch.Tensor) -> State:
@@ -348,6 +371,23 @@ def _with_step_logits(kwargs: Mapping[str, Any], run: dict[str, object]) -> Mapp
     if not callable(getattr(streamer, "put_logits", None)):
         return kwargs
     return {**kwargs, "streamer": _StepLogits(streamer, run)}
+
+
+MAX_PACKED = 2048  # rows of one packed prefill forward: its activations stay small
+
+
+def _groups(items: list, limit: int) -> list[list]:
+    """``items`` (``(run, chunk)``) in consecutive groups of at most ``limit`` chunk rows (one item at least)."""
+    groups: list[list] = []
+    rows = limit
+    for item in items:
+        n = item[1][0].shape[1]
+        if rows + n > limit:
+            groups.append([])
+            rows = 0
+        groups[-1].append(item)
+        rows += n
+    return groups
 
 
 def _mask_arg(mask: torch.Tensor) -> torch.Tensor | None:

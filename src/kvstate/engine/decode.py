@@ -36,7 +36,7 @@ from contextlib import ExitStack, nullcontext
 
 import torch
 
-from .._compat.kernels import Kernel, available, tile_kernel
+from .._compat.kernels import Kernel, available
 from .._compat.packed import PackedCache, Unpackable, packed
 from .._compat.room import compact, reserve
 from ..adapters.binding import Live
@@ -44,11 +44,12 @@ from ..errors import UnsupportedError
 from ..layers import AttentionLayerState
 from ..state import State, next_position_after
 from .core import Engine
-from .invariant import prepacked, tiled_linear
+from .invariant import prepacked, tail_free, tile_kernels, tiled_linear
 from .recorder import Forward
 from .values import FeedSettings
 
 __all__ = ["Packed", "Single", "Stream", "Unpackable", "packable"]
+PREPACK_FIX = "pass Scheduler(prepack=False) (kvstate serve --batch-prepack off)"
 
 
 class Stream:
@@ -86,7 +87,7 @@ class Packed:
         # the tile's products on prepacked weights (kvstate._compat.kernels); never for one-row tiles
         self.linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear] \
             if invariant and prepack and rows > 1 and available() else []
-        self.spare = not _tail_free(engine.model, rows)
+        self.spare = not tail_free(engine.model, rows)
         self.usable = True  # False once the model refused a packed forward (``Unpackable``)
         self.verified = False  # a packed forward ran with every check (the model's code path is fixed after)
         self.plain = False  # the census: one-tile forwards compute the same bits without the tiling mode
@@ -154,16 +155,8 @@ class Packed:
         return stream.live
 
     def _kernels(self) -> dict[torch.nn.Module, Kernel]:
-        """Each linear module's tile kernel (its weight prepacked once, then a lookup); modules without one keep
-        ``F.linear``. A machine that cannot hold the copy gets a typed error, before any forward."""
-        try:
-            found = {module: tile_kernel(module.weight, self.rows) for module in self.linears}
-        except (RuntimeError, MemoryError) as exc:
-            raise UnsupportedError("could not prepack the linear weights for the packed decode's tiles",
-                                   expected="memory for a copy of the linear weights",
-                                   found=f"{type(exc).__name__}: {str(exc)[:200]}",
-                                   fix="pass Scheduler(prepack=False) (kvstate serve --batch-prepack off)") from exc
-        return {module: kernel for module, kernel in found.items() if kernel is not None}
+        """The tiles' kernels, made before the forward: nothing of a refused packing reaches a stream."""
+        return tile_kernels(self.linears, self.rows, PREPACK_FIX)
 
     def _check(self, cache: PackedCache) -> None:
         """Every attention layer ran through the packed attention (else the rows saw each other)."""
@@ -182,14 +175,6 @@ class Packed:
                                        found=self.engine.binding.caps.name, fix="use max_batch=1")
             stream.hold.close()
             stream.live = None
-
-
-def _tail_free(model: torch.nn.Module, rows: int) -> bool:
-    """Whether ``rows`` rows of every width of ``model`` fill whole 64-element vector blocks (no scalar tail)."""
-    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr, operator]
-    names = ("hidden_size", "intermediate_size", "head_dim", "vocab_size")
-    widths = [getattr(config, name, None) for name in names]
-    return all(isinstance(w, int) and rows * w % 64 == 0 for w in widths)
 
 
 class Single:

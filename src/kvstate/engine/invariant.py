@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .._compat.kernels import Kernel
+from .._compat.kernels import Kernel, tile_kernel
 from .._compat.packed import Unpackable, attending
+from ..errors import UnsupportedError
 
 
 def tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
@@ -189,3 +190,24 @@ def prepacked(kernels: Mapping[torch.nn.Module, Kernel], rows: int, mode: TiledL
     finally:
         for handle in handles:
             handle.remove()
+
+
+def tile_kernels(linears: list[torch.nn.Module], rows: int, fix: str) -> dict[torch.nn.Module, Kernel]:
+    """Each linear module's tile kernel (its weight prepacked once, then a lookup); modules without one keep
+    ``F.linear``. A machine that cannot hold the copy gets a typed error naming ``fix``, before any forward."""
+    try:
+        found = {module: tile_kernel(module.weight, rows) for module in linears}
+    except (RuntimeError, MemoryError) as exc:
+        raise UnsupportedError("could not prepack the linear weights for the packed forward's tiles",
+                               expected="memory for a copy of the linear weights",
+                               found=f"{type(exc).__name__}: {str(exc)[:200]}", fix=fix) from exc
+    return {module: kernel for module, kernel in found.items() if kernel is not None}
+
+
+def tail_free(model: torch.nn.Module, rows: int) -> bool:
+    """Whether ``rows`` rows of every width of ``model`` fill whole 64-element vector blocks (no scalar tail:
+    CPU element-wise kernels compute the last ``< 64`` elements of a tensor in a scalar loop)."""
+    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr, operator]
+    names = ("hidden_size", "intermediate_size", "head_dim", "vocab_size")
+    widths = [getattr(config, name, None) for name in names]
+    return all(isinstance(w, int) and rows * w % 64 == 0 for w in widths)

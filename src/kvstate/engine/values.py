@@ -27,13 +27,18 @@ class Feed:
 @dataclass(frozen=True)
 class FeedSettings:
     """How ``feed`` splits its work: the canonical chunk ``C`` (0: off), the longest forward when
-    the schedule is off, checkpoint spacing and checkpoints kept, and the schedule's turn marks."""
+    the schedule is off, checkpoint spacing and checkpoints kept, the schedule's turn marks, and
+    the prefill tile: chunks run in packed forwards whose products take ``tile`` rows at a time
+    (0: plain forwards; ``kvstate.engine.prefill``), on prepacked weights with ``prepack``."""
 
     chunk_size: int = 512
     checkpoint_every: int | None = None
     max_checkpoints: int = 16
     canonical: int = 0
     marks: tuple[int, ...] = ()
+    tile: int = 0
+    prepack: bool = True
+    invariant: bool = True  # False: pieces packed with plain kernels (the invariance tax's baseline)
 
 
 @dataclass(frozen=True)

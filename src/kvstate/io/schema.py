@@ -162,10 +162,10 @@ def _canonical(header: dict[str, Any], T: int) -> dict[str, Any]:
     marks = value[3] if isinstance(value, list) and len(value) == 4 else []
     if (not isinstance(value, list) or len(value) not in (3, 4) or not all(type(v) is int for v in value[:2])
             or not 0 <= value[0] <= T or not 0 <= value[1] <= 1 << 20 or not isinstance(value[2], str)
-            or len(value[2]) > 16 or not isinstance(marks, list) or len(marks) > 64
+            or len(value[2]) > 32 or not isinstance(marks, list) or len(marks) > 64
             or not all(type(t) is int and 0 <= t < 1 << 31 for t in marks) or (len(value) == 4 and not marks)):
         raise StateFileError("canonical is malformed",
-                             expected=f"[slots 0..{T}, chunk 0..2**20, device type(, 1-64 turn-mark token ids)]",
+                             expected=f"[slots 0..{T}, chunk 0..2**20, kernels label(, 1-64 turn-mark ids)]",
                              found=str(value)[:120], fix="re-save the state")
     if header.get("storage") != "exact":
         return {"canonical": 0, "canonical_chunk": 0, "canonical_device": ""}

@@ -55,12 +55,13 @@ class BatchRunner(Runner):
     """``Runner``'s queue, cancellation and pool, with batched decoding (see the module docstring)."""
 
     def __init__(self, *args: Any, max_batch: int = 8, rows: int = 16, invariant: bool = True, prepack: bool = True,
-                 prefill_tokens: int = 512, **kwargs: Any) -> None:
+                 prefill_rows: int = 32, prefill_tokens: int = 512, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.kernels = dict(prefill_rows=prefill_rows, _prepack=prepack, _invariant=invariant)
         # a step feeds about prefill_tokens prompt tokens (a burst of prompts, or a long history in pieces), so
         # running answers keep streaming; prefixes are shared through each key's pool namespace, never across keys
         self.scheduler = Scheduler(self.model, max_batch=max_batch, rows=rows, invariant=invariant,
-                                   prepack=prepack, prefill_tokens=prefill_tokens,
+                                   prepack=prepack, prefill_rows=prefill_rows, prefill_tokens=prefill_tokens,
                                    share_prefixes=False, canonical_chunk=self.canonical_chunk,
                                    canonical_marks=self.canonical_marks,
                                    chunk_size=self.chunk_size, fingerprint=self.fingerprint)

@@ -52,6 +52,11 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
                    help="on (default): the tiles' products run on weights prepacked for them (oneDNN; CPU float32 "
                    "and bfloat16): a decode step about 20%% faster, for a copy of the linear weights (1.1 GB for the "
                    "default model in float32); off: torch's F.linear kernels (answers as exact, other bits)")
+    s.add_argument("--batch-prefill-rows", type=non_negative, default=32, metavar="ROWS",
+                   help="with --max-batch: prompt chunks run in tiles of ROWS rows, and the prompts admitted in one "
+                   "step share one forward, each with the bits it gets alone (default 32); 0: each prompt in plain "
+                   "forwards of its own. A state records the tile: a conversation moved to a server with another "
+                   "tile is fed again, never resumed from other kernels' slots")
     s.add_argument("--max-request-bytes", type=positive, default=16 << 20, help="larger bodies get a 413")
     s.add_argument("--max-prompt-tokens", type=positive, default=8192, help="longer prompts get a 400")
     s.add_argument("--max-new-tokens", type=positive, default=2048, help="bound on a request's max_tokens")
@@ -88,7 +93,7 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
                         turn_marks=not args.no_turn_marks, max_batch=args.max_batch,
                         prefill_per_step=args.prefill_per_step,
                         batch_invariant=args.batch_invariance == "on", batch_prepack=args.batch_prepack == "on",
-                        reuse=not args.no_reuse)
+                        batch_prefill_rows=args.batch_prefill_rows, reuse=not args.no_reuse)
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings,
                     image_processor=image_processor(args.model))

@@ -86,6 +86,7 @@ class Runner:
         # turn marks: a settled answer ends where the next turn's cut is (``follow(job, text)``: those ids)
         self.canonical_chunk, self.canonical_marks, self.follow = canonical_chunk, canonical_marks, follow
         self.fingerprint = fingerprint(model, tokenizer)
+        self.kernels: dict[str, Any] = {}  # Session's prefill kernels (BatchRunner: the scheduler's)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstate-model")
         self._pending = 0
         self._jobs: set[Job] = set()  # queued or running, so close() can cancel them
@@ -183,13 +184,17 @@ class Runner:
         re-feeds only the tail since the last cut (issue 23). Runs on the model thread between jobs; a
         failure here costs the next turn that re-feed, never an answer."""
         try:
-            session = Session(self.model, state=state, chunk_size=self.chunk_size,
-                              canonical_chunk=self.canonical_chunk, canonical_marks=self.canonical_marks,
-                              _fingerprint=self.fingerprint)
+            session = Session(self.model, state=state, **self._session_settings())
             if session.settle(through):
                 self.pool.put(namespace, session.state)
         except Exception:  # an optimisation: the unsettled state is in the pool already; say why it failed
             logging.getLogger("kvstate.serve").warning("settling a reply failed", exc_info=True)
+
+    def _session_settings(self) -> dict[str, Any]:
+        """What every ``Session`` of this runner is built with: its states are one another's (and the
+        scheduler's, for ``BatchRunner``), so each resumes from the others' canonical slots."""
+        return dict(chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
+                    canonical_marks=self.canonical_marks, _fingerprint=self.fingerprint, **self.kernels)
 
     def _done(self, job: Job) -> None:
         with self._lock:
@@ -212,9 +217,7 @@ class Runner:
         ids = torch.tensor([job.prompt.ids], dtype=torch.long)
         store = self.store_for(job.namespace)
         sources = [self.pool.source(job.namespace), *(() if store is None else (store,))]
-        session = Session(self.model, sources=sources, chunk_size=self.chunk_size,
-                          canonical_chunk=self.canonical_chunk, canonical_marks=self.canonical_marks,
-                          _fingerprint=self.fingerprint)
+        session = Session(self.model, sources=sources, **self._session_settings())
         streamer = _Streamer(self.tokenizer, job)
         options = dict(job.request.options)
         if job.request.seed is not None:

@@ -35,6 +35,7 @@ class Settings:
     prefill_per_step: int = 512  # batched: prompt tokens a step feeds, about (kvstate.batch.Scheduler.prefill_tokens)
     batch_invariant: bool = True  # False: plain kernels in the batched forward (measures the invariance tax)
     batch_prepack: bool = True  # the tiles on prepacked weights (kvstate.batch.Scheduler.prepack)
+    batch_prefill_rows: int = 32  # the prefill's tile; 0: each prompt in plain forwards (Scheduler.prefill_rows)
     reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
 
 
@@ -72,6 +73,7 @@ class Server:
 
             self.runner: Runner = BatchRunner(*args, max_batch=settings.max_batch,
                                               invariant=settings.batch_invariant, prepack=settings.batch_prepack,
+                                              prefill_rows=settings.batch_prefill_rows,
                                               prefill_tokens=settings.prefill_per_step, **turns)
         else:
             self.runner = Runner(*args, **turns)

@@ -1,0 +1,175 @@
+"""Prefill chunks in tiles: one chunk's forward, or the chunks of many conversations packed into one
+forward, with the same bits for each (issue 25).
+
+A ``Piece`` is one conversation's chunk: its state before the chunk and the chunk's ids. ``Tiled``
+runs any number of pieces as one packed forward of batch 1 (``kvstate._compat.packed``): piece ``i``'s
+rows are a segment of the packed sequence, every matrix product outside attention runs in tiles of
+``rows`` rows (on weights prepacked for the tile where oneDNN has them; ``kvstate.engine.invariant``),
+and attention runs per piece over its own K/V with a causal (and sliding-window) mask built from the
+piece alone. So a piece's K/V and logits do not depend on which pieces share its forward, and one
+piece alone is the same computation: a ``Session`` whose feeds run their chunks this way
+(``FeedSettings.tile``) computes the bits a ``Scheduler`` computes for the same history packed with
+others. The output head runs on the pieces' last rows only (``logits_to_keep`` as indices), in tiles.
+
+Pieces must be attention-only, uncompressed, of batch 1 with no padding, with explicit position ids and
+no model inputs but the ids (``Tiled.fits``); the engine runs any other chunk as a plain forward.
+Whether the family fits at all is probed once, on two tokens (``Tiled.usable``), before any state is
+labelled with the tile: the label (``State.canonical_device``, ``kernels_label``) names the kernels.
+
+Shapes: a piece's ``ids`` ``[1, q]``, ``mask`` ``[1, T + q]``, ``positions`` ``[1, q(, R)]``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import _compat
+from .._compat.kernels import available
+from .._compat.packed import PackedCache, Unpackable, packed
+from ..layers import AttentionLayerState
+from ..state import State
+from .invariant import prepacked, tail_free, tile_kernels, tiled_linear
+from .recorder import Forward
+
+if TYPE_CHECKING:
+    from ..protocols import ModelInputs
+    from .core import Engine
+
+PREFILL_FIX = "pass prefill_rows=0 (Scheduler, Session; kvstate serve --batch-prefill-rows 0)"
+
+
+def kernels_label(device: str, rows: int) -> str:
+    """The name of the kernels a feed's chunks ran on, as states record it (``State.canonical_device``):
+    the device type, plus the prefill tile where chunks ran in tiles of ``rows`` rows."""
+    return f"{device}+tile{rows}" if rows else device
+
+
+def tile_of(label: str) -> int:
+    """The prefill tile a kernels label names (``kernels_label``); 0 for plain forwards."""
+    _, _, tail = label.partition("+tile")
+    digits = tail.split("/")[0]
+    return int(digits) if digits.isdigit() else 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One conversation's prefill chunk (see the module docstring); ``logits``: compute its last row's."""
+
+    state: State
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    logits: bool = True
+
+
+_TILED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, bool, bool], Tiled]] = \
+    weakref.WeakKeyDictionary()  # per model: every engine (one per Session) shares the probe and the packed weights
+
+
+def tiled_for(engine: Engine, rows: int, prepack: bool = True, invariant: bool = True) -> Tiled:
+    """The ``Tiled`` of ``engine``'s model for tiles of ``rows`` rows (made once per model and setting)."""
+    per_model = _TILED.setdefault(engine.model, {})
+    key = (rows, prepack, invariant)
+    if key not in per_model:
+        per_model[key] = Tiled(engine, rows, prepack, invariant)
+    return per_model[key]
+
+
+class Tiled:
+    """Prefill chunks in packed forwards with tiles of ``rows`` rows (see the module docstring). Holds no
+    engine: every method takes the engine of the model it was made for. ``invariant=False`` packs the
+    pieces with plain kernels (``Scheduler(invariant=False)``, the invariance tax's baseline): a piece's
+    bits then depend on its companions, and its states say so (``/mixed``)."""
+
+    def __init__(self, engine: Engine, rows: int, prepack: bool = True, invariant: bool = True) -> None:
+        self.rows, self.invariant = rows, invariant
+        self.linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear] \
+            if invariant and prepack and rows > 1 and available() else []
+        self.spare = not tail_free(engine.model, rows)
+        layers = engine.binding.layout.empty_layers(0)
+        self.windows = [layer.window if type(layer) is AttentionLayerState else None for layer in layers]
+        self._attention = {i for i, layer in enumerate(layers) if type(layer) is AttentionLayerState}
+        caps = engine.binding.caps
+        family = not caps.stepwise and caps.position_ids and caps.logits_to_keep and \
+            len(self._attention) == len(layers)
+        self._usable: bool | None = None if family else False
+
+    def usable(self, engine: Engine) -> bool:
+        """Whether this family's chunks run in tiles: attention-only, and a two-token packed forward (run once,
+        on an empty state) went through (else every chunk is a plain forward, and states say so)."""
+        if self._usable is None:
+            with engine.lock:
+                self._usable = self._probe(engine)
+        return self._usable
+
+    def label(self, device: str) -> str:
+        """The kernels label of chunks run here (``kernels_label``)."""
+        suffix = "" if self.linears else "/plain" if self.invariant else "/mixed"
+        return kernels_label(device, self.rows) + suffix
+
+    def fits(self, engine: Engine, state: State, ids: torch.Tensor, mask: torch.Tensor, inputs: ModelInputs) -> bool:
+        """Whether this chunk runs in tiles (the family is usable, and the chunk is a plain text piece)."""
+        if state.batch_size != 1 or state.is_compressed or inputs or not bool(mask.all()) or not self.usable(engine):
+            return False
+        return not engine.runtime.forward_inputs(state.tokens, ids, inputs)
+
+    def run(self, engine: Engine, pieces: list[Piece]) -> list[State]:
+        """The state after each piece, from one packed forward (``last_logits`` set where ``piece.logits``)."""
+        kernels = tile_kernels(self.linears, self.rows, PREFILL_FIX)  # before any forward
+        device = pieces[0].state.device
+        lengths = [p.ids.shape[1] for p in pieces]
+        starts = [sum(lengths[:i]) for i in range(len(pieces))]
+        P = self._padded(sum(lengths))
+        pad = P - sum(lengths)
+        ids = torch.cat([*(p.ids for p in pieces), pieces[0].ids.new_zeros(1, pad)], dim=1)
+        zeros = pieces[0].positions.new_zeros(1, pad, *pieces[0].positions.shape[2:])
+        positions = torch.cat([*(p.positions for p in pieces), zeros], dim=1)
+        keep = [s + n - 1 for s, n, p in zip(starts, lengths, pieces, strict=True) if p.logits]
+        with ExitStack() as hold:
+            lives = [hold.enter_context(engine.runtime.attached(p.state)) for p in pieces]
+            cache = PackedCache([live.cache for live in lives], segments=list(zip(starts, lengths, strict=True)),
+                                windows=self.windows)
+            call = {"input_ids": ids, "position_ids": engine.runtime.model_positions(positions), "use_cache": True,
+                    engine.cache_kwarg: cache}
+            if keep:  # the head's rows in whole tiles, the real ones never last (see ``spare``)
+                call["logits_to_keep"] = torch.tensor(keep + [P - 1] * (self._padded(len(keep)) - len(keep)),
+                                                      device=device)
+            head = nullcontext() if keep else _compat.without_logits(engine.model)
+            tiles = tiled_linear(self.rows, P) if self.invariant else nullcontext()
+            with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles as mode, \
+                    prepacked(kernels, self.rows, mode), engine.runtime.forward_context(), head:
+                out = engine.model(**call)
+            if cache.attended != self._attention:
+                raise Unpackable(f"{engine.binding.caps.name}: a tiled prefill needs every attention layer to "
+                                 "call transformers' attention interface", expected=sorted(self._attention),
+                                 found=sorted(cache.attended), fix=PREFILL_FIX)
+            logits = iter(out.logits[0, :len(keep)]) if keep else iter(())
+            return [engine._advance(p.state, p.ids, p.mask, Forward(p.positions, next(logits)[None].clone()
+                                                                  if p.logits else None), live)
+                    for p, live in zip(pieces, lives, strict=True)]
+
+    def _padded(self, n: int) -> int:
+        """Rows of a forward (or head) holding ``n`` real rows: whole tiles with a spare row where a scalar tail
+        could fall on a real one; exactly ``n`` with plain kernels."""
+        return self.rows * -(-(n + self.spare) // self.rows) if self.invariant else n
+
+    def _probe(self, engine: Engine) -> bool:
+        """Run two tokens in tiles on an empty state; False where the model refuses a packed forward."""
+        state = engine.empty(1, 0, None)
+        ids = torch.zeros(1, 2, dtype=torch.long, device=state.device)
+        mask = torch.ones(1, 2, dtype=torch.bool, device=state.device)
+        if engine.runtime.forward_inputs(state.tokens, ids, {}):
+            return False
+        feed = engine.feed_for(state, ids, mask, {})
+        try:
+            self.run(engine, [Piece(state, ids, mask, feed.positions)])
+        except Unpackable:
+            return False
+        finally:
+            engine.runtime.restore(state.extras)
+        return True
