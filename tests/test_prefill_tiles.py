@@ -105,3 +105,16 @@ def test_a_step_admits_its_prompts_in_one_packed_forward_and_defers_a_shared_chu
     assert forwards == [1]  # only its own chunk: the shared system prompt came from the first one's state
     done = [e.completion for e in [*first, *second, *scheduler.run()] if isinstance(e, Done)]
     assert len(done) == 6 and sorted(c.reused for c in done) == [0, 0, 0, 0, 0, 16]
+
+
+def test_the_head_runs_in_the_decodes_tile_and_the_body_in_the_prefills():
+    from kvstate._compat import kernels
+
+    if not kernels.available():
+        pytest.skip("this torch has no oneDNN linear kernels")
+    model = tiny_model("llama")  # fresh weights: nothing prepacked yet
+    Session(model, prefill_rows=32).extend(prompt(40, seed=3))
+    head = model.get_output_embeddings()
+    body = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
+    # one row per prompt reaches the head: its tile is the packed decode's (16), whose prepacked copy serves both
+    assert set(kernels._held(head.weight)) == {16} and all(set(kernels._held(m.weight)) == {32} for m in body)

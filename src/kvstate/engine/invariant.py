@@ -160,9 +160,11 @@ def tiled_linear(rows: int, packed: int | None = None) -> Iterator[TiledLinear]:
 
 
 @contextmanager
-def prepacked(kernels: Mapping[torch.nn.Module, Kernel], rows: int, mode: TiledLinear | None = None) -> Iterator[None]:
+def prepacked(kernels: Mapping[torch.nn.Module, Kernel], rows: int, mode: TiledLinear | None = None,
+              own_rows: Mapping[torch.nn.Module, int] | None = None) -> Iterator[None]:
     """Inside, each module of ``kernels`` (plain ``nn.Linear`` modules, each with its weight's tile kernel from
-    ``kvstate._compat.kernels``) computes its rows with that kernel, in tiles of ``rows`` rows, on this thread.
+    ``kvstate._compat.kernels``) computes its rows with that kernel, in tiles of ``rows`` rows (``own_rows``:
+    another tile for some modules, made for it), on this thread.
 
     Module hooks, registered for the ``with`` block only: the pre-hook keeps the input and hands the
     module zero rows, the hook returns the tiled product. Forwards with the tiling ``mode`` and without
@@ -182,7 +184,7 @@ def prepacked(kernels: Mapping[torch.nn.Module, Kernel], rows: int, mode: TiledL
             return None
         if mode is not None:
             mode.spans(x.numel() // x.shape[-1])
-        return tiled(x, module.weight, module.bias, rows, kernels[module])
+        return tiled(x, module.weight, module.bias, (own_rows or {}).get(module, rows), kernels[module])
 
     handles = [h for m in kernels for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
     try:
@@ -192,11 +194,13 @@ def prepacked(kernels: Mapping[torch.nn.Module, Kernel], rows: int, mode: TiledL
             handle.remove()
 
 
-def tile_kernels(linears: list[torch.nn.Module], rows: int, fix: str) -> dict[torch.nn.Module, Kernel]:
-    """Each linear module's tile kernel (its weight prepacked once, then a lookup); modules without one keep
-    ``F.linear``. A machine that cannot hold the copy gets a typed error naming ``fix``, before any forward."""
+def tile_kernels(linears: list[torch.nn.Module], rows: int, fix: str,
+                 own_rows: Mapping[torch.nn.Module, int] | None = None) -> dict[torch.nn.Module, Kernel]:
+    """Each linear module's tile kernel for ``rows`` rows (``own_rows``: another tile for some modules; the
+    weight prepacked once, then a lookup); modules without one keep ``F.linear``. A machine that cannot hold
+    the copy gets a typed error naming ``fix``, before any forward."""
     try:
-        found = {module: tile_kernel(module.weight, rows) for module in linears}
+        found = {module: tile_kernel(module.weight, (own_rows or {}).get(module, rows)) for module in linears}
     except (RuntimeError, MemoryError) as exc:
         raise UnsupportedError("could not prepack the linear weights for the packed forward's tiles",
                                expected="memory for a copy of the linear weights",

@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from .core import Engine
 
 PREFILL_FIX = "pass prefill_rows=0 (Scheduler, Session; kvstate serve --batch-prefill-rows 0)"
+# The output head's tile: a chunk needs its last row's logits only, so the head sees one row per prompt; 16 rows
+# are the packed decode's default tile, whose prepacked head (671 MB for the default model in fp32) serves both.
+HEAD_ROWS = 16
 
 
 def kernels_label(device: str, rows: int) -> str:
@@ -91,6 +94,11 @@ class Tiled:
         self.linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear] \
             if invariant and prepack and rows > 1 and available() else []
         self.spare = not tail_free(engine.model, rows)
+        head = engine.model.get_output_embeddings() if callable(getattr(engine.model, "get_output_embeddings",
+                                                                        None)) else None
+        self.head_rows = HEAD_ROWS if invariant else rows
+        self.own_rows = {head: self.head_rows} if head in self.linears else {}
+        self.head_spare = not tail_free(engine.model, self.head_rows)
         layers = engine.binding.layout.empty_layers(0)
         self.windows = [layer.window if type(layer) is AttentionLayerState else None for layer in layers]
         self._attention = {i for i, layer in enumerate(layers) if type(layer) is AttentionLayerState}
@@ -120,11 +128,11 @@ class Tiled:
 
     def run(self, engine: Engine, pieces: list[Piece]) -> list[State]:
         """The state after each piece, from one packed forward (``last_logits`` set where ``piece.logits``)."""
-        kernels = tile_kernels(self.linears, self.rows, PREFILL_FIX)  # before any forward
+        kernels = tile_kernels(self.linears, self.rows, PREFILL_FIX, self.own_rows)  # before any forward
         device = pieces[0].state.device
         lengths = [p.ids.shape[1] for p in pieces]
         starts = [sum(lengths[:i]) for i in range(len(pieces))]
-        P = self._padded(sum(lengths))
+        P = self._padded(sum(lengths), self.rows, self.spare)
         pad = P - sum(lengths)
         ids = torch.cat([*(p.ids for p in pieces), pieces[0].ids.new_zeros(1, pad)], dim=1)
         zeros = pieces[0].positions.new_zeros(1, pad, *pieces[0].positions.shape[2:])
@@ -136,13 +144,13 @@ class Tiled:
                                 windows=self.windows)
             call = {"input_ids": ids, "position_ids": engine.runtime.model_positions(positions), "use_cache": True,
                     engine.cache_kwarg: cache}
-            if keep:  # the head's rows in whole tiles, the real ones never last (see ``spare``)
-                call["logits_to_keep"] = torch.tensor(keep + [P - 1] * (self._padded(len(keep)) - len(keep)),
-                                                      device=device)
+            if keep:  # the head's rows in whole tiles of its own, the real ones never last (see ``spare``)
+                rows = self._padded(len(keep), self.head_rows, self.head_spare)
+                call["logits_to_keep"] = torch.tensor(keep + [P - 1] * (rows - len(keep)), device=device)
             head = nullcontext() if keep else _compat.without_logits(engine.model)
             tiles = tiled_linear(self.rows, P) if self.invariant else nullcontext()
             with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles as mode, \
-                    prepacked(kernels, self.rows, mode), engine.runtime.forward_context(), head:
+                    prepacked(kernels, self.rows, mode, self.own_rows), engine.runtime.forward_context(), head:
                 out = engine.model(**call)
             if cache.attended != self._attention:
                 raise Unpackable(f"{engine.binding.caps.name}: a tiled prefill needs every attention layer to "
@@ -153,10 +161,10 @@ class Tiled:
                                                                   if p.logits else None), live)
                     for p, live in zip(pieces, lives, strict=True)]
 
-    def _padded(self, n: int) -> int:
-        """Rows of a forward (or head) holding ``n`` real rows: whole tiles with a spare row where a scalar tail
-        could fall on a real one; exactly ``n`` with plain kernels."""
-        return self.rows * -(-(n + self.spare) // self.rows) if self.invariant else n
+    def _padded(self, n: int, rows: int, spare: bool) -> int:
+        """Rows of a forward (or head) holding ``n`` real rows: whole tiles of ``rows`` with a spare row where a
+        scalar tail could fall on a real one; exactly ``n`` with plain kernels."""
+        return rows * -(-(n + spare) // rows) if self.invariant else n
 
     def _probe(self, engine: Engine) -> bool:
         """Run two tokens in tiles on an empty state; False where the model refuses a packed forward."""
