@@ -3,8 +3,8 @@ invariance tax (issue 25).
 
 Each stream is a short, different chat prompt answered greedily with ``--tokens`` tokens; all
 streams are submitted at once to one ``kvstate.batch.Scheduler``. Per setting we record
-completion tokens per second, TTFT (submission to the stream's first token; prefills run one
-after another at admission, so later streams wait for earlier prefills) at p50 and p99, and
+completion tokens per second, TTFT (submission to the stream's first token; the prompts admitted in
+a step are prefilled together in one tiled forward) at p50 and p99, and
 whether every stream's answer equals its answer alone (token ids and log-probabilities). Each
 number of streams runs with invariance on (the default: tiled, packed forwards) and off (plain
 kernels on exactly the running rows); the tax is ``1 - on / off`` in tokens per second. The

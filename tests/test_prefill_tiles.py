@@ -12,6 +12,7 @@ session of other kernels feeds them again instead of reusing them.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -29,10 +30,11 @@ def model_in(arch: str, dtype: torch.dtype) -> torch.nn.Module:
     return tiny_model(arch).to(dtype)
 
 
+EXAMPLES = int(os.environ.get("KVSTATE_BATCH_EXAMPLES", "8"))  # the recorded stress run: 50
 PROMPT = st.fixed_dictionaries({"before": st.integers(0, 70), "length": st.integers(1, 60), "seed": st.integers(0, 99)})
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(specs=st.lists(PROMPT, min_size=1, max_size=6), chunk=st.sampled_from([8, 24, 64]),
        rows=st.sampled_from([4, 32]))

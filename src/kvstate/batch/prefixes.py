@@ -1,5 +1,6 @@
-"""Prompts admitted one after another share their common prefix (issue 25): a system prompt that many
-requests start with is computed once.
+"""Prompts admitted in later steps share their common prefix (issue 25): a system prompt that many
+requests start with is computed once (the scheduler holds a prompt that shares a whole chunk with one
+admitted in the same step until the next step, so it finds that one here).
 
 ``RecentPrompts`` keeps the prefilled states of a scheduler's last admissions and hands them to
 the next admissions as a prefix source (``kvstate.protocols.PrefixCache``), ranked as the server's
