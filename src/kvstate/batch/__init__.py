@@ -2,8 +2,9 @@
 what it gets alone (issue 25; ``docs/batching.md``).
 
 ``generate_many(model, requests)`` answers a list of ``BatchRequest`` s; ``Scheduler`` is the
-continuous-batching loop under it (submit, step, cancel), for servers. Prompts admitted one after
-another share their common prefix (``prefixes``).
+continuous-batching loop under it (submit, step, cancel), for servers; its requests and events are
+in ``events``. The prompts a step admits are prefilled in one tiled forward (``kvstate.engine.prefill``),
+and prompts admitted in later steps share their common prefix (``prefixes``).
 """
 
 from .sampling import Choice, Sampling
