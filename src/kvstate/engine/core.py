@@ -44,7 +44,7 @@ from ..options import GenerateOptions
 from ..schedule import Canonical
 from ..state import State, next_position_after
 from .budgeted import run_budgeted
-from .feeding import FeedRun
+from .feeding import FeedRun, canonical_ends, history
 from .prefill import Piece, Tiled, tiled_for
 from .recorder import Forward, Recorder, model_lock
 from .values import Feed, FeedSettings, Outcome, finish_reasons
@@ -194,7 +194,7 @@ class Engine:
 
     # ----- internals ---------------------------------------------------------------------------
     def _run_feed(self, state: State, feed: Feed, settings: FeedSettings, chunk_size: int) -> State:
-        run, tiles = FeedRun(self, state, feed, settings, chunk_size), self.tiles(settings)
+        run, tiles = self._feed_run(state, feed, settings, chunk_size), self.tiles(settings)
         while not run.done:
             run.advance(self._forward(run.state, *run.chunk(), tiles=tiles))
         return run.state
@@ -204,9 +204,8 @@ class Engine:
         (``settings.tile``) the chunks of one round that fit run in one packed forward (at most
         ``MAX_PACKED`` rows), each with the bits it gets alone (``kvstate.engine.prefill``)."""
         with self.lock, torch.no_grad():
-            runs, tiles = [FeedRun(self, s, f, settings, settings.chunk_size) for s, f in zip(states, feeds,
-                                                                                         strict=True)], \
-                self.tiles(settings)
+            runs = [self._feed_run(s, f, settings, settings.chunk_size) for s, f in zip(states, feeds, strict=True)]
+            tiles = self.tiles(settings)
             while active := [r for r in runs if not r.done]:
                 chunks = [(r, r.chunk()) for r in active]
                 tiled = [(r, c) for r, c in chunks if tiles is not None and tiles.fits(self, r.state, c[0], c[1], c[3])]
@@ -222,6 +221,9 @@ class Engine:
                 self.runtime.restore(r.state.extras)
         return [r.state for r in runs]
 
+    def _feed_run(self, state: State, feed: Feed, settings: FeedSettings, chunk_size: int) -> FeedRun:
+        return FeedRun(self.binding, state, feed, settings, chunk_size, self.kernels(state.batch_size, settings))
+
     def tiles(self, settings: FeedSettings) -> Tiled | None:
         """The prefill tiles of ``settings`` (None: plain forwards)."""
         return tiled_for(self, settings.tile, settings.prepack, settings.invariant) if settings.tile else None
@@ -235,50 +237,12 @@ class Engine:
 
     def canonical_cuts(self, state: State, ids: torch.Tensor, settings: FeedSettings) -> list[int] | None:
         """The chunk ends (absolute; the last is ``T + Q``) of ``feed`` over the text ids ``[1, Q]`` after
-        ``state``; None where that feed does not follow the canonical schedule (``_canonical_ends``).
+        ``state``; None where that feed does not follow the canonical schedule (``feeding.canonical_ends``).
         ``kvstate.batch`` feeds a long history up to these cuts, a piece a step."""
         schedule = Canonical(settings.canonical, marks=settings.marks)
         spans = tuple((m.start, m.end) for m in state.media)
-        return self._canonical_ends(state, ids, settings, schedule, self._history(state, ids, settings), spans)
-
-    def _canonical_ends(self, state: State, ids: torch.Tensor, settings: FeedSettings, schedule: Canonical,
-                        history: torch.Tensor | None, spans: tuple[tuple[int, int], ...]) -> list[int] | None:
-        """The feed's chunk ends (absolute) under the canonical ``schedule``; None when it does not apply:
-        the schedule is off, the family feeds one token per forward, or the feed starts off a canonical cut."""
-        if not schedule.enabled or self.binding.caps.stepwise or state.is_compressed:
-            return None
-        if settings.marks and ids.shape[0] != 1:  # one row's marks are not another's
-            return None
-        T = state.tokens_seen
-        if T and (state.canonical_for(settings.canonical, self.kernels(state.batch_size, settings), settings.marks) != T
-                  or schedule.last_cut(T, spans, history) != T):
-            return None
-        return schedule.cuts(T, T + ids.shape[1], spans, history)
-
-    @staticmethod
-    def _history(state: State, ids: torch.Tensor, settings: FeedSettings) -> torch.Tensor | None:
-        """The ids ``[L]`` the turn marks are found in (row 0), or None without marks."""
-        if not settings.marks:
-            return None
-        return torch.cat([state.tokens[0], ids[0]])
-
-    def _chunk_inputs(self, feed: Feed, start: int, end: int) -> ModelInputs:
-        """The model inputs of the media items in the feed's slots ``[start, end)`` (chunks never split one)."""
-        if not feed.inputs:
-            return feed.inputs
-        inputs = self.binding.inputs.select(feed.ids, start, feed.inputs)
-        return self.binding.inputs.until(feed.ids[:, start:], end - start, inputs)
-
-    def _chunk(self, state: State, remaining: int, settings: FeedSettings, chunk_size: int, whole: bool,
-               checkpointed: bool) -> int:
-        """Tokens in the next forward: stepwise families continue one token at a time; media go in whole."""
-        if self.binding.caps.stepwise and not state.is_empty:
-            return 1
-        size = remaining if whole else chunk_size
-        every = settings.checkpoint_every
-        if every and checkpointed:  # end chunks on checkpoint boundaries
-            size = min(size, every - state.tokens_seen % every)
-        return size
+        return canonical_ends(self.binding, state, ids, settings, schedule, history(state, ids, settings), spans,
+                              self.kernels(state.batch_size, settings))
 
     def _forward(self, state: State, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  inputs: ModelInputs, logits: bool = True, tiles: Tiled | None = None) -> State:

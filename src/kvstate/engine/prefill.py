@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -37,8 +37,25 @@ from .invariant import prepacked, tail_free, tile_kernels, tiled_linear
 from .recorder import Forward
 
 if TYPE_CHECKING:
+    from ..adapters.binding import Binding, Live, Runtime
     from ..protocols import ModelInputs
-    from .core import Engine
+
+
+class Engine(Protocol):
+    """What this module uses of ``kvstate.engine.Engine`` (which imports this module)."""
+
+    model: torch.nn.Module
+    binding: Binding
+    runtime: Runtime
+    cache_kwarg: str
+    lock: Any
+
+    def empty(self, batch_size: int, sliding_reserve: int, fingerprint: Any) -> State: ...
+
+    def feed_for(self, state: State, ids: torch.Tensor, mask: torch.Tensor, inputs: ModelInputs) -> Any: ...
+
+    def _advance(self, state: State, fed: torch.Tensor, mask: torch.Tensor, seen: Forward, live: Live) -> State: ...
+
 
 PREFILL_FIX = "pass prefill_rows=0 (Scheduler, Session; kvstate serve --batch-prefill-rows 0)"
 # The output head's tile: a chunk needs its last row's logits only, so the head sees one row per prompt; 16 rows
