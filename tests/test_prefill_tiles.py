@@ -120,3 +120,23 @@ def test_the_head_runs_in_the_decodes_tile_and_the_body_in_the_prefills():
     body = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
     # one row per prompt reaches the head: its tile is the packed decode's (16), whose prepacked copy serves both
     assert set(kernels._held(head.weight)) == {16} and all(set(kernels._held(m.weight)) == {32} for m in body)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_after_the_probe_the_tiled_prefill_skips_the_tiling_mode_with_the_same_bits(arch):
+    from kvstate._compat import kernels
+
+    if not kernels.available():
+        pytest.skip("this torch has no oneDNN linear kernels: the tiling mode computes the tiles")
+    model = model_in(arch, torch.bfloat16)
+    session = Session(model, prefill_rows=32)
+    session.extend(prompt(70, seed=4))
+    tiles = prefill.tiled_for(session._engine, 32)
+    assert tiles.plain  # the probe's census: every product ran on prepacked weights, none in the mode
+    tiles.plain = False  # the mode on again, as in the probe: the same calls, so the same bits
+    try:
+        pinned = Session(model, prefill_rows=32)
+        pinned.extend(prompt(70, seed=4))
+    finally:
+        tiles.plain = True
+    assert_same_state(session.state, pinned.state)

@@ -107,6 +107,7 @@ class TiledLinear(TorchFunctionMode):
         super().__init__()
         self.rows, self.packed = rows, packed
         self.uniform = packed is not None
+        self.quiet = True  # nothing was tiled or routed by the mode itself (every product ran in ``prepacked``)
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -115,13 +116,14 @@ class TiledLinear(TorchFunctionMode):
             x, weight, *rest = args
             if x.numel() == 0:  # a module whose rows ``prepacked`` computes (or no rows at all)
                 return func(*args, **kwargs)
+            self.quiet = False
             bias = rest[0] if rest else kwargs.get("bias")
             self.spans(x.numel() // x.shape[-1])
             return tiled(x, weight, bias, self.rows)
         if func in _PRODUCTS and not attending():
             return self._product(func, args, kwargs)
         if func in _ROUTING and not attending():
-            self.uniform = False
+            self.uniform = self.quiet = False
         return func(*args, **kwargs)
 
     def spans(self, rows: int) -> None:
@@ -134,18 +136,21 @@ class TiledLinear(TorchFunctionMode):
         routed rows), exact as is when it sums over one term (RoPE's angles), refused otherwise."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if func in _MATMUL and len(tensors) == 2 and not kwargs and all(t.dim() == 2 for t in tensors):
+            self.quiet = False
             self.spans(tensors[0].shape[0])
             return tiled_mm(tensors[0], tensors[1], self.rows)
         if func in (torch.addmm, torch.Tensor.addmm) and len(tensors) == 3 and not kwargs and \
                 tensors[0].dim() <= 1 and tensors[1].dim() == tensors[2].dim() == 2:  # GPT-2's Conv1D
             bias, a, b = tensors
+            self.quiet = False
             self.spans(a.shape[0])
             return tiled_mm(a, b, self.rows, lambda x, w: torch.addmm(bias, x, w))
         if func in _GROUPED and _plain_grouped(args, kwargs):
-            self.uniform = False
+            self.uniform = self.quiet = False
             return tiled_grouped(*args[:2], args[2] if len(args) > 2 else kwargs["offs"], self.rows)
         if func in _MATMUL and len(tensors) == 2 and tensors[0].shape[-1] == 1:
             return func(*args, **kwargs)
+        self.quiet = False
         raise Unpackable(f"a matrix product ({getattr(func, '__name__', func)}) whose rows the packed forward "
                          "cannot tile", found=[tuple(t.shape) for t in tensors],
                          fix="decode one conversation per forward")

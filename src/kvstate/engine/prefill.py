@@ -14,7 +14,10 @@ others. The output head runs on the pieces' last rows only (``logits_to_keep`` a
 Pieces must be attention-only, uncompressed, of batch 1 with no padding, with explicit position ids and
 no model inputs but the ids (``Tiled.fits``); the engine runs any other chunk as a plain forward.
 Whether the family fits at all is probed once, on two tokens (``Tiled.usable``), before any state is
-labelled with the tile: the label (``State.canonical_device``, ``kernels_label``) names the kernels.
+labelled with the tile: the label (``State.canonical_device``, ``kernels_label``) names the kernels. The
+probe runs under the tiling mode, which takes a census: when every product ran on prepacked weights and
+nothing routed rows, the mode had nothing to do, and later forwards skip it (``Tiled.plain``: the same
+calls, without its per-operation cost).
 
 Shapes: a piece's ``ids`` ``[1, q]``, ``mask`` ``[1, T + q]``, ``positions`` ``[1, q(, R)]``.
 """
@@ -123,6 +126,10 @@ class Tiled:
         family = not caps.stepwise and caps.position_ids and caps.logits_to_keep and \
             len(self._attention) == len(layers)
         self._usable: bool | None = None if family else False
+        # the probe's census: every product ran on prepacked weights (none through the tiling mode itself), so
+        # later forwards skip the mode's per-operation cost and make the same calls (as the decode's census)
+        self.plain = False
+        self.quiet = False  # the last forward's census (under the mode)
 
     def usable(self, engine: Engine) -> bool:
         """Whether this family's chunks run in tiles: attention-only, and a two-token packed forward (run once,
@@ -165,10 +172,11 @@ class Tiled:
                 rows = self._padded(len(keep), self.head_rows, self.head_spare)
                 call["logits_to_keep"] = torch.tensor(keep + [P - 1] * (rows - len(keep)), device=device)
             head = nullcontext() if keep else _compat.without_logits(engine.model)
-            tiles = tiled_linear(self.rows, P) if self.invariant else nullcontext()
+            tiles = tiled_linear(self.rows, P) if self.invariant and not self.plain else nullcontext()
             with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles as mode, \
                     prepacked(kernels, self.rows, mode, self.own_rows), engine.runtime.forward_context(), head:
                 out = engine.model(**call)
+            self.quiet = mode is not None and mode.quiet
             if cache.attended != self._attention:
                 raise Unpackable(f"{engine.binding.caps.name}: a tiled prefill needs every attention layer to "
                                  "call transformers' attention interface", expected=sorted(self._attention),
@@ -197,4 +205,5 @@ class Tiled:
             return False
         finally:
             engine.runtime.restore(state.extras)
+        self.plain = self.quiet
         return True
