@@ -248,7 +248,8 @@ def test_penalties_and_logit_bias_decode_in_the_batch(tiny):
 
 
 def test_batch_prepack_chooses_the_tiles_kernels_and_either_answers_as_plain_generate(tiny):
-    """--batch-prepack on (the default) runs the tiles on prepacked weights, off on torch's F.linear: other bits,
+    """--batch-prepack on (the default) runs the tiles on prepacked weights, off on torch's F.linear; the prompts
+    of a step are prefilled in 32-row tiles, or (--batch-prefill-rows 0) each in plain forwards: other bits,
     each as exact (greedy text equals plain generate's, concurrent answers equal alone)."""
     from kvstate._compat.kernels import available
     from kvstate.cli import _parser
@@ -256,9 +257,12 @@ def test_batch_prepack_chooses_the_tiles_kernels_and_either_answers_as_plain_gen
     model, tokenizer = tiny
     parse = _parser().parse_args
     assert parse(["serve"]).batch_prepack == "on" and parse(["serve", "--batch-prepack", "off"]).batch_prepack == "off"
-    for prepack in (True, False):
-        server = make_server(model, tokenizer, max_batch=4, batch_prepack=prepack)
+    assert parse(["serve"]).batch_prefill_rows == 32
+    assert parse(["serve", "--batch-prefill-rows", "0"]).batch_prefill_rows == 0
+    for prepack, rows in ((True, 32), (False, 32), (True, 0)):  # 0: each prompt in plain forwards of its own
+        server = make_server(model, tokenizer, max_batch=4, batch_prepack=prepack, batch_prefill_rows=rows)
         assert bool(server.runner.scheduler._packed.linears) is (prepack and available())
+        assert server.runner.scheduler.prefill_rows == server.runner.kernels["prefill_rows"] == rows
         with live(server) as url:
             together: list = [None] * 4
             threads = [threading.Thread(target=lambda i=i, out=together: out.__setitem__(i, ask(client(url), 2 * i,
@@ -268,5 +272,5 @@ def test_batch_prepack_chooses_the_tiles_kernels_and_either_answers_as_plain_gen
                 t.start()
             for t in threads:
                 t.join(timeout=300)
-            assert together == [ask(client(url), 2 * i, False) for i in range(4)], prepack
-        assert together[1][0] == ask_alone(model, tokenizer, 2), prepack
+            assert together == [ask(client(url), 2 * i, False) for i in range(4)], (prepack, rows)
+        assert together[1][0] == ask_alone(model, tokenizer, 2), (prepack, rows)
