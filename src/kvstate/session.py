@@ -52,7 +52,7 @@ from .request import (
 from .resume import ResumePlan
 from .schedule import POSITION_CHUNK, Canonical, default_chunk
 from .selfcheck import bind, vocab_size
-from .state import State
+from .state import MediaItem, State
 
 DEFAULT_CANONICAL_CHUNK = POSITION_CHUNK  # C without turn marks (kvstate.schedule.default_chunk)
 
@@ -236,13 +236,9 @@ class Session:
         Under the canonical schedule the new slots are canonical when the state ends at a cut
         (``generate`` then reuses them); otherwise they are fed in chunks of ``chunk_size``.
         """
-        self._check_weights()
-        ids = self._ids(input_ids)
-        state = self._state_for_batch(ids.shape[0])
-        ext = validate_extension(self._binding, state, ids, attention_mask, position_ids, inputs)
-        feed = Feed(ext.ids, ext.mask, ext.positions, ext.inputs, ext.spans)
-        new = self._engine.feed(state, feed, self._settings()).with_checkpoint(self.max_checkpoints)
-        self._commit(new.with_media(state, ext.media))
+        state, feed, media = self._extension(input_ids, attention_mask, position_ids, inputs)
+        new = self._engine.feed(state, feed, self._settings())
+        self._extended(state, new, media)
         return new.last_logits.clone()  # type: ignore[union-attr]
 
     @staticmethod
@@ -259,18 +255,11 @@ class Session:
             raise InputError("extend_many takes sessions of one model and settings, one ids each",
                              expected=f"{len(sessions)} ids for sessions of one model and settings",
                              found=f"{len(input_ids)} ids", fix="group the sessions by model and settings")
-        states, feeds, media = [], [], []
-        for session, given in zip(sessions, input_ids, strict=True):
-            session._check_weights()
-            ids = session._ids(given)
-            state = session._state_for_batch(ids.shape[0])
-            ext = validate_extension(session._binding, state, ids, None, None, {})
-            states.append(state)
-            feeds.append(Feed(ext.ids, ext.mask, ext.positions, ext.inputs, ext.spans))
-            media.append(ext.media)
-        new = first._engine.feed_many(states, feeds, first._settings())
-        for session, old, state, items in zip(sessions, states, new, media, strict=True):
-            session._commit(state.with_checkpoint(session.max_checkpoints).with_media(old, items))
+        planned = [session._extension(given, None, None, {}) for session, given in zip(sessions, input_ids,
+                                                                                         strict=True)]
+        new = first._engine.feed_many([p[0] for p in planned], [p[1] for p in planned], first._settings())
+        for session, (old, _, media), state in zip(sessions, planned, new, strict=True):
+            session._extended(old, state, media)
 
     def generate(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None,
                  **generate_kwargs: Any) -> Any:
@@ -347,6 +336,19 @@ class Session:
         return end - start
 
     # ----- internals ---------------------------------------------------------------------
+    def _extension(self, input_ids: IdsLike, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                   inputs: dict[str, Any]) -> tuple[State, Feed, tuple[MediaItem, ...] | None]:
+        """``extend``'s checked plan: the state it continues, the ``Feed`` and the media items it adds."""
+        self._check_weights()
+        ids = self._ids(input_ids)
+        state = self._state_for_batch(ids.shape[0])
+        ext = validate_extension(self._binding, state, ids, attention_mask, position_ids, inputs)
+        return state, Feed(ext.ids, ext.mask, ext.positions, ext.inputs, ext.spans), ext.media
+
+    def _extended(self, old: State, new: State, media: tuple[MediaItem, ...] | None) -> None:
+        """Commit ``new``, the state after extending ``old`` by ``media`` items (a checkpoint at its end)."""
+        self._commit(new.with_checkpoint(self.max_checkpoints).with_media(old, media))
+
     def _validate(self, input_ids: IdsLike, attention_mask: torch.Tensor | None,
                   kwargs: dict[str, Any]) -> Request:
         self._check_weights()

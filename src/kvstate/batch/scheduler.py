@@ -310,14 +310,13 @@ class Scheduler:
         feeds = [(job, end) for job, end in work if end is not None and end > job.session.state.tokens_seen]
         failed = self._extend(feeds)
         for job, end in work:
-            if job.handle in failed or (end is not None and end < job.ids.shape[1]):  # type: ignore[union-attr]
-                if job.handle in failed:
-                    if job in self._feeding:
-                        self._feeding.remove(job)
-                    yield Failed(job.handle, failed[job.handle])
+            if end is not None and end < job.ids.shape[1] and job.handle not in failed:  # type: ignore[union-attr]
                 continue  # a piece: the history goes on in a later step
             if job in self._feeding:
                 self._feeding.remove(job)
+            if job.handle in failed:
+                yield Failed(job.handle, failed[job.handle])
+                continue
             try:
                 choice = self._first(job, job.session, job.ids)
             except Exception as exc:  # a failed run commits nothing of the request; the batch goes on

@@ -87,10 +87,7 @@ class Engine:
     # ----- runs ------------------------------------------------------------------------------
     def feed(self, state: State, feed: Feed, settings: FeedSettings) -> State:
         """The state after forwarding ``feed``; ``state.last_logits`` then holds the last position's logits."""
-        with self.lock, torch.no_grad():
-            out = self._run_feed(state, feed, settings, settings.chunk_size)
-            self.runtime.restore(out.extras)  # the instance agrees with the state
-        return out
+        return self.feed_many([state], [feed], settings)[0]
 
     def run(self, plan: ResumePlan, request: Request, settings: FeedSettings) -> Outcome:
         """One planned ``generate`` call: feed the plan's suffix of ``request.ids``, then decode."""
@@ -194,9 +191,8 @@ class Engine:
 
     # ----- internals ---------------------------------------------------------------------------
     def _run_feed(self, state: State, feed: Feed, settings: FeedSettings, chunk_size: int) -> State:
-        run, tiles = self._feed_run(state, feed, settings, chunk_size), self.tiles(settings)
-        while not run.done:
-            run.advance(self._forward(run.state, *run.chunk(), tiles=tiles))
+        run = self._feed_run(state, feed, settings, chunk_size)
+        self._drive([run], settings)
         return run.state
 
     def feed_many(self, states: list[State], feeds: list[Feed], settings: FeedSettings) -> list[State]:
@@ -205,21 +201,28 @@ class Engine:
         ``MAX_PACKED`` rows), each with the bits it gets alone (``kvstate.engine.prefill``)."""
         with self.lock, torch.no_grad():
             runs = [self._feed_run(s, f, settings, settings.chunk_size) for s, f in zip(states, feeds, strict=True)]
-            tiles = self.tiles(settings)
-            while active := [r for r in runs if not r.done]:
-                chunks = [(r, r.chunk()) for r in active]
-                tiled = [(r, c) for r, c in chunks if tiles is not None and tiles.fits(self, r.state, c[0], c[1], c[3])]
-                for group in _groups(tiled, MAX_PACKED):
-                    pieces = [Piece(r.state, ids, mask, positions, logits) for r, (ids, mask, positions, _, logits)
-                              in group]
-                    for (r, _), new in zip(group, self._tiled(tiles, pieces), strict=True):  # type: ignore[arg-type]
-                        r.advance(new)
-                for r, c in chunks:
-                    if all(r is not t for t, _ in tiled):
-                        r.advance(self._forward(r.state, *c))
-            for r in runs[-1:]:
-                self.runtime.restore(r.state.extras)
-        return [r.state for r in runs]
+            self._drive(runs, settings)
+            for run in runs[-1:]:
+                self.runtime.restore(run.state.extras)  # the instance agrees with the last state
+        return [run.state for run in runs]
+
+    def _drive(self, runs: list[FeedRun], settings: FeedSettings) -> None:
+        """Every run's chunks, a round at a time: the chunks that fit the prefill tiles in shared tiled forwards,
+        the others in plain forwards of their own."""
+        tiles = self.tiles(settings)
+        while active := [run for run in runs if not run.done]:
+            tiled, plain = [], []
+            for run in active:
+                chunk = run.chunk()
+                fits = tiles is not None and tiles.fits(self, run.state, chunk[0], chunk[1], chunk[3])
+                (tiled if fits else plain).append((run, chunk))
+            for group in _groups(tiled, MAX_PACKED):
+                pieces = [Piece(run.state, ids, mask, positions, logits)
+                          for run, (ids, mask, positions, _, logits) in group]
+                for (run, _), new in zip(group, self._tiled(tiles, pieces), strict=True):  # type: ignore[arg-type]
+                    run.advance(new)
+            for run, chunk in plain:
+                run.advance(self._forward(run.state, *chunk))
 
     def _feed_run(self, state: State, feed: Feed, settings: FeedSettings, chunk_size: int) -> FeedRun:
         return FeedRun(self.binding, state, feed, settings, chunk_size, self.kernels(state.batch_size, settings))
@@ -245,13 +248,10 @@ class Engine:
                               self.kernels(state.batch_size, settings))
 
     def _forward(self, state: State, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 inputs: ModelInputs, logits: bool = True, tiles: Tiled | None = None) -> State:
-        """One forward over ``ids`` ``[B, q]``; ``mask`` ``[B, T + q]``; ``positions`` ``[B, q(, R)]``. Without
-        ``logits`` (a feed's inner chunk: the next chunk replaces them) the output head is skipped and the
-        state's ``last_logits`` is None; the K/V are the same bits either way. With ``tiles``, a chunk that
-        fits runs as a tiled forward of its own (``kvstate.engine.prefill``)."""
-        if tiles is not None and tiles.fits(self, state, ids, mask, inputs):
-            return self._tiled(tiles, [Piece(state, ids, mask, positions, logits)])[0]
+                 inputs: ModelInputs, logits: bool = True) -> State:
+        """One plain forward over ``ids`` ``[B, q]``; ``mask`` ``[B, T + q]``; ``positions`` ``[B, q(, R)]``.
+        Without ``logits`` (a feed's inner chunk: the next chunk replaces them) the output head is skipped and
+        the state's ``last_logits`` is None; the K/V are the same bits either way."""
         extra = self.runtime.forward_inputs(state.tokens, ids, inputs)
         with self.runtime.attached(state) as live:
             kwargs = dict(extra, input_ids=ids, attention_mask=_mask_arg(mask), use_cache=True, **self._keep_one(),

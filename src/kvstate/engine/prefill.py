@@ -129,7 +129,6 @@ class Tiled:
         # the probe's census: every product ran on prepacked weights (none through the tiling mode itself), so
         # later forwards skip the mode's per-operation cost and make the same calls (as the decode's census)
         self.plain = False
-        self.quiet = False  # the last forward's census (under the mode)
 
     def usable(self, engine: Engine) -> bool:
         """Whether this family's chunks run in tiles: attention-only, and a two-token packed forward (run once,
@@ -152,6 +151,12 @@ class Tiled:
 
     def run(self, engine: Engine, pieces: list[Piece]) -> list[State]:
         """The state after each piece, from one packed forward (``last_logits`` set where ``piece.logits``)."""
+        return self._run(engine, pieces, verify=False)[0]
+
+    def _run(self, engine: Engine, pieces: list[Piece], verify: bool) -> tuple[list[State], bool]:
+        """``run``, and the tiling mode's census (``TiledLinear.quiet``; False without the mode). ``verify``:
+        check that every layer attends with the K/V its cache returned (the probe does; the code path is
+        the same after, as for the packed decode)."""
         kernels = tile_kernels(self.linears, self.rows, PREFILL_FIX, self.own_rows)  # before any forward
         device = pieces[0].state.device
         lengths = [p.ids.shape[1] for p in pieces]
@@ -164,8 +169,8 @@ class Tiled:
         keep = [s + n - 1 for s, n, p in zip(starts, lengths, pieces, strict=True) if p.logits]
         with ExitStack() as hold:
             lives = [hold.enter_context(engine.runtime.attached(p.state)) for p in pieces]
-            cache = PackedCache([live.cache for live in lives], segments=list(zip(starts, lengths, strict=True)),
-                                windows=self.windows)
+            cache = PackedCache([live.cache for live in lives], verify=verify,
+                                segments=list(zip(starts, lengths, strict=True)), windows=self.windows)
             call = {"input_ids": ids, "position_ids": engine.runtime.model_positions(positions), "use_cache": True,
                     engine.cache_kwarg: cache}
             if keep:  # the head's rows in whole tiles of its own, the real ones never last (see ``spare``)
@@ -176,7 +181,7 @@ class Tiled:
             with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles as mode, \
                     prepacked(kernels, self.rows, mode, self.own_rows), engine.runtime.forward_context(), head:
                 out = engine.model(**call)
-            self.quiet = mode is not None and mode.quiet
+            quiet = mode is not None and mode.quiet
             if cache.attended != self._attention:
                 raise Unpackable(f"{engine.binding.caps.name}: a tiled prefill needs every attention layer to "
                                  "call transformers' attention interface", expected=sorted(self._attention),
@@ -184,7 +189,7 @@ class Tiled:
             logits = iter(out.logits[0, :len(keep)]) if keep else iter(())
             return [engine._advance(p.state, p.ids, p.mask, Forward(p.positions, next(logits)[None].clone()
                                                                   if p.logits else None), live)
-                    for p, live in zip(pieces, lives, strict=True)]
+                    for p, live in zip(pieces, lives, strict=True)], quiet
 
     def _padded(self, n: int, rows: int, spare: bool) -> int:
         """Rows of a forward (or head) holding ``n`` real rows: whole tiles of ``rows`` with a spare row where a
@@ -200,10 +205,9 @@ class Tiled:
             return False
         feed = engine.feed_for(state, ids, mask, {})
         try:
-            self.run(engine, [Piece(state, ids, mask, feed.positions)])
+            _, self.plain = self._run(engine, [Piece(state, ids, mask, feed.positions)], verify=True)
         except Unpackable:
             return False
         finally:
             engine.runtime.restore(state.extras)
-        self.plain = self.quiet
         return True
