@@ -3,7 +3,7 @@
 
 A ``Stream`` is one conversation past its prompt: its prefilled ``State`` (with the prompt's
 last logits), the token it feeds next, and whatever its decoder keeps between steps. A decoder
-turns ``n`` streams' next tokens into ``n`` logits rows ``[V]`` and, at the end, a stream into the
+turns ``n`` streams' next tokens into their logits ``[n, V]`` and, at the end, a stream into the
 ``State`` after its answer (the history and every new token but the last, as
 ``Session.generate`` leaves it).
 
@@ -27,7 +27,7 @@ turns ``n`` streams' next tokens into ``n`` logits rows ``[V]`` and, at the end,
   more inputs than a token): one ``Engine.feed`` per stream and step, the path
   ``Session`` takes; trivially invariant, since no forward holds two streams.
 
-Shapes: one stream, one row; ``positions`` ``[1, 1(, R)]``; logits rows ``[V]``.
+Shapes: one stream, one row; ``positions`` ``[1, 1(, R)]``; a step's logits ``[n, V]``.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ class Packed:
         self._attention = {i for i, layer in enumerate(engine.binding.layout.empty_layers(0))
                            if type(layer) is AttentionLayerState}
 
-    def step(self, streams: list[Stream], tokens: list[int]) -> list[torch.Tensor]:
-        """Feed ``tokens[i]`` to ``streams[i]``; the logits row after it, per stream."""
+    def step(self, streams: list[Stream], tokens: list[int]) -> torch.Tensor:
+        """Feed ``tokens[i]`` to ``streams[i]``; the logits ``[n, V]`` after them (row ``i``: stream ``i``)."""
         kernels = self._kernels()  # before the forward: nothing of a refused packing reaches a stream
         engine, n = self.engine, len(streams)
         P = self.rows * -(-(n + self.spare) // self.rows) if self.invariant else n
@@ -125,8 +125,8 @@ class Packed:
             s.fed.append(tokens[i])
             s.positions.append(own[i])
             s.next_position = next_position_after(own[i], ones, s.next_position)
-            s.last = logits[i].clone()
-        return [s.last for s in streams]  # type: ignore[misc]
+            s.last = logits[i]  # a view: cloned once, by finish
+        return logits
 
     def finish(self, stream: Stream) -> State:
         """The state after the stream's fed tokens (its K/V read back from its cache, as ``Engine`` reads a
@@ -138,7 +138,7 @@ class Packed:
         assert stream.live is not None and stream.last is not None
         fed = torch.tensor([stream.fed], dtype=torch.long, device=state.device)
         mask = torch.ones(1, state.tokens_seen + len(stream.fed), dtype=torch.bool, device=state.device)
-        seen = Forward(torch.cat(stream.positions, dim=1), stream.last[None])
+        seen = Forward(torch.cat(stream.positions, dim=1), stream.last[None].clone())  # not the step's [n, V]
         compact(stream.live.cache)
         try:
             return self.engine._advance(state, fed, mask, seen, stream.live)
@@ -183,7 +183,7 @@ class Single:
     def __init__(self, engine: Engine, settings: FeedSettings) -> None:
         self.engine, self.settings = engine, settings
 
-    def step(self, streams: list[Stream], tokens: list[int]) -> list[torch.Tensor]:
+    def step(self, streams: list[Stream], tokens: list[int]) -> torch.Tensor:
         rows = []
         for stream, token in zip(streams, tokens, strict=True):
             state = stream.state
@@ -191,8 +191,8 @@ class Single:
             mask = torch.ones(1, state.tokens_seen + 1, dtype=torch.bool, device=state.device)
             stream.state = self.engine.feed(state, self.engine.feed_for(state, ids, mask, {}), self.settings)
             stream.fed.append(token)
-            rows.append(stream.state.last_logits[0].clone())  # type: ignore[index]
-        return rows
+            rows.append(stream.state.last_logits[0])  # type: ignore[index]
+        return torch.stack(rows)
 
     def finish(self, stream: Stream) -> State:
         return stream.state
