@@ -345,8 +345,8 @@ class Scheduler:
             return failed
 
     def _decode(self, decoder: Packed | Single, jobs: list[_Job]) -> torch.Tensor:
-        """One decode step of ``jobs``: their logits ``[n, V]``; a model that refuses its first packed forward decodes them one per
-        forward from then on (their prefilled states are untouched)."""
+        """One decode step of ``jobs``: their logits ``[n, V]``. A model that refuses its first packed forward
+        decodes them one per forward from then on (their prefilled states are untouched)."""
         streams, tokens = [j.stream for j in jobs], [j.choices[-1].token for j in jobs]
         try:
             return decoder.step(streams, tokens)  # type: ignore[arg-type]

@@ -57,6 +57,10 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
                    "step share one forward, each with the bits it gets alone (default 32); 0: each prompt in plain "
                    "forwards of its own. A state records the tile: a conversation moved to a server with another "
                    "tile is fed again, never resumed from other kernels' slots")
+    s.add_argument("--batch-gather-ms", type=non_negative, default=20, metavar="MS",
+                   help="with --max-batch: an idle server waits while requests keep arriving less than MS apart "
+                   "(at most 10 such gaps, never past a full batch), so a burst is prefilled in one step instead "
+                   "of the first request alone; a lone request waits MS once (default 20; 0: off)")
     s.add_argument("--max-request-bytes", type=positive, default=16 << 20, help="larger bodies get a 413")
     s.add_argument("--max-prompt-tokens", type=positive, default=8192, help="longer prompts get a 400")
     s.add_argument("--max-new-tokens", type=positive, default=2048, help="bound on a request's max_tokens")
@@ -93,7 +97,8 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
                         turn_marks=not args.no_turn_marks, max_batch=args.max_batch,
                         prefill_per_step=args.prefill_per_step,
                         batch_invariant=args.batch_invariance == "on", batch_prepack=args.batch_prepack == "on",
-                        batch_prefill_rows=args.batch_prefill_rows, reuse=not args.no_reuse)
+                        batch_prefill_rows=args.batch_prefill_rows, batch_gather_ms=args.batch_gather_ms,
+                        reuse=not args.no_reuse)
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings,
                     image_processor=image_processor(args.model))

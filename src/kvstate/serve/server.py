@@ -36,6 +36,7 @@ class Settings:
     batch_invariant: bool = True  # False: plain kernels in the batched forward (measures the invariance tax)
     batch_prepack: bool = True  # the tiles on prepacked weights (kvstate.batch.Scheduler.prepack)
     batch_prefill_rows: int = 32  # the prefill's tile; 0: each prompt in plain forwards (Scheduler.prefill_rows)
+    batch_gather_ms: int = 20  # an idle batched server admits a burst together (BatchRunner._gather); 0: off
     reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
 
 
@@ -74,7 +75,8 @@ class Server:
             self.runner: Runner = BatchRunner(*args, max_batch=settings.max_batch,
                                               invariant=settings.batch_invariant, prepack=settings.batch_prepack,
                                               prefill_rows=settings.batch_prefill_rows,
-                                              prefill_tokens=settings.prefill_per_step, **turns)
+                                              prefill_tokens=settings.prefill_per_step,
+                                              gather=settings.batch_gather_ms / 1000, **turns)
         else:
             self.runner = Runner(*args, **turns)
         self.started = int(time.time())
