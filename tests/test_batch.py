@@ -654,26 +654,3 @@ def test_min_p_draws_only_tokens_near_the_most_likely():
     with pytest.raises(InputError, match="min_p"):
         Sampling(temperature=1.0, min_p=1.5)
 
-
-@settings(max_examples=EXAMPLES * 3, deadline=None)
-@given(n=st.integers(1, 16), vocab=st.sampled_from([5, 33, 1000, 32003, 262144]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), spread=st.sampled_from([2, 50]),
-       top=st.integers(0, 3), seed=st.integers(0, 2**16))
-def test_a_row_chooses_the_same_beside_any_rows(n, vocab, dtype, spread, top, seed):
-    """A decode step chooses every row's token and log-probabilities in one call over its ``[n, V]`` logits
-    (``choose_rows``): each row's choice is bit for bit its choice alone, ties (few distinct logits)
-    and a mix of greedy and seeded requests included."""
-    from kvstate.batch.sampling import Sampler, choose_rows
-
-    gen = torch.Generator().manual_seed(seed)
-    logits = (torch.randint(0, spread, (n, vocab), generator=gen) / 3 - 5).to(dtype)  # [n, V], with ties
-    kinds = [Sampling() if i % 3 else Sampling(temperature=1.0, seed=seed + i) for i in range(n)]
-
-    def samplers():
-        return [Sampler(kind, top, torch.device("cpu")) for kind in kinds]
-
-    together = choose_rows(samplers(), logits)
-    alone = [sampler.choose(logits[i].clone()) for i, sampler in enumerate(samplers())]
-    assert together == alone
-    assert [c.token for c, k in zip(alone, kinds, strict=True) if k.greedy] == \
-        [int(logits[i].float().argmax()) for i, k in enumerate(kinds) if k.greedy]  # generate's argmax

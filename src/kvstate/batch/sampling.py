@@ -1,8 +1,7 @@
 """Choosing each request's next token from its own logits row, with its own generator (issue 25).
 
-A request's token and log-probabilities depend on its own logits row ``[V]`` and its own
-``torch.Generator`` alone (``choose_rows`` runs the row-wise kernels over a step's rows at once,
-each row computed on its own): a seeded request draws the same
+Everything here sees one request's logits ``[V]`` only, so a token and its log-probabilities
+depend on that row and the request's ``torch.Generator`` alone: a seeded request draws the same
 tokens served alone or in any batch. A request's logits processors (``logit_bias``, penalties:
 transformers' own classes or any callable of ``generate``'s signature) run on its row and its own
 ids, in the order ``generate`` runs them, before the token is chosen. Log-probabilities are
@@ -74,18 +73,11 @@ class Sampler:
         self.device = device
 
     def choose(self, logits: torch.Tensor) -> Choice:
-        """The next token for ``logits`` ``[V]`` (``choose_rows`` of one row: the same calls)."""
-        return choose_rows([self], logits[None])[0]
-
-    def _chosen(self, logits: torch.Tensor, logprobs: torch.Tensor, best: int | None) -> Choice:
-        """The choice for ``logits`` ``[V]`` given its float32 ``logprobs`` ``[V]`` and, for a greedy request
-        without processors, the row's first maximal index ``best``."""
-        if best is not None:
-            token = best
-        else:
-            scores = self._processed(logits)
-            # greedy as generate's argmax: the first maximal index (max's kernel is 3x faster on 262k logits)
-            token = int(scores.max(-1).indices) if self.sampling.greedy else self._draw(scores.float())
+        """The next token for ``logits`` ``[V]``."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        scores = self._processed(logits)
+        # greedy as generate's argmax: the first maximal index (max's kernel is 3x faster on 262k logits)
+        token = int(scores.max(-1).indices) if self.sampling.greedy else self._draw(scores.float())
         top: tuple[tuple[int, float], ...] = ()
         if self.top_logprobs:
             values, ids = logprobs.topk(min(self.top_logprobs, logprobs.shape[-1]))
@@ -122,17 +114,3 @@ class Sampler:
             scores = MinPLogitsWarper(s.min_p)(None, scores[None])[0]  # type: ignore[arg-type]
         probs = scores.softmax(-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
-def choose_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> list[Choice]:
-    """Each request's next token: ``samplers[i]`` chooses from row ``i`` of ``logits`` ``[n, V]``.
-
-    The rows' log-probabilities (and greedy requests' maxima) are computed in one call over all rows:
-    both kernels compute each row on its own (``tests/test_batch.py`` pins that a row's bits do not
-    depend on the rows beside it), and on two threads a call over 16 rows of the default model's
-    262k logits costs about what 4 calls of one row do (issue 25: a decode step spent 1 ms a row here).
-    """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
-    plain = [s.sampling.greedy and not s.processors for s in samplers]
-    best = logits.max(-1).indices.tolist() if any(plain) else [None] * len(samplers)
-    return [s._chosen(logits[i], logprobs[i], best[i] if plain[i] else None) for i, s in enumerate(samplers)]

@@ -46,7 +46,7 @@ from ..schedule import default_chunk
 from ..state import State
 from .events import MAX_TOP_LOGPROBS, BatchRequest, Completion, Done, Event, Failed, Token, int_in
 from .prefixes import RecentPrompts
-from .sampling import Choice, Sampler, choose_rows
+from .sampling import Choice, Sampler
 
 __all__ = ["MAX_TOP_LOGPROBS", "BatchRequest", "Completion", "Done", "Event", "Failed", "Scheduler", "Token",
            "generate_many"]
@@ -228,8 +228,8 @@ class Scheduler:
             ending = self._cancelled | self._stopping  # asked during this step: they sit its decode out
             jobs = [j for j in self._running if j.decoder is decoder and j.handle not in ending]
             if jobs:  # every choice is recorded before the first event goes out: a caller may stop reading
-                choices = choose_rows([j.sampler for j in jobs], self._decode(decoder, jobs))
-                events = [e for job, choice in zip(jobs, choices, strict=True) for e in self._took(job, choice)]
+                events = [e for job, row in zip(jobs, self._decode(decoder, jobs), strict=True)
+                          for e in self._took(job, job.sampler.choose(row))]
                 yield from events
 
     # ----- internals -----------------------------------------------------------------------------

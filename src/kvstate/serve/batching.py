@@ -125,13 +125,13 @@ class BatchRunner(Runner):
         (one per user of an app, a benchmark's streams) otherwise get the first request prefilled and decoded
         alone while the rest queue behind that step (measured: 16 streams of the default model in bfloat16,
         a 230 ms step before the other 15 were admitted). Waits while requests keep arriving less than
-        ``gather`` apart, for at most ``GATHER_CAP`` ``gather`` s, and never past a full batch; a lone request
-        pays one ``gather``. Busy, nothing waits: arrivals join at the next step boundary."""
+        ``gather`` apart (at most ``GATHER_CAP`` gaps), never past a full batch; a lone request pays one
+        ``gather``. Busy, nothing waits: arrivals join at the next step boundary."""
         if self.gather <= 0 or self.scheduler.busy:
             return
         for _ in range(GATHER_CAP):
-            with self._lock:
-                if len(self._inbox) >= self.scheduler.max_batch or self._closing:
+            with self._lock:  # nothing arrived (the loop is about to end): nothing to gather for
+                if not self._inbox or len(self._inbox) >= self.scheduler.max_batch or self._closing:
                     return
                 self._arrived.clear()  # a submit after this sets it again
             if not self._arrived.wait(self.gather):
