@@ -8,21 +8,22 @@ turns ``n`` streams' next tokens into their logits ``[n, V]`` and, at the end, a
 ``Session.generate`` leaves it).
 
 * ``Packed`` (attention-only families): one forward of batch 1 whose rows are the streams' tokens
-  (``kvstate._compat.packed``). Invariant: the forward always has ``P`` rows, a multiple of the
-  tile ``rows``, every matrix product outside attention runs in tiles of ``rows`` rows
-  (``kvstate.engine.invariant``), and attention is computed per stream over its own K/V with the
-  shapes it has alone. A model that cannot be packed so raises ``Unpackable`` at its first packed
-  step, before any stream changed (the scheduler then moves them to ``Single``). CPU
-  element-wise kernels compute the last ``< 64`` elements of a tensor in a scalar loop whose
-  rounding may differ (measured: ``docs/batching.md``); when ``rows`` times some width of the model
-  is not a multiple of 64, that tail could fall on a real row, so ``P`` then keeps a padding row
-  at the end. A forward of exactly ``rows`` rows runs without the tiling mode once the first
+  (``kvstate._compat.packed``). Invariant: the forward always has ``P`` rows, a multiple of the tile
+  ``rows``, every matrix product outside attention runs in tiles of ``rows`` rows
+  (``kvstate.engine.invariant``), and attention is computed per stream over its own K/V with the shapes
+  it has alone (in bfloat16 / float16, for tiles of more than one row, in the grouped-query form of
+  ``kvstate._compat.packed``: the same for a stream alone or batched). A model that cannot be packed so
+  raises ``Unpackable`` at its first packed step, before any stream changed (the scheduler then moves
+  them to ``Single``). CPU element-wise kernels compute the last ``< 64`` elements of a tensor in a
+  scalar loop whose rounding may differ (measured: ``docs/batching.md``); when ``rows`` times some width
+  of the model is not a multiple of 64, that tail could fall on a real row, so ``P`` then keeps a
+  padding row at the end. A forward of exactly ``rows`` rows runs without the tiling mode once the first
   packed forward's census showed that every product spans all rows and nothing routes rows
-  (``kvstate.engine.invariant``): each product is then one tile, the same call either way, and
-  the mode's per-operation cost (about 10% of a step) is saved. With ``prepack`` (the default; tiles of
-  more than one row, CPU fp32 / bf16) every plain ``nn.Linear`` computes its tiles on its weight
-  prepacked for ``rows`` rows (``kvstate.engine.invariant.prepacked``). ``invariant=False`` packs ``n``
-  rows with plain kernels (the invariance tax's baseline; a row's bits then depend on ``n``).
+  (``kvstate.engine.invariant``): each product is then one tile, the same call either way, and the
+  mode's per-operation cost (about 10% of a step) is saved. With ``prepack`` (the default; tiles of more
+  than one row, CPU fp32 / bf16) every plain ``nn.Linear`` computes its tiles on its weight prepacked
+  for ``rows`` rows (``kvstate.engine.invariant.prepacked``). ``invariant=False`` packs ``n`` rows with
+  plain kernels (the invariance tax's baseline; a row's bits then depend on ``n``).
 * ``Single`` (recurrent and hybrid families, compressed states, families whose decode needs
   more inputs than a token): one ``Engine.feed`` per stream and step, the path
   ``Session`` takes; trivially invariant, since no forward holds two streams.
@@ -106,7 +107,9 @@ class Packed:
         own = [engine.binding.inputs.positions(s.next_position, ids[:, i:i + 1], ones, {})
                for i, s in enumerate(streams)]
         positions = torch.cat([*own, *[torch.zeros_like(own[0])] * (P - n)], dim=1)
-        cache = PackedCache([self._live(s).cache for s in streams], verify=not self.verified)
+        # the grouped decode attention for all but one-row tiles (Session's decode, bit for bit)
+        cache = PackedCache([self._live(s).cache for s in streams], verify=not self.verified,
+                            grouped=self.rows > 1 or not self.invariant)
         call = {"input_ids": ids, "position_ids": engine.runtime.model_positions(positions), "use_cache": True,
                 engine.cache_kwarg: cache}
         tiles = tiled_linear(self.rows, P) if self.invariant and (self.rows < P or not self.plain) else nullcontext()
