@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 from dataclasses import replace
 
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from kvstate import Session
 from kvstate._compat.kernels import tile_kernel
 from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, generate_many
+from kvstate.batch.sampling import first_max
 from kvstate.engine.decode import packable
 from kvstate.engine.invariant import tiled, tiled_linear
 from kvstate.errors import InputError, UnsupportedError
@@ -545,6 +547,18 @@ def test_pieces_start_from_the_longest_prefix_a_source_holds_and_count_only_it_a
     assert together.reused == 40 and alone.reused == 0  # the first prompt's canonical chunks, then its own pieces
     assert answered(together) == answered(alone)
     assert_same_state(together.prefilled, alone.prefilled)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(length=st.integers(1, 5000), values=st.lists(st.sampled_from([-math.inf, -3.0, 0.0, 0.5, 2.0, 7.25, math.inf,
+                                                                   math.nan]), min_size=1, max_size=4),
+       seed=st.integers(0, 1000), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_the_greedy_choice_is_argmax_first_maximal_index(length, values, seed, dtype):
+    # first_max finds the maximum blockwise (argmax over 262k logits does not vectorize on this CPU); few distinct
+    # values make ties across and inside blocks, NaN and infinities included
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.tensor(values, dtype=dtype)[torch.randint(len(values), (length,), generator=gen)]
+    assert first_max(scores) == int(scores.argmax())
 
 
 def test_sampling_truncations_behave_as_their_definitions():
