@@ -29,7 +29,7 @@ from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token
 from kvstate.batch.sampling import first_max
 from kvstate.engine.decode import packable
 from kvstate.engine.invariant import tiled, tiled_linear
-from kvstate.errors import InputError, UnsupportedError
+from kvstate.errors import FingerprintMismatchError, InputError, UnsupportedError
 from kvstate.selfcheck import bind
 from kvstate.testing.shrink import tiny_causal_lm
 from kvstate.testing.tiny import CONFIGS, IMAGE_TOKEN, RECURRENT, image_span, tiny_image
@@ -559,6 +559,27 @@ def test_the_greedy_choice_is_argmax_first_maximal_index(length, values, seed, d
     gen = torch.Generator().manual_seed(seed)
     scores = torch.tensor(values, dtype=dtype)[torch.randint(len(values), (length,), generator=gen)]
     assert first_max(scores) == int(scores.argmax())
+
+
+def test_a_step_checks_the_weights_once_between_events_and_again_after_a_caller_edits_them(monkeypatch):
+    # each admitted prompt's session verbs check the weights (three walks of the model's tensors a prompt); between
+    # two events of a step nothing can edit them, so one walk serves the stretch. An edit made while the caller
+    # holds an event is seen by the next stretch: the prompts not yet started fail with the typed error.
+    import kvstate.adapters.fingerprinting as fingerprinting
+
+    model = copy.deepcopy(model_in("llama", torch.float32))  # its weights are edited below
+    scheduler = Scheduler(model, rows=ROWS)
+    for seed in range(4):
+        scheduler.submit(BatchRequest(prompt(9 + seed, seed=seed)[0], max_new_tokens=2))
+    walks, real = [], fingerprinting.weights_key
+    monkeypatch.setattr(fingerprinting, "weights_key", lambda m: walks.append(1) or real(m))
+    events = scheduler.stepping()
+    assert isinstance(next(events), Token) and len(walks) == 1  # four prompts admitted and fed, one started
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0
+    rest = list(events)
+    failed = [e for e in rest if isinstance(e, Failed)]
+    assert len(failed) == 3 and all(isinstance(e.error, FingerprintMismatchError) for e in failed)
 
 
 def test_sampling_truncations_behave_as_their_definitions():

@@ -13,7 +13,8 @@ each tensor's identity, storage and version counter (bumped by every in-place ed
 through the tensor) is compared with the cached one, and the digest is recomputed when
 it moved: weights edited after a session was built are noticed. An edit through
 ``param.data`` bypasses version counters; call ``fingerprint(model, refresh=True)``
-after one.
+after one. Inside ``unchanged(model)`` (a run of verbs on one thread that cannot edit the weights
+between them: ``kvstate.batch``'s step between two of its events) the key is taken once.
 
 A second, dtype-independent digest (a bf16-rounded sample of every tensor) lets a state
 saved in one dtype load into the same weights in another, when the caller opts in to
@@ -27,6 +28,8 @@ import hashlib
 import json
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -144,13 +147,41 @@ def weights_key(model: torch.nn.Module) -> tuple:
     return tuple(out)
 
 
+_UNCHANGED = threading.local()  # keys: {id(model): (model, weights_key)} inside ``unchanged`` on this thread
+
+
+@contextmanager
+def unchanged(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, on this thread, ``fingerprint(model)`` walks ``model``'s tensors once: for a run of kvstate verbs
+    that cannot edit the weights between them. A scheduler step admitting 16 prompts checked the weights
+    48 times (three verbs each), about 65 ms of a 650 ms step of the default model in bfloat16."""
+    if getattr(_UNCHANGED, "keys", None) is not None:  # nested: the outer scope's key holds
+        yield
+        return
+    _UNCHANGED.keys = {}
+    try:
+        yield
+    finally:
+        _UNCHANGED.keys = None
+
+
+def _key(model: torch.nn.Module) -> tuple:
+    keys = getattr(_UNCHANGED, "keys", None)
+    if keys is None:
+        return weights_key(model)
+    found = keys.get(id(model))
+    if found is None or found[0] is not model:
+        found = keys[id(model)] = (model, weights_key(model))
+    return found[1]
+
+
 _CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, Fingerprint]] = weakref.WeakKeyDictionary()
 _CACHE_LOCK = threading.Lock()
 
 
 def fingerprint(model: torch.nn.Module, tokenizer: object | None = None, *, refresh: bool = False) -> Fingerprint:
     """Fingerprint of a loaded transformers model (and optionally its tokenizer); cached per model."""
-    key = weights_key(model)
+    key = _key(model)
     with _CACHE_LOCK:
         cached = _CACHE.get(model)
     if refresh or cached is None or cached[0] != key:

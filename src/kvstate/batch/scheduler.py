@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.fingerprinting import unchanged
 from ..engine import Engine, FeedSettings
 from ..engine.decode import Packed, Single, Stream, Unpackable, packable
 from ..errors import InputError
@@ -187,6 +188,20 @@ class Scheduler:
 
     def stepping(self) -> Iterator[Event]:
         """``step``, yielding each event as soon as it happens (the first tokens right after the prefill)."""
+        events = self._stepping()
+        try:
+            while True:
+                # between two events nothing of the step edits the weights: its sessions' verbs check them
+                # once (a caller may edit them while it holds an event: the next stretch walks them again)
+                with unchanged(self.model):
+                    event = next(events, None)
+                if event is None:
+                    return
+                yield event
+        finally:
+            events.close()  # a caller that stops reading ends the step where it stood, as before
+
+    def _stepping(self) -> Iterator[Event]:
         yield from self._ends()
         # waiting prompts first, so a short one never waits for another's long history; then the histories
         # being fed, the oldest one piece at least (none starves): a step feeds the budget plus one chunk.
