@@ -4,7 +4,10 @@ Every server loads the same folder (the embedded Gemma-3-270M, with kvstate's fa
 template, as in ``bench_serve.py``), with the same threads, and gets the same workload through
 the official ``openai`` client: ``N`` chats of ``--turns`` streamed greedy turns of
 ``--max-tokens`` tokens, each chat its own user (they share the library's system prompt).
-Each server runs the workload one chat at a time, then with 8 and 16 chats at once. Per level
+Each server runs the workload one chat at a time, then with 8 and 16 chats at once; the batching
+servers run ``--rounds`` times (3; every other round in reverse order), and each level reports its
+median over the rounds, as this machine has slow periods of minutes that one run cannot tell from
+the servers' own speed (per-round values are kept in the JSON). Per level
 we record completion tokens per second (tokens of all answers over the wall time), p50 and p99
 TTFT, whether every answer equals the answer the same request got one at a time, and any request
 that failed (a stream cut by the server is recorded, and its chat stops there). The
@@ -83,10 +86,12 @@ def _level(url: str, model: str, streams: int, chats: int, turns: int, max_token
 
 
 def _server_levels(cmd: list[str], port: int, args: argparse.Namespace, model: str, tokenizer: object,
-                   streams: list[int]) -> dict[str, object]:
+                   streams: list[int], alone: dict[str, object] | None = None) -> dict[str, object]:
+    """One server's run: one chat at a time (unless ``alone``, its earlier run, is given), then each level."""
     with _server(cmd, port, args.threads) as url:
         _turn(url, model, [{"role": "user", "content": "Hello"}], 2)  # load and warm
-        alone = _level(url, model, 1, args.chats, args.turns, args.max_tokens, tokenizer, not args.no_system)
+        if alone is None:
+            alone = _level(url, model, 1, args.chats, args.turns, args.max_tokens, tokenizer, not args.no_system)
         levels = [_level(url, model, n, args.chats, args.turns, args.max_tokens, tokenizer, not args.no_system)
                   for n in streams]
     for level in levels:
@@ -108,6 +113,8 @@ def main() -> None:
     parser.add_argument("--no-system", action="store_true",
                         help="no system prompt: each chat is one user message (issue 25's own 8-client shape)")
     parser.add_argument("--name", help="results file name (default batch_serve[_DTYPE])")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of every batching server; each level reports its median over them")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -128,28 +135,57 @@ def main() -> None:
             "kvstate_invariance_off": (lambda port: [*kvstate, "--port", str(port), "--batch-invariance", "off"],
                                        folder.name),
         }
-        results = {}
-        for name, (cmd, model) in contenders.items():
-            print(f"{name}:", flush=True)
-            port = _free_port()
-            streams = [] if name == "kvstate_max_batch_1" else args.streams  # the one-at-a-time server: alone only
-            results[name] = _server_levels(cmd(port), port, args, model, tokenizer, streams)
+        results: dict[str, dict] = {}
+        # rounds: this machine has slow periods of minutes; each round runs every server again (the order
+        # reversed every other round) and the report takes each level's median over the rounds
+        for r in range(args.rounds):
+            names = list(contenders) if r % 2 == 0 else list(reversed(contenders))
+            for name in names:
+                if r and name == "kvstate_max_batch_1":
+                    continue  # the one-at-a-time server runs alone only, once
+                cmd, model = contenders[name]
+                print(f"{name} (round {r + 1} of {args.rounds}):", flush=True)
+                port = _free_port()
+                streams = [] if name == "kvstate_max_batch_1" else args.streams  # one at a time: alone only
+                run = _server_levels(cmd(port), port, args, model, tokenizer, streams,
+                                     results[name]["alone"] if r else None)
+                if r:
+                    results[name]["rounds"].append(run["levels"])
+                else:
+                    results[name] = {**run, "rounds": [run["levels"]]}
         _report(args, results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _merged(runs: list[dict]) -> dict[str, object]:
+    """One level over the rounds: the median throughput and TTFTs, answers equal alone in every round."""
+    def median(key: str) -> float:
+        return statistics.median(float(run[key]) for run in runs)
+
+    return {"tokens_per_s": median("tokens_per_s"), "ttft_p50_s": median("ttft_p50_s"),
+            "ttft_p99_s": median("ttft_p99_s"), "speedup_vs_alone": median("speedup_vs_alone"),
+            "answers_equal_alone": all(run["answers_equal_alone"] for run in runs),
+            "errors": [e for run in runs for e in run["errors"]],
+            "tokens_per_s_rounds": [run["tokens_per_s"] for run in runs]}
+
+
 def _report(args: argparse.Namespace, results: dict[str, dict]) -> None:
     summary = {}
     for i, n in enumerate(args.streams):
-        ours, tf = results["kvstate"]["levels"][i], results["transformers_cb"]["levels"][i]
-        off = results["kvstate_invariance_off"]["levels"][i]
+        ours, tf, off = (_merged([levels[i] for levels in results[name]["rounds"]])
+                         for name in ("kvstate", "transformers_cb", "kvstate_invariance_off"))
+        one = results["kvstate_max_batch_1"]["alone"]["tokens_per_s"]
         summary[str(n)] = {
             "kvstate_tokens_per_s": ours["tokens_per_s"], "transformers_cb_tokens_per_s": tf["tokens_per_s"],
             "kvstate_vs_transformers_cb": ours["tokens_per_s"] / tf["tokens_per_s"],
+            "kvstate_vs_transformers_cb_rounds": [a / b for a, b in zip(
+                ours["tokens_per_s_rounds"], tf["tokens_per_s_rounds"], strict=True)],
+            "kvstate_tokens_per_s_rounds": ours["tokens_per_s_rounds"],
+            "transformers_cb_tokens_per_s_rounds": tf["tokens_per_s_rounds"],
+            "kvstate_invariance_off_tokens_per_s_rounds": off["tokens_per_s_rounds"],
             "kvstate_vs_kvstate_alone": ours["speedup_vs_alone"],
-            "kvstate_vs_one_at_a_time_server": ours["tokens_per_s"]
-            / results["kvstate_max_batch_1"]["alone"]["tokens_per_s"],
+            "kvstate_vs_one_at_a_time_server": ours["tokens_per_s"] / one,
             "invariance_tax": 1 - ours["tokens_per_s"] / off["tokens_per_s"],
             "kvstate_answers_equal_alone": ours["answers_equal_alone"],
             "transformers_cb_answers_equal_alone": tf["answers_equal_alone"],
@@ -157,15 +193,19 @@ def _report(args: argparse.Namespace, results: dict[str, dict]) -> None:
             "kvstate_ttft_p50_s": ours["ttft_p50_s"], "kvstate_ttft_p99_s": ours["ttft_p99_s"],
             "transformers_cb_ttft_p50_s": tf["ttft_p50_s"], "transformers_cb_ttft_p99_s": tf["ttft_p99_s"],
         }
-        print(f"{n} streams: kvstate {ours['tokens_per_s']:.1f} tok/s ({ours['speedup_vs_alone']:.2f}x alone, "
-              f"answers equal alone: {ours['answers_equal_alone']}), transformers CB {tf['tokens_per_s']:.1f} "
-              f"tok/s (answers equal alone: {tf['answers_equal_alone']}), invariance tax "
+        rounds = ", ".join(f"{x:.2f}" for x in summary[str(n)]["kvstate_vs_transformers_cb_rounds"])
+        print(f"{n} streams (medians of {args.rounds} rounds): kvstate {ours['tokens_per_s']:.1f} tok/s "
+              f"({ours['speedup_vs_alone']:.2f}x alone, {summary[str(n)]['kvstate_vs_one_at_a_time_server']:.2f}x "
+              f"the one-at-a-time server, answers equal alone: {ours['answers_equal_alone']}), transformers CB "
+              f"{tf['tokens_per_s']:.1f} tok/s (answers equal alone: {tf['answers_equal_alone']}), ratio "
+              f"{summary[str(n)]['kvstate_vs_transformers_cb']:.2f} (rounds: {rounds}), invariance tax "
               f"{summary[str(n)]['invariance_tax']:.0%}")
     system = "without" if args.no_system else "with"
     result = {"what": f"{args.chats} chats x {args.turns} streamed greedy turns of {args.max_tokens} tokens on the "
                       f"default model (Gemma-3-270M, {args.dtype}), {system} the system prompt, one at a time and "
-                      f"{args.streams} at once",
-              "dtype": args.dtype, "threads_per_server": args.threads, "summary": summary, "servers": results}
+                      f"{args.streams} at once, each batching server {args.rounds} times (medians)",
+              "dtype": args.dtype, "threads_per_server": args.threads, "rounds": args.rounds, "summary": summary,
+              "servers": results}
     default = "batch_serve" if args.dtype == "float32" else f"batch_serve_{args.dtype}"
     write_results(args.name or default, result)
 
