@@ -152,7 +152,7 @@ def main() -> None:
                 if r:
                     results[name]["rounds"].append(run["levels"])
                 else:
-                    results[name] = {**run, "rounds": [run["levels"]]}
+                    results[name] = {"alone": run["alone"], "rounds": [run["levels"]]}
         _report(args, results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
