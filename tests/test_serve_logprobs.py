@@ -22,7 +22,7 @@ from tests.serving import client, live, make_server
 from kvstate.serve.chat import Renderer
 from kvstate.serve.cli import load
 from kvstate.serve.params import CHAT_FIELDS, COMPLETION_FIELDS, Limits, parse
-from tiny import count_forwards
+from tiny import count_forwards, wait_quiet
 
 MODEL = "tiny:llama"
 C = 8  # make_server's canonical chunk
@@ -205,6 +205,7 @@ def test_bad_logprobs_are_400s(served, case):
     model, _, _, url = served
     route, fields, param = BAD[case]
     where = {"messages": [{"role": "user", "content": "Hi"}]} if "chat" in route else {"prompt": "Hi"}
+    wait_quiet(model)  # an earlier test's reply may still be settling on the model thread
     with count_forwards(model) as forwards:
         status, answer = _post(url, route, {"model": MODEL, **where, "max_tokens": 2, **fields})
     assert status == 400, answer

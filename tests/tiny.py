@@ -92,3 +92,19 @@ def count_forwards(model):
             handle.remove()
 
     return counting()
+
+
+def wait_quiet(model, gap: float = 0.2, timeout: float = 30.0) -> None:
+    """Return once ``model`` ran no forward for ``gap`` seconds: a server settles a finished reply on its
+    model thread after a short grace (``kvstate.serve.runner.SETTLE_GRACE``), which a test counting the
+    forwards of its own next request must not count."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    with count_forwards(model) as calls:
+        seen = -1
+        while calls[0] != seen:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the model still runs forwards after {timeout} s")
+            seen = calls[0]
+            time.sleep(gap)
