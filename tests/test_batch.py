@@ -28,7 +28,7 @@ from kvstate._compat.kernels import tile_kernel
 from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, generate_many
 from kvstate.batch.sampling import first_max
 from kvstate.engine.decode import packable
-from kvstate.engine.invariant import tiled, tiled_linear
+from kvstate.engine.invariant import rows_free, tile_kernels, tiled, tiled_linear
 from kvstate.errors import FingerprintMismatchError, InputError, UnsupportedError
 from kvstate.selfcheck import bind
 from kvstate.testing.shrink import tiny_causal_lm
@@ -259,6 +259,47 @@ def test_one_tile_forwards_skip_the_tiling_mode_after_the_census_with_the_same_b
         scheduler.submit(BatchRequest(prompt(6)[0], max_new_tokens=3))
         list(scheduler.run())
         assert not scheduler._packed.plain, arch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fewer_streams_run_fewer_rows_with_the_bits_of_a_whole_tile(dtype, monkeypatch):
+    # prepacked kernels give a row the same bits for any 2..rows rows (probed), and widths that are multiples of
+    # 64 leave element-wise kernels no tail: a step of n < rows streams then runs max(n, 2) rows, not a whole tile
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvstate.engine import decode
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=640, intermediate_size=2048,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+                                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None
+    gen = torch.Generator().manual_seed(2)
+    requests = [BatchRequest(torch.randint(3, 1024, (4 + 9 * i,), generator=gen), max_new_tokens=2 + i,
+                             top_logprobs=2) for i in range(5)]  # 5, 4, 3, 2, 1 streams as they finish
+    used = []
+    rows_of = decode.Packed._rows
+    monkeypatch.setattr(decode.Packed, "_rows", lambda self, n: used.append(rows_of(self, n)) or used[-1])
+    scheduler = Scheduler(model, rows=16)
+    handles = [scheduler.submit(r) for r in requests]
+    free = {e.handle: answered(e.completion) for e in scheduler.run() if isinstance(e, Done)}
+    assert scheduler._packed.free and scheduler._packed.grain == 1  # every width a multiple of 128
+    assert used == [16, 4, 3, 2, 2], used  # the first forward takes the census in a whole tile
+    alone = [answered(generate_many(model, [r], rows=16)[0]) for r in requests]  # 2 rows a step
+    monkeypatch.setattr(decode.Packed, "free", property(lambda self: False, lambda self, value: None), raising=False)
+    used.clear()
+    tiles = [answered(c) for c in generate_many(model, requests, rows=16)]
+    assert set(used) == {16}
+    assert [free[h] for h in handles] == tiles == alone
+
+
+def test_the_rows_probe_refuses_kernels_whose_bits_follow_the_row_count():
+    import torch.nn.functional as F
+
+    linear = torch.nn.Linear(640, 1024, bias=False)  # float32 F.linear: another kernel for another row count
+    assert not rows_free({linear: lambda x, bias: F.linear(x, linear.weight, bias)}, 16)
+    assert rows_free(tile_kernels([linear], 16, "-"), 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

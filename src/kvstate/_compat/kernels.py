@@ -11,8 +11,10 @@ the body's products; a decode step of 16 streams went from 165 to 137 ms (fp32) 
 What the tile contract needs holds as for ``F.linear`` (checked for fp32 and bf16, 1 and 2 threads,
 tiles of 2 to 64 rows, the default model's widths; ``tests/test_batch.py`` keeps checking it): with
 the row count fixed, a row's result depends neither on its place among the rows nor on the other
-rows. The bits are not ``F.linear``'s, so a tile of one row (``rows=1``, ``Session``'s decode shape)
-never uses these kernels.
+rows. More: a kernel prepacked for ``rows`` rows and called on any 2 to 64 rows gave every row the bits
+of a whole tile (fp32 and bf16, 1-3 threads; one row differed), so the decode runs fewer rows when fewer
+streams run, after probing that per weight (``kvstate.engine.invariant.rows_free``). The bits are not
+``F.linear``'s, so a tile of one row (``rows=1``, ``Session``'s decode shape) never uses these kernels.
 
 The packed copy costs about the weight's size again (1.1 GB for the default model in fp32); it is
 made on first use, kept while the weight lives, and made again if the weight changes in place.
