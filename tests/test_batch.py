@@ -298,8 +298,8 @@ def test_the_rows_probe_refuses_kernels_whose_bits_follow_the_row_count():
     import torch.nn.functional as F
 
     linear = torch.nn.Linear(640, 1024, bias=False)  # float32 F.linear: another kernel for another row count
-    assert not rows_free({linear: lambda x, bias: F.linear(x, linear.weight, bias)}, 16)
-    assert rows_free(tile_kernels([linear], 16, "-"), 16)
+    assert not rows_free({linear: lambda x, bias: F.linear(x, linear.weight, bias)}, 16, range(2, 16))
+    assert rows_free(tile_kernels([linear], 16, "-"), 16, [*range(2, 16), 17, 48, 100])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -140,3 +140,27 @@ def test_after_the_probe_the_tiled_prefill_skips_the_tiling_mode_with_the_same_b
     finally:
         tiles.plain = True
     assert_same_state(session.state, pinned.state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_after_the_census_a_prefill_runs_all_its_rows_in_one_call_with_the_tiles_bits(dtype, monkeypatch):
+    # oneDNN's prepacked kernels give a row the bits of its tile for any row count (probed per count, rows_free),
+    # so the body's products take all rows at once: the weights read once, not once a tile
+    from kvstate._compat import kernels
+
+    if not kernels.available():
+        pytest.skip("this torch has no oneDNN linear kernels")
+    model = model_in("llama", dtype)
+    calls = []
+    used = prefill.prepacked
+    monkeypatch.setattr(prefill, "prepacked", lambda k, rows, *a: calls.append(rows) or used(k, rows, *a))
+    ids = [prompt(40 + 17 * i, seed=20 + i) for i in range(3)]
+    one = [Session(model, prefill_rows=32, canonical_chunk=128) for _ in ids]
+    Session.extend_many(one, ids)  # 40 + 57 + 74 rows, padded to 192: one call of 192 rows
+    assert calls[-1] == 192, calls
+    monkeypatch.setattr(prefill.Tiled, "_calls", lambda self, k, P, heads: (self.rows, self.own_rows))
+    tiles = [Session(model, prefill_rows=32, canonical_chunk=128) for _ in ids]
+    Session.extend_many(tiles, ids)
+    assert calls[-1] == 32
+    for a, b in zip(one, tiles, strict=True):
+        assert_same_state(a.state, b.state)

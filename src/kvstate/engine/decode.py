@@ -182,7 +182,7 @@ class Packed:
         any multiple of ``grain`` that divides the tile (``row_grain``)."""
         self.grain = row_grain(self.engine.model, torch.get_num_threads())
         return (prepacked_only and bool(kernels) and self.grain > 0 and self.rows % self.grain == 0
-                and rows_free(kernels, self.rows))
+                and rows_free(kernels, self.rows, range(2, self.rows)))
 
     def _kernels(self) -> dict[torch.nn.Module, Kernel]:
         """The tiles' kernels, made before the forward: nothing of a refused packing reaches a stream."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -236,30 +236,31 @@ def row_grain(model: torch.nn.Module, threads: int) -> int:
     return math.lcm(*(block // math.gcd(w, block) for w in widths))  # type: ignore[arg-type]
 
 
-_FREE: dict[tuple[Any, ...], bool] = {}  # rows_free's verdicts by kernel code, weight shape, dtype, bias, tile, threads
+_FREE: dict[tuple[Any, ...], bool] = {}  # rows_free's verdicts by kernel code, weight, tile, threads and row count
 
 
-def rows_free(kernels: Mapping[torch.nn.Module, Kernel], rows: int) -> bool:
-    """Whether every kernel of ``kernels`` (``tile_kernels``' for tiles of ``rows``) gives each row the bits it
-    gets in a whole tile when called on any 2 to ``rows`` rows: probed once per weight shape and dtype on
-    seeded random rows. Measured for oneDNN's prepacked kernels on this project's CPU (fp32 and bf16, 1-3
-    threads, the default model's widths and small ones; ``docs/batching.md``): a row's reduction order does
-    not depend on the row count there, unlike ``F.linear``'s kernels (and one row, which none of these serves)."""
+def rows_free(kernels: Mapping[torch.nn.Module, Kernel], rows: int, counts: Iterable[int]) -> bool:
+    """Whether every kernel of ``kernels`` (``tile_kernels``' for tiles of ``rows``), called once on ``m`` rows,
+    gives each row the bits of the tiles of ``rows`` rows (zero-padded) for each ``m`` of ``counts``: probed on
+    seeded random rows, once per weight shape, dtype, bias, thread count and ``m``. Measured for oneDNN's
+    prepacked kernels on this project's CPU (fp32 and bf16, 1-3 threads, the default model's widths and small
+    ones, 2 to 512 rows; ``docs/batching.md``): a row's reduction order does not depend on the row count
+    there, unlike ``F.linear``'s kernels (and one row, which none of these serves)."""
     threads = torch.get_num_threads()
     for module, kernel in kernels.items():
         weight, bias = module.weight, module.bias
-        key = (getattr(kernel, "__code__", type(kernel)), tuple(weight.shape), weight.dtype, bias is not None, rows,
-               threads)
-        if key not in _FREE:
-            _FREE[key] = _probe_rows(kernel, weight, bias, rows)
-        if not _FREE[key]:
-            return False
+        for m in counts:
+            key = (getattr(kernel, "__code__", type(kernel)), tuple(weight.shape), weight.dtype, bias is not None,
+                   rows, threads, m)
+            if key not in _FREE:
+                _FREE[key] = _probe_rows(kernel, weight, bias, rows, m)
+            if not _FREE[key]:
+                return False
     return True
 
 
-def _probe_rows(kernel: Kernel, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> bool:
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
+def _probe_rows(kernel: Kernel, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, m: int) -> bool:
+    generator = torch.Generator().manual_seed(m)
+    x = torch.randn(m, weight.shape[1], generator=generator).to(weight.dtype)
     with torch.no_grad():
-        whole = kernel(x, bias)
-        return all(torch.equal(kernel(x[:m].contiguous(), bias), whole[:m]) for m in range(2, rows))
+        return torch.equal(kernel(x, bias), tiled_mm(x, weight, rows, lambda tile, _: kernel(tile.contiguous(), bias)))
