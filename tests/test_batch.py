@@ -602,6 +602,22 @@ def test_the_greedy_choice_is_argmax_first_maximal_index(length, values, seed, d
     assert first_max(scores) == int(scores.argmax())
 
 
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(n=st.integers(1, 17), vocab=st.sampled_from([1, 37, 128, 1000, 4099, 262_144]), seed=st.integers(0, 1000),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), scale=st.sampled_from([1.0, 30.0]))
+def test_a_steps_log_probabilities_are_each_rows_own(n, vocab, seed, dtype, scale):
+    # a decode step takes log_softmax of all its rows in one call (rows_logprobs); each row must keep the bits
+    # Sampler.choose computes from that row alone (as a prompt's first token is chosen)
+    from kvstate.batch.sampling import rows_logprobs
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, vocab, generator=gen) * scale).to(dtype)
+    rows, logprobs = rows_logprobs(logits)
+    for i in range(n):
+        assert torch.equal(rows[i], logits[i].float())
+        assert torch.equal(logprobs[i], torch.log_softmax(logits[i].float(), dim=-1))
+
+
 def test_a_step_checks_the_weights_once_between_events_and_again_after_a_caller_edits_them(monkeypatch):
     # each admitted prompt's session verbs check the weights (three walks of the model's tensors a prompt); between
     # two events of a step nothing can edit them, so one walk serves the stretch. An edit made while the caller

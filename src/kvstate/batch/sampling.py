@@ -80,6 +80,14 @@ def first_max(scores: torch.Tensor) -> int:
     return block * BLOCK + int(scores[block * BLOCK:(block + 1) * BLOCK].argmax())
 
 
+def rows_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits`` ``[n, V]`` in float32 and their ``log_softmax``, for ``Sampler.choose`` row by row: one call
+    for a step's rows instead of one per row (the kernel computes each row alone, so row ``i`` has the bits
+    ``choose`` computes from ``logits[i]``; ``tests/test_batch.py`` checks it)."""
+    rows = logits.float()
+    return rows, torch.log_softmax(rows, dim=-1)
+
+
 class Sampler:
     """One request's token choices (see the module docstring)."""
 
@@ -91,10 +99,11 @@ class Sampler:
         self.history = list(history)  # with processors: the request's ids and its tokens so far (what they read)
         self.device = device
 
-    def choose(self, logits: torch.Tensor) -> Choice:
-        """The next token for ``logits`` ``[V]``."""
+    def choose(self, logits: torch.Tensor, logprobs: torch.Tensor | None = None) -> Choice:
+        """The next token for ``logits`` ``[V]``; ``logprobs``: their ``log_softmax`` in float32 where the caller
+        computed it for many rows at once (``rows_logprobs``)."""
         row = logits.float()  # exact for bf16 / fp16: the same maxima and ties
-        logprobs = torch.log_softmax(row, dim=-1)
+        logprobs = torch.log_softmax(row, dim=-1) if logprobs is None else logprobs
         scores = self._processed(row)
         token = first_max(scores) if self.sampling.greedy else self._draw(scores)
         top: tuple[tuple[int, float], ...] = ()

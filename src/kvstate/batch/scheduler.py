@@ -47,7 +47,7 @@ from ..schedule import default_chunk
 from ..state import State
 from .events import MAX_TOP_LOGPROBS, BatchRequest, Completion, Done, Event, Failed, Token, int_in
 from .prefixes import RecentPrompts
-from .sampling import Choice, Sampler
+from .sampling import Choice, Sampler, rows_logprobs
 
 __all__ = ["MAX_TOP_LOGPROBS", "BatchRequest", "Completion", "Done", "Event", "Failed", "Scheduler", "Token",
            "generate_many"]
@@ -243,8 +243,9 @@ class Scheduler:
             ending = self._cancelled | self._stopping  # asked during this step: they sit its decode out
             jobs = [j for j in self._running if j.decoder is decoder and j.handle not in ending]
             if jobs:  # every choice is recorded before the first event goes out: a caller may stop reading
-                events = [e for job, row in zip(jobs, self._decode(decoder, jobs), strict=True)
-                          for e in self._took(job, job.sampler.choose(row))]
+                rows, logprobs = rows_logprobs(self._decode(decoder, jobs))
+                events = [e for i, job in enumerate(jobs) for e in self._took(job, job.sampler.choose(rows[i],
+                                                                                                      logprobs[i]))]
                 yield from events
 
     # ----- internals -----------------------------------------------------------------------------
