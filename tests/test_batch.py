@@ -337,7 +337,7 @@ def test_decode_rows_attend_grouped_in_bf16_tiles_which_is_transformers_sdpa_hea
     room = torch.randn(2, 1, 2, 40, 8, generator=gen, dtype=torch.float64)
     key, value = room[0, :, :, :29], room[1, :, :, :29]  # strided views, as a packed stream's room
     query = torch.randn(1, 4, 1, 8, generator=gen, dtype=torch.float64)
-    grouped, _ = packed_module._grouped(module, query, key, value, None, scaling=0.3)
+    grouped, _ = packed_module._grouped(module, query[:, :, 0], key, value, None, scaling=0.3)  # heads [1, H, D]
     own, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.3)
     assert grouped.shape == own.shape == (1, 1, 4, 8)
     torch.testing.assert_close(grouped, own, rtol=1e-13, atol=1e-13)

@@ -73,8 +73,8 @@ class PackedCache:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states, value_states: [1, Hkv, P, D]; the rows of segment i belong to conversation i
-        self.seen[layer_idx] = [cache.update(key_states[:, :, s:s + n].contiguous(),
-                                             value_states[:, :, s:s + n].contiguous(), layer_idx)
+        self.seen[layer_idx] = [cache.update(key_states.narrow(2, s, n).contiguous(),
+                                             value_states.narrow(2, s, n).contiguous(), layer_idx)
                                 for (s, n), cache in zip(self.segments, self.caches, strict=True)]
         return key_states, value_states
 
@@ -117,15 +117,19 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     attend = _own_attention(module, _LOCAL.backend)
     group = cache.grouped and _groupable(attend, query, key, kwargs)
     outs = []
+    # grouped decode rows read their query heads from one transposed copy [1, P, H, D] (no copy per stream)
+    rows = query.transpose(1, 2).contiguous() if group else None
     _LOCAL.attending = True
     try:
         for (s, n), (k, v) in zip(cache.segments, cache.seen[layer], strict=True):
             if cache.verify:
                 _check_same(key, k, s, n)
                 _check_same(value, v, s, n)
-            mask = None if n == 1 else segment_mask(n, k.shape[2], cache.window(layer), query.dtype, query.device)
-            run = _grouped if group and n == 1 else attend
-            out, _ = run(module, query[:, :, s:s + n].contiguous(), k, v, mask, **kwargs)
+            if rows is not None and n == 1:
+                out, _ = _grouped(module, rows[:, s], k, v, None, **kwargs)
+            else:
+                mask = None if n == 1 else segment_mask(n, k.shape[2], cache.window(layer), query.dtype, query.device)
+                out, _ = attend(module, query[:, :, s:s + n].contiguous(), k, v, mask, **kwargs)
             outs.append(out)  # [1, n, H, Dv]
     finally:
         _LOCAL.attending = False
@@ -149,11 +153,12 @@ def _groupable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tenso
 
 def _grouped(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: None, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """SDPA of one decode row ``[1, H, 1, D]`` over K/V ``[1, Hkv, T, D]``, the ``G = H / Hkv`` query heads of
-    each K/V head as ``G`` rows of one query (head ``h`` attends with K/V head ``h // G``, as ``enable_gqa``
-    and ``repeat_kv`` map them); ``[1, 1, H, Dv]``, as transformers' sdpa function returns."""
-    heads, dim, kv_heads = query.shape[1], query.shape[3], key.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(1, kv_heads, heads // kv_heads, dim),
+    """SDPA of one decode row's query heads ``[1, H, D]`` (contiguous) over K/V ``[1, Hkv, T, D]``, the
+    ``G = H / Hkv`` query heads of each K/V head as ``G`` rows of one query (head ``h`` attends with K/V head
+    ``h // G``, as ``enable_gqa`` and ``repeat_kv`` map them); ``[1, 1, H, Dv]``, as transformers' sdpa
+    function returns."""
+    heads, dim, kv_heads = query.shape[1], query.shape[2], key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(query.view(1, kv_heads, heads // kv_heads, dim),
                                                            key, value, scale=scaling)  # [1, Hkv, G, Dv]
     return out.reshape(1, 1, heads, out.shape[-1]), None
 

@@ -35,10 +35,10 @@ class _Room:
         if n + q > self.keys.shape[-2]:
             self.keys = _with_room(self.keys[..., :n, :], max(q, n))
             self.values = _with_room(self.values[..., :n, :], max(q, n))
-        self.keys[..., n:n + q, :] = keys
-        self.values[..., n:n + q, :] = values
+        self.keys.narrow(-2, n, q).copy_(keys)  # narrow, not indexing: this runs per stream, layer and step
+        self.values.narrow(-2, n, q).copy_(values)
         self.n = n + q
-        return self.keys[..., :self.n, :], self.values[..., :self.n, :]
+        return self.keys.narrow(-2, 0, self.n), self.values.narrow(-2, 0, self.n)
 
 
 def _with_room(t: torch.Tensor, extra: int) -> torch.Tensor:
