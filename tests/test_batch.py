@@ -209,12 +209,12 @@ def test_a_second_turn_from_a_batch_state_is_the_cold_second_turn(arch, pieces):
     assert answered(warm) == answered(cold) and warm.reused == 64 and cold.reused == 0
 
 
-def wide_llama(dtype: torch.dtype) -> torch.nn.Module:
+def wide_llama(dtype: torch.dtype, vocab: int = 1000) -> torch.nn.Module:
     """A llama as wide as the default model (640 hidden, 2048 MLP), where kernels change with the row count."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=1000, hidden_size=640, intermediate_size=2048,
+    config = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=640, intermediate_size=2048,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
                                   tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
@@ -265,16 +265,9 @@ def test_one_tile_forwards_skip_the_tiling_mode_after_the_census_with_the_same_b
 def test_fewer_streams_run_fewer_rows_with_the_bits_of_a_whole_tile(dtype, monkeypatch):
     # prepacked kernels give a row the same bits for any 2..rows rows (probed), and widths that are multiples of
     # 64 leave element-wise kernels no tail: a step of n < rows streams then runs max(n, 2) rows, not a whole tile
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from kvstate.engine import decode
 
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=640, intermediate_size=2048,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
-                                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
-    model.generation_config.eos_token_id = None
+    model = wide_llama(dtype, vocab=1024)  # every width a multiple of 128: no tail at any row count
     gen = torch.Generator().manual_seed(2)
     requests = [BatchRequest(torch.randint(3, 1024, (4 + 9 * i,), generator=gen), max_new_tokens=2 + i,
                              top_logprobs=2) for i in range(5)]  # 5, 4, 3, 2, 1 streams as they finish
@@ -284,7 +277,7 @@ def test_fewer_streams_run_fewer_rows_with_the_bits_of_a_whole_tile(dtype, monke
     scheduler = Scheduler(model, rows=16)
     handles = [scheduler.submit(r) for r in requests]
     free = {e.handle: answered(e.completion) for e in scheduler.run() if isinstance(e, Done)}
-    assert scheduler._packed.free and scheduler._packed.grain == 1  # every width a multiple of 128
+    assert scheduler._packed.free and scheduler._packed.grain == 1
     assert used == [16, 4, 3, 2, 2], used  # the first forward takes the census in a whole tile
     alone = [answered(generate_many(model, [r], rows=16)[0]) for r in requests]  # 2 rows a step
     monkeypatch.setattr(decode.Packed, "free", property(lambda self: False, lambda self, value: None), raising=False)
