@@ -214,13 +214,16 @@ def tile_kernels(linears: list[torch.nn.Module], rows: int, fix: str,
     return {module: kernel for module, kernel in found.items() if kernel is not None}
 
 
+def _widths(model: torch.nn.Module) -> list[Any]:
+    """The widths of ``model``'s per-row tensors (hidden, MLP, head, vocabulary); None where the config has none."""
+    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr, operator]
+    return [getattr(config, name, None) for name in ("hidden_size", "intermediate_size", "head_dim", "vocab_size")]
+
+
 def tail_free(model: torch.nn.Module, rows: int) -> bool:
     """Whether ``rows`` rows of every width of ``model`` fill whole 64-element vector blocks (no scalar tail:
     CPU element-wise kernels compute the last ``< 64`` elements of a tensor in a scalar loop)."""
-    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr, operator]
-    names = ("hidden_size", "intermediate_size", "head_dim", "vocab_size")
-    widths = [getattr(config, name, None) for name in names]
-    return all(isinstance(w, int) and rows * w % 64 == 0 for w in widths)
+    return all(isinstance(w, int) and rows * w % 64 == 0 for w in _widths(model))
 
 
 def row_grain(model: torch.nn.Module, threads: int) -> int:
@@ -228,8 +231,7 @@ def row_grain(model: torch.nn.Module, threads: int) -> int:
     ``model``, also where an element-wise kernel splits a tensor among up to ``threads`` threads (ATen gives
     each thread an equal share, and each share ends in its own scalar loop); 0 where a width is unknown.
     With every share a whole number of 64-element blocks, an element's bits do not depend on the row count."""
-    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr, operator]
-    widths = [getattr(config, name, None) for name in ("hidden_size", "intermediate_size", "head_dim", "vocab_size")]
+    widths = _widths(model)
     if not all(isinstance(w, int) and w > 0 for w in widths):
         return 0
     block = 64 * math.lcm(*range(1, max(threads, 1) + 1))
