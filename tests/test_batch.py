@@ -318,9 +318,10 @@ def test_one_row_tiles_are_session_decode_bitwise(arch, dtype):
 
 
 def test_decode_rows_attend_grouped_in_bf16_tiles_which_is_transformers_sdpa_head_for_head(monkeypatch):
-    # the grouped form (kvstate._compat.packed) is bf16's decode attention for tiles of more than one row: 4-12x
-    # faster SDPA on this CPU than enable_gqa. Its head mapping is transformers' (float64: equal to rounding), and
-    # one-row tiles keep the model's own call (Session's decode, bitwise: the test above).
+    # the grouped form (kvstate._compat.packed) is bf16's per-stream decode attention for tiles of more than one row
+    # (where the pooled call does not apply: tests/test_pool.py): 4-12x faster SDPA on this CPU than enable_gqa. Its
+    # head mapping is transformers' (float64: equal to rounding), and one-row tiles keep the model's own call
+    # (Session's decode, bitwise: the test above).
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     import kvstate._compat.packed as packed_module
@@ -328,7 +329,7 @@ def test_decode_rows_attend_grouped_in_bf16_tiles_which_is_transformers_sdpa_hea
     module = model_in("llama", torch.float32).model.layers[0].self_attn  # 4 query heads, 2 K/V heads
     gen = torch.Generator().manual_seed(3)
     room = torch.randn(2, 1, 2, 40, 8, generator=gen, dtype=torch.float64)
-    key, value = room[0, :, :, :29], room[1, :, :, :29]  # strided views, as a packed stream's room
+    key, value = room[0, :, :, :29], room[1, :, :, :29]  # strided views, as a pooled stream's slots
     query = torch.randn(1, 4, 1, 8, generator=gen, dtype=torch.float64)
     grouped, _ = packed_module._grouped(module, query[:, :, 0], key, value, None, scaling=0.3)  # heads [1, H, D]
     own, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.3)
@@ -336,32 +337,11 @@ def test_decode_rows_attend_grouped_in_bf16_tiles_which_is_transformers_sdpa_hea
     torch.testing.assert_close(grouped, own, rtol=1e-13, atol=1e-13)
     calls, real = [], packed_module._grouped
     monkeypatch.setattr(packed_module, "_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(packed_module, "_poolable", lambda *a: False)  # the per-stream form
     for dtype, rows, used in [(torch.bfloat16, ROWS, True), (torch.bfloat16, 1, False), (torch.float32, ROWS, False)]:
         calls.clear()
         generate_many(model_in("llama", dtype), [BatchRequest(prompt(9)[0], max_new_tokens=3)], rows=rows)
         assert bool(calls) is used, (dtype, rows)
-
-
-def test_a_packed_step_appends_in_place_and_the_finished_state_owns_its_slots():
-    # a concatenating cache copies every layer's K/V at every step (O(history) per token and stream)
-    model = model_in("gemma3_text", torch.float32)  # sliding and full layers
-    scheduler = Scheduler(model, rows=ROWS)
-    request = BatchRequest(prompt(40)[0], max_new_tokens=6, stop_ids=())
-    handle = scheduler.submit(request)
-    scheduler.step()
-    stream = scheduler._running[0].stream
-    pointers = []
-    for _ in range(3):
-        scheduler.step()
-        layers = stream.live.cache.layers
-        pointers.append([layer.keys.untyped_storage().data_ptr() for layer in layers])
-        assert all(layer.keys.shape[-2] == 40 + len(stream.fed) for layer in layers)
-    assert pointers[0] == pointers[1] == pointers[2]  # the same buffers, written in place
-    done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}[handle]
-    for layer in done.state.layers:  # copied out of the room: contiguous, nothing spare kept alive
-        assert layer.keys.is_contiguous() and layer.keys.untyped_storage().nbytes() == layer.keys.nbytes
-    cold = Session(model).generate(prompt(40), max_new_tokens=6, do_sample=False, eos_token_id=None)
-    assert list(done.tokens) == cold[0].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_vl", "lfm2"])

@@ -3,8 +3,8 @@
 ``versions`` holds the tested window (checked on ``import kvstate``), ``core`` the cache and
 model-side helpers, ``generation`` the seams of ``generate``, ``own_cache`` the models with a cache class of their own,
 ``scan`` the Mamba selective scan, ``watch`` the attention listener that compression scores with,
-``packed`` the batched decode forward, ``room`` its in-place appends and ``kernels`` its tiles' prepacked
-products (issue 25). ``core`` loads
+``packed`` the batched decode forward, ``pool`` its streams' K/V (one buffer a layer), ``room`` the in-place
+appends of caches it cannot pool and ``kernels`` its tiles' prepacked products (issue 25). ``core`` loads
 on first attribute access, so the version gate runs before torch or transformers import.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("core", "generation", "kernels", "own_cache", "packed", "room", "scan", "versions", "watch")
+_SUBMODULES = ("core", "generation", "kernels", "own_cache", "packed", "pool", "room", "scan", "versions", "watch")
 
 
 def __getattr__(name: str) -> Any:

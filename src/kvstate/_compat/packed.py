@@ -23,6 +23,11 @@ keep the conversations apart:
   picks without a mask (``docs/batching.md``). Its bits are another kernel's, so the decode only uses
   it for tiles of more than one row (a one-row tile stays ``Session``'s decode bit for bit).
 
+With ``steps`` (decode rows whose streams hold slots of a ``kvstate._compat.pool.Pool``), ``update``
+writes those rows' K/V into the pool in one call a layer, and, where the pool's padding probe holds for
+the layer's shapes, the attention function computes each pool's rows in one SDPA call (each row's entry
+as it is alone); otherwise each row attends over views of its slots as above.
+
 Segment metadata reaches the attention function through a thread-local set by ``packed``;
 nothing is patched, and the model runs its own backend again when ``packed`` exits. A model that
 does not fit (it asks the cache for one sequence length, attends with K/V other than its cache
@@ -42,6 +47,7 @@ import torch
 
 from ..errors import UnsupportedError
 from .core import attention_backend, attention_implementation
+from .pool import Step, attention_free
 
 NAME = "kvstate_packed"
 _LOCAL = threading.local()  # the PackedCache of this thread's packed forward
@@ -61,22 +67,31 @@ class PackedCache:
 
     def __init__(self, caches: Sequence[Any], verify: bool = True,
                  segments: Sequence[tuple[int, int]] | None = None, windows: Sequence[int | None] = (),
-                 grouped: bool = False) -> None:
+                 grouped: bool = False, steps: Sequence[Step] = ()) -> None:
         self.caches = list(caches)
+        self.steps = list(steps)  # decode steps over pools (kvstate._compat.pool): their rows skip ``caches``
+        self.owner = {row: step for step in self.steps for row in step.rows}
         self.grouped = grouped  # decode rows in reduced precision attend in the grouped form (module docstring)
         self.segments = [(i, 1) for i in range(len(self.caches))] if segments is None else list(segments)
         self.windows = list(windows)
         self.verify = verify  # check that each layer attends with the K/V its cache returned
-        self.seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.seen: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}  # None: a pooled row
         self.attended: set[int] = set()  # layers whose attention ran through kvstate_packed
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states, value_states: [1, Hkv, P, D]; the rows of segment i belong to conversation i
-        self.seen[layer_idx] = [cache.update(key_states.narrow(2, s, n).contiguous(),
-                                             value_states.narrow(2, s, n).contiguous(), layer_idx)
-                                for (s, n), cache in zip(self.segments, self.caches, strict=True)]
+        for step in self.steps:
+            step.append(layer_idx, key_states, value_states)
+        self.seen[layer_idx] = [
+            None if i in self.owner else
+            cache.update(key_states.narrow(2, s, n).contiguous(), value_states.narrow(2, s, n).contiguous(), layer_idx)
+            for i, ((s, n), cache) in enumerate(zip(self.segments, self.caches, strict=True))]
         return key_states, value_states
+
+    def pairs(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each segment's visible K/V ``[1, Hkv, k, D]`` in ``layer`` (a pooled row's: views of its slots)."""
+        return [kv if kv is not None else self.owner[i].views(layer, i) for i, kv in enumerate(self.seen[layer])]
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if layer < len(self.windows) else None
@@ -116,28 +131,62 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                          fix="decode one conversation per forward")
     attend = _own_attention(module, _LOCAL.backend)
     group = cache.grouped and _groupable(attend, query, key, kwargs)
-    outs = []
+    steps = cache.steps if cache.grouped and cache.steps and _poolable(attend, query, key, kwargs) else []
+    one = len(steps) == 1 and len(steps[0].rows) == len(cache.segments)  # every row in one pooled call
+    pairs = cache.pairs(layer) if cache.verify or not one else None
+    if cache.verify:  # before any attention: a model attending with other K/V than its cache's is refused
+        for (s, n), (k, v) in zip(cache.segments, pairs, strict=True):  # type: ignore[arg-type]
+            _check_same(key, k, s, n)
+            _check_same(value, v, s, n)
+    outs: dict[int, torch.Tensor] = {}  # segment -> [1, n, H, Dv]
+    _LOCAL.attending = True
+    try:
+        for step in steps:  # each pool's rows in one call (kvstate._compat.pool)
+            pooled = step.attend(layer, query, kwargs.get("scaling"))  # [m, H, Dv]
+            outs.update((row, pooled[None, j:j + 1]) for j, row in enumerate(step.rows))
+    finally:
+        _LOCAL.attending = False
+    whole = pooled[None] if pairs is None else \
+        torch.cat(_each(module, attend, query, cache, layer, pairs, outs, group, kwargs), dim=1)
+    P, used = query.shape[2], sum(n for _, n in cache.segments)
+    if used < P:
+        whole = torch.cat([whole, whole.new_zeros(1, P - used, *whole.shape[2:])], dim=1)
+    cache.attended.add(layer)
+    return whole, None
+
+
+def _each(module: Any, attend: Callable[..., Any], query: torch.Tensor, cache: PackedCache, layer: int,
+          pairs: list[tuple[torch.Tensor, torch.Tensor]], outs: dict[int, torch.Tensor], group: bool,
+          kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Each segment's attention ``[1, n, H, Dv]`` over its own K/V (``outs``: those already computed)."""
     # grouped decode rows read their query heads from one transposed copy [1, P, H, D] (no copy per stream)
     rows = query.transpose(1, 2).contiguous() if group else None
     _LOCAL.attending = True
     try:
-        for (s, n), (k, v) in zip(cache.segments, cache.seen[layer], strict=True):
-            if cache.verify:
-                _check_same(key, k, s, n)
-                _check_same(value, v, s, n)
+        for i, ((s, n), (k, v)) in enumerate(zip(cache.segments, pairs, strict=True)):
+            if i in outs:
+                continue
             if rows is not None and n == 1:
-                out, _ = _grouped(module, rows[:, s], k, v, None, **kwargs)
+                outs[i], _ = _grouped(module, rows[:, s], k, v, None, **kwargs)
             else:
                 mask = None if n == 1 else segment_mask(n, k.shape[2], cache.window(layer), query.dtype, query.device)
-                out, _ = attend(module, query[:, :, s:s + n].contiguous(), k, v, mask, **kwargs)
-            outs.append(out)  # [1, n, H, Dv]
+                outs[i], _ = attend(module, query[:, :, s:s + n].contiguous(), k, v, mask, **kwargs)
     finally:
         _LOCAL.attending = False
-    P, used = query.shape[2], sum(n for _, n in cache.segments)
-    if used < P:
-        outs.append(outs[0].new_zeros(1, P - used, *outs[0].shape[2:]))
-    cache.attended.add(layer)
-    return torch.cat(outs, dim=1), None
+    return [outs[i] for i in range(len(pairs))]
+
+
+def _poolable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether the pooled call (``kvstate._compat.pool``) computes what ``attend`` would for decode rows:
+    transformers' sdpa function, no bias, dropout or softcap, query heads a multiple of K/V heads, and the
+    kernel measured free of the padding (``attention_free``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    heads, kv_heads = query.shape[1], key.shape[1]
+    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not kwargs.get("dropout")
+    return (attend is sdpa_attention_forward and plain and not kwargs.get("output_attentions")
+            and heads % kv_heads == 0 and query.shape[3] == key.shape[3]
+            and attention_free(query.dtype, kv_heads, heads // kv_heads, query.shape[3], query.device))
 
 
 def _groupable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> bool:

@@ -1,4 +1,5 @@
-"""Room to grow: a packed decode appends each step's slot in place (issue 25).
+"""Room to grow: a packed decode appends each step's slot in place (issue 25), for a cache that
+``kvstate._compat.pool`` cannot hold (and for one-row tiles, whose decode stays ``Session``'s).
 
 transformers' ``DynamicLayer.update`` concatenates, so every decode step copies each layer's whole
 K/V. Measured here for 16 streams x 18 layers of the default model (K and V, one slot each): 30 ms
