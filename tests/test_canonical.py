@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import children
 from kvstate import PrefixStore, Session
 from kvstate.models.tiny import QWEN_VL, RECURRENT
 from kvstate.schedule import Canonical
@@ -241,9 +242,6 @@ save_file({"tokens": out.sequences.contiguous(), "logits": torch.cat(out.logits)
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_a_state_file_in_another_process_equals_the_cold_run_bitwise(arch, tmp_path):
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
 
     model = model_in(arch, torch.bfloat16)
@@ -253,8 +251,7 @@ def test_a_state_file_in_another_process_equals_the_cold_run_bitwise(arch, tmp_p
     s.save(tmp_path / "state.kvs")
     turn2 = torch.cat([ids, first[0], prompt(6, seed=3)], 1)
     torch.save(turn2, tmp_path / "ids.pt")
-    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), arch], check=True, timeout=300,
-                   env={**__import__("os").environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
+    children.run(CHILD, str(tmp_path), arch, threads=torch.get_num_threads())  # another process, as many threads
     out = load_file(str(tmp_path / "child.safetensors"))
     assert_bitwise((out["tokens"], out["logits"]), cold(model, turn2, {}), "another process")
 

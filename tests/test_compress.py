@@ -7,12 +7,10 @@ the continuation's queries see only the retained slots, at their original positi
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
+import children
 from kvstate import Session
 from kvstate.compress import (
     TOVA,
@@ -201,8 +199,7 @@ def test_compressed_state_resumes_in_another_process(tmp_path):
     s.compress(PerLayerBudget(0.5, policy=SnapKV(window=4, kernel=3)))
     s.save(tmp_path / "c.kvs")
     expected = s.fork().extend(prompt(5, seed=4))
-    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "c.kvs"), str(tmp_path / "out.safetensors")],
-                   check=True, timeout=300)
+    children.run(CHILD, str(tmp_path / "c.kvs"), str(tmp_path / "out.safetensors"))  # another process
     assert torch.equal(load_file(str(tmp_path / "out.safetensors"))["logits"], expected)
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import children
 from kvstate import Session, StateFileError, inspect_state, load_state
 from kvstate.errors import DtypeMismatchError, FingerprintMismatchError, LayoutMismatchError
 from kvstate.testing.tiny import RECURRENT
@@ -95,7 +94,7 @@ def test_resume_in_another_process_on_a_fresh_instance(tmp_path):
         s.save(tmp_path / f"{arch}.kvs")
         ids = torch.cat([s.tokens, prompt(5, seed=77)], 1)
         expected[arch] = continue_greedy(s, ids)  # the never-saved session
-    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), *ARCHS], check=True, timeout=300)
+    children.run(CHILD, str(tmp_path), *ARCHS)  # another process
     with safe_open(str(tmp_path / "child.safetensors"), "pt") as f:
         for arch in ARCHS:
             assert torch.equal(f.get_tensor(f"{arch}.tokens"), expected[arch][0]), arch

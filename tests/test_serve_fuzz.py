@@ -70,7 +70,9 @@ def test_every_route_answers_as_its_schema_says(api, method, path):
     for mode in modes:
         cases = st.tuples(operation.as_strategy(generation_mode=mode), st.booleans()).map(_served)
 
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Phase.generate],
+        # derandomized: the same cases every run, so "the fuzz reached generation" cannot fail by chance
+        # (a random run once drew no 200 among 120 cases)
+        @settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Phase.generate], derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(case=cases)
         def fuzz(case):

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import children
 from kvstate import PrefixStore, Session
 from kvstate.io import state_from_bytes, state_to_bytes
 from kvstate.protocols import PrefixQuery
@@ -56,8 +57,7 @@ print(json.dumps({"tokens": out.tolist(), "reused": session.last_plan.reused}))
 def worker(location: str, arch: str, ids: torch.Tensor) -> dict:
     import json
 
-    done = subprocess.run([sys.executable, "-c", WORKER, location, arch, json.dumps(ids.tolist())], check=True,
-                          capture_output=True, text=True, timeout=300)
+    done = children.run(WORKER, location, arch, json.dumps(ids.tolist()))  # another process
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -7,13 +7,11 @@ image, then a video, then a second video after a resume; and a swapped video."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors import safe_open
 
+import children
 from kvstate import Session
 from kvstate.testing.tiny import QWEN_VL, image_span, tiny_image, tiny_video, video_span
 from tiny import assert_logits_close, prompt, tiny_model
@@ -71,7 +69,7 @@ def test_a_video_prefix_resumes_in_another_process_on_a_fresh_instance(tmp_path)
         s.save(tmp_path / f"{arch}.kvs")
         longer = torch.cat([ids, prompt(5, seed=77)], 1)
         expected[arch] = plain(model, longer, video_inputs(arch, video))
-    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), *QWEN_VL], check=True, timeout=300)
+    children.run(CHILD, str(tmp_path), *QWEN_VL)  # another process
     with safe_open(str(tmp_path / "child.safetensors"), "pt") as f:
         for arch in QWEN_VL:
             assert torch.equal(f.get_tensor(f"{arch}.tokens"), expected[arch][0]), arch
