@@ -181,3 +181,23 @@ def test_a_slot_past_its_room_grows_the_pool_and_keeps_every_slot():
         assert torch.equal(cache.layers[0].keys, torch.cat([keys, new], dim=2))
         assert torch.equal(cache.layers[0].values, torch.cat([values, -new], dim=2))
     assert not pool.keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_with_their_own_caches_and_pooled_rows_share_a_step_with_the_answers_alone(monkeypatch, dtype):
+    # a cache a pool cannot hold keeps its own room (kvstate._compat.room) and attends alone, in the same forward as
+    # pooled rows; which streams are pooled is a property of each stream (here: its history's parity), as in use
+    model = model_in("llama", dtype)
+    real = Pool.poolable
+    odd = staticmethod(lambda cache: real(cache) and cache.layers[0].keys.shape[-2] % 2 == 1)
+    monkeypatch.setattr(Pool, "poolable", odd)
+    batch = requests(6)  # histories of 3, 14, 25, ... tokens: odd ones pooled
+    scheduler = Scheduler(model, rows=ROWS)
+    handles = [scheduler.submit(r) for r in batch]
+    while scheduler.running < len(batch):
+        scheduler.step()
+    scheduler.step()
+    pooled = [job.stream.pool is not None for job in scheduler._running]
+    assert any(pooled) and not all(pooled), pooled
+    done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
+    assert [(c.tokens, c.logprobs, c.top_logprobs) for c in (done[h] for h in handles)] == alone(model, batch)
