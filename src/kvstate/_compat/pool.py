@@ -48,6 +48,12 @@ class Pool:
         self.added: dict[int, int] = {}  # slot -> tokens appended since it joined
 
     @staticmethod
+    def length_class(cache: Any, room: int) -> int:
+        """The pool a cache joins with room for ``room`` more tokens: by the slots it needs, 512 or fewer, 513 to
+        1,024, ... (so one long stream does not make every slot of its pool as long; its bits do not depend on it)."""
+        return max(max(layer.keys.shape[-2] for layer in cache.layers) + room - 1, 511).bit_length()
+
+    @staticmethod
     def poolable(cache: Any) -> bool:
         """Whether every layer of ``cache`` is a filled plain or recording-sliding layer of one sequence."""
         return bool(cache.layers) and all(
@@ -191,13 +197,20 @@ class Step:
         for slot, n in zip(self.slots, before, strict=True):
             after[slot] = n + 1
         L = BUCKET * -(-max(after) // BUCKET)
-        ends = torch.tensor(after, device=device)[:, None]
-        slot = torch.arange(L, device=device)[None]
-        visible = slot < ends
-        if window is not None:
-            visible &= slot >= ends - window
-        visible[ends[:, 0] == 0, 0] = True  # a slot no row of this step uses: one finite key, output unused
-        return torch.tensor(before, device=device), visible[:, None, None], L
+        mask = visible(after, L, window, device)
+        mask[torch.tensor(after, device=device) == 0, ..., 0] = True  # a slot no row uses: one finite key, unused
+        return torch.tensor(before, device=device), mask, L
+
+
+def visible(ends: Sequence[int], L: int, window: int | None, device: torch.device | str) -> torch.Tensor:
+    """The mask ``[B, 1, 1, L]`` of the slots each of ``B`` rows sees, its slots ending at ``ends[b]``: all before
+    that end, or with a sliding ``window`` the last ``window`` of them (as ``_RecordingSlidingLayer`` returns)."""
+    end = torch.tensor(list(ends), device=device)[:, None]
+    slot = torch.arange(L, device=device)[None]
+    seen = slot < end
+    if window is not None:
+        seen &= slot >= end - window
+    return seen[:, None, None]
 
 
 def attention_free(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device) -> bool:
@@ -219,20 +232,15 @@ def _probe(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: tor
     q = torch.randn(3, kv_heads, groups, dim, generator=generator).to(dtype=dtype, device=device)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def visible(ends: list[int], L: int, window: int | None) -> torch.Tensor:
-        end = torch.tensor(ends, device=device)[:, None]
-        slot = torch.arange(L, device=device)[None]
-        seen = (slot < end) & (slot >= end - window) if window is not None else slot < end
-        return seen[:, None, None]
-
     with torch.no_grad():
         for n, window in ((1, None), (15, None), (63, None), (64, None), (65, 16), (200, None), (511, None),
                           (512, 100), (513, None), (700, None), (1000, 300)):
             L = BUCKET * -(-n // BUCKET)
-            alone = sdpa(q[:1], keys[:1, :, :L], values[:1, :, :L], attn_mask=visible([n], L, window), scale=0.125)
+            alone = sdpa(q[:1], keys[:1, :, :L], values[:1, :, :L], attn_mask=visible([n], L, window, device),
+                         scale=0.125)
             for wide in (L + BUCKET, BUCKET * -(-(n + 512) // BUCKET), cap):
                 ends = [n, max(1, wide - 5), max(1, n // 2)]
-                batch = sdpa(q, keys[:, :, :wide], values[:, :, :wide], attn_mask=visible(ends, wide, window),
+                batch = sdpa(q, keys[:, :, :wide], values[:, :, :wide], attn_mask=visible(ends, wide, window, device),
                              scale=0.125)
                 if not torch.equal(batch[:1], alone):
                     return False

@@ -180,8 +180,7 @@ class Packed:
         if stream.live is None:
             stream.live = stream.hold.enter_context(self.engine.runtime.attached(stream.state))
             if self.pooling and Pool.poolable(stream.live.cache):
-                need = max(layer.keys.shape[-2] for layer in stream.live.cache.layers) + stream.room
-                stream.pool = self.pools.setdefault(max(need - 1, 511).bit_length(), Pool())
+                stream.pool = self.pools.setdefault(Pool.length_class(stream.live.cache, stream.room), Pool())
                 stream.slot = stream.pool.join(stream.live.cache, stream.room)
             else:
                 reserve(stream.live.cache, stream.room)
