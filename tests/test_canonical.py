@@ -301,14 +301,12 @@ def test_server_pool_hits_and_restarts_answer_as_a_cold_server_in_bf16(tmp_path)
 def test_the_device_script_runs_on_the_cpu(tmp_path):
     """scripts/device_check.py is what a lent GPU runs (issue 23); here on the CPU, so it cannot rot."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = Path(__file__).parent.parent / "scripts" / "device_check.py"
-    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--dtype", "bfloat16", "--models",
-                           "tiny:llama", "tiny:qwen3_vl", "--out", str(tmp_path / "out.json")],
-                          capture_output=True, text=True, timeout=600)
+    done = children.run("import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+                        str(script), "--device", "cpu", "--dtype", "bfloat16", "--models", "tiny:llama",
+                        "tiny:qwen3_vl", "--out", str(tmp_path / "out.json"), check=False, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["ok"] and report["dtype"] == "bfloat16" and len(report["results"]) >= 2

@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from tests.redis_server import free_port
 from tests.serving import await_health, chat_turn, client, reference
 
+import children
 import kvstate.models
 from kvstate import Session, load_state
 from kvstate.cli import main
@@ -164,10 +163,8 @@ def test_cuda_on_a_machine_without_it_is_one_line_and_exit_2(command, bf16, tmp_
 
 def test_serve_runs_a_bf16_folder_in_bf16(bf16):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvstate.cli", "serve", "--model", str(bf16), "--dtype", "auto",
-                             "--device", "cpu", "--port", str(port), "--log-level", "warning"],
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = children.kvstate("serve", "--model", str(bf16), "--dtype", "auto", "--device", "cpu", "--port", str(port),
+                            "--log-level", "warning", env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         health = await_health(proc, port, "kvstate serve")
         assert (health["dtype"], health["device"]) == ("bfloat16", "cpu")

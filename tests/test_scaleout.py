@@ -12,8 +12,6 @@ import contextlib
 import http.client
 import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +22,7 @@ from tests.nginx_server import nginx
 from tests.redis_server import free_port, redis_server
 from tests.serving import client, live, make_server, reference
 
+import children
 from kvstate.serve.chat import Renderer
 from kvstate.serve.cli import load
 
@@ -39,9 +38,8 @@ def worker(folder: Path, store: str) -> Iterator[str]:
     port = free_port()
     log = (folder / f"worker-{port}.log").open("w")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvstate.cli", "serve", "--model", MODEL, "--port", str(port),
-                             "--store", store, "--canonical-chunk", "8", "--store-chunk-tokens", "16",
-                             "--log-level", "warning"], env=env, stdout=log, stderr=log)
+    proc = children.kvstate("serve", "--model", MODEL, "--port", str(port), "--store", store, "--canonical-chunk", "8",
+                            "--store-chunk-tokens", "16", "--log-level", "warning", env=env, out=log.name, err=log.name)
     try:
         deadline = time.monotonic() + 180
         while _get(f"127.0.0.1:{port}", "/health") is None:

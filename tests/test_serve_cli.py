@@ -10,6 +10,7 @@ import pytest
 from tests.redis_server import free_port
 from tests.serving import await_health, chat_turn, client, live, make_server, reference
 
+import children
 from kvstate.serve.chat import Renderer
 from kvstate.serve.cli import load
 
@@ -32,12 +33,12 @@ def test_unusable_store_fails_before_the_model_loads(tmp_path):
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "StoreError" in run.stderr
 
 
-def _start(port: int, store: str, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "kvstate.cli", "serve", "--model", "tiny:llama", "--port",
-                             str(port), "--store", store, "--store-chunk-tokens", "16", "--canonical-chunk", "16",
-                             "--log-level", "warning", *extra],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def _start(port: int, store: str, *extra: str) -> children.Child:
+    """A ``kvstate serve`` process (forked from the zygote, ``tests/children.py``: a new process, without the
+    imports; the tests above start the command itself)."""
+    return children.kvstate("serve", "--model", "tiny:llama", "--port", str(port), "--store", store,
+                            "--store-chunk-tokens", "16", "--canonical-chunk", "16", "--log-level", "warning", *extra,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -168,8 +166,7 @@ def test_stress_concurrent_processes(location):
     one store at its capacity: no entry ever holds another key's state, and the capacity holds. (Eight of
     200 each did the same operations and spent most of their time importing torch.)"""
     capacity = 200_000
-    procs = [subprocess.Popen([sys.executable, "-c", STRESS, location, str(seed), str(capacity)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in range(4)]
+    procs = [children.spawn(STRESS, location, str(seed), str(capacity)) for seed in range(4)]  # forked: no imports
     for p in procs:
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0 and out.startswith("ok"), err[-2000:]
