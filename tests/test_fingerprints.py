@@ -106,3 +106,21 @@ def test_fingerprints_of_kvstate_0_1_are_checked_with_their_own_scheme(tmp_path)
     Session(tiny_model("llama"), state=legacy).extend(prompt(2, seed=3))
     with pytest.raises(FingerprintMismatchError):
         Session(tiny_model("llama", seed=1), state=legacy)
+
+
+def test_a_tokenizers_hash_is_taken_once_and_again_after_tokens_are_added(monkeypatch):
+    """Sessions made with one tokenizer share its hash (0.9 s for Gemma 3's vocabulary); adding a token
+    changes the tokenizer's length, and the hash is taken again, equal to a fresh tokenizer's."""
+    from kvstate.adapters.fingerprinting import tokenizer_hash
+    from kvstate.models.tiny_tokenizer import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    first = tokenizer_hash(tokenizer)
+    vocab = tokenizer.get_vocab
+    monkeypatch.setattr(tokenizer, "get_vocab", lambda: pytest.fail("the kept hash was not used"))
+    assert Session(tiny_model("llama"), tokenizer=tokenizer)._fingerprint.tokenizer_hash == first
+    monkeypatch.setattr(tokenizer, "get_vocab", vocab)
+    tokenizer.add_tokens(["<added>"])
+    other = tiny_tokenizer()
+    other.add_tokens(["<added>"])
+    assert tokenizer_hash(tokenizer) == tokenizer_hash(other) != first
