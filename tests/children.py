@@ -113,10 +113,10 @@ class Child:
     """A forked child of the zygote, with ``subprocess.Popen``'s verbs (the zygote is its parent and reaps it;
     its exit code arrives in a file). ``stdout`` / ``stderr``: its output files, opened for reading."""
 
-    def __init__(self, args: list[str], pid: int, folder: tempfile.TemporaryDirectory, out: str, err: str) -> None:
-        self.args, self.pid, self._folder, self.returncode = args, pid, folder, None
-        self._out, self._err = out, err
-        self._status = os.path.join(folder.name, "status")
+    def __init__(self, args: list[str], pid: int, folder: tempfile.TemporaryDirectory, status: str, out: str,
+                 err: str) -> None:
+        self.args, self.pid, self._folder, self.returncode = args, pid, folder, None  # the folder lives with it
+        self._status, self._out, self._err = status, out, err
 
     @property
     def stdout(self) -> IO[str]:
@@ -169,6 +169,7 @@ def spawn(code: str, *argv: str, env: dict[str, str] | None = None, threads: int
     also sets its torch threads, as it would at start-up. ``threads``: its torch threads (default: from ``env``,
     else the zygote's). ``out`` / ``err``: files for its stdout / stderr (default: fresh files)."""
     folder = tempfile.TemporaryDirectory(prefix="kvstate-child-")
+    status = os.path.join(folder.name, "status")  # the zygote writes the exit code here
     out = out or os.path.join(folder.name, "out")
     err = err or os.path.join(folder.name, "err")
     for path in (out, err):
@@ -179,10 +180,10 @@ def spawn(code: str, *argv: str, env: dict[str, str] | None = None, threads: int
         zygote = _zygote()
         assert zygote.stdin is not None and zygote.stdout is not None
         zygote.stdin.write(json.dumps({"code": code, "argv": list(argv), "out": out, "err": err, "env": env,
-                                       "threads": threads, "status": os.path.join(folder.name, "status")}) + "\n")
+                                       "threads": threads, "status": status}) + "\n")
         zygote.stdin.flush()
         pid = json.loads(zygote.stdout.readline())["pid"]
-    return Child(["-c", code, *argv], pid, folder, out, err)
+    return Child(["-c", code, *argv], pid, folder, status, out, err)
 
 
 def kvstate(*argv: str, env: dict[str, str] | None = None, out: str | None = None,

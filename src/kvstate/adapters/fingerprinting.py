@@ -126,22 +126,19 @@ def tokenizer_hash(tokenizer: object) -> str:
     Kept per tokenizer object while its length (vocabulary plus added tokens) stays the same: for Gemma 3's
     262,144 entries the hash took 0.9 s, paid by every ``Session`` made with that tokenizer. Adding tokens
     changes the length, so the hash is taken again; transformers has no verb that edits an entry in place."""
-    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None  # type: ignore[arg-type]
     try:
+        size = len(tokenizer)  # type: ignore[arg-type]
         with _CACHE_LOCK:
             kept = _TOKENIZERS.get(tokenizer)
-    except TypeError:  # neither hashable nor weakly referable: no cache
-        kept = None
-    if kept is not None and size is not None and kept[0] == size:
+    except TypeError:  # no length, or neither hashable nor weakly referable: not kept
+        size, kept = None, None
+    if kept is not None and kept[0] == size:
         return kept[1]
     vocab = tokenizer.get_vocab()  # type: ignore[attr-defined]
     digest = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()
     if size is not None:
-        try:
-            with _CACHE_LOCK:
-                _TOKENIZERS[tokenizer] = (size, digest)
-        except TypeError:
-            pass
+        with _CACHE_LOCK:
+            _TOKENIZERS[tokenizer] = (size, digest)  # get() above showed the tokenizer can be a weak key
     return digest
 
 
