@@ -8,7 +8,10 @@ For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``:
    typed refusal with its reason;
 3. if accepted, check the contract against plain transformers: a split resume, a
    rollback to a divergent history, a fork, a reset, and save → load into a fresh
-   instance **in another process**, each equal to plain ``model.generate``.
+   instance **in another process**, each equal to plain ``model.generate``; and states
+   saved under ``canonical_chunk`` 0 and 4, loaded into a fresh instance in the other
+   process with ``Session.load``'s defaults, continue reusing the slots their own
+   session reuses (the state's schedule travels with it).
 
 A type is ``exact`` or ``exact-stepwise`` only if every check holds; an accepted type
 that fails a check is ``WRONG`` (the goal is zero). Each type runs in worker processes
@@ -80,12 +83,20 @@ def phase1(t, folder):
             if not torch.equal(mine(fork, longer, 3), plain(model, longer, 3)): failed.append("fork")
             fork.save(os.path.join(folder, t + ".kvs"))
             expected = plain(model, torch.cat([longer, ids[:, :3]], 1), 3)
+            schedules = {}  # each state saved under canonical_chunk C, and what its own session reuses continuing it
+            for chunk in (0, 4):
+                saved = Session(model, canonical_chunk=chunk)
+                saved.extend(ids[:, :18])
+                saved.save(os.path.join(folder, f"{t}.c{chunk}.kvs"))
+                tokens = mine(saved.fork(), ids, 3)
+                schedules[chunk] = {"reused": saved.fork().run(ids, max_new_tokens=1).reused, "tokens": tokens.tolist()}
+                if not torch.equal(tokens, plain(model, ids, 3)): failed.append(f"canonical_chunk={chunk}")
             s.reset()
             fresh = Session(model)
             if not torch.equal(mine(s, ids[:, :12], 3), mine(fresh, ids[:, :12], 3)): failed.append("reset")
     except Exception as exc:
         failed.append(f"crashed: {type(exc).__name__}: {str(exc)[:200]}")
-        expected = None
+        expected, schedules = None, {}
     config = model.config
     multimodal = any(getattr(config, k, None) is not None for k in ("vision_config", "audio_config", "encoder_config"))
     media = ("images, videos" if "pixel_values_videos" in adapter.caps.input_keys else
@@ -94,14 +105,24 @@ def phase1(t, folder):
     return {"status": status if not failed else "WRONG", "adapter": adapter.caps.name, "media": media,
             "failed": failed,
             "expected": None if expected is None else expected.tolist(),
-            "continue": None if expected is None else torch.cat([longer, ids[:, :3]], 1).tolist()}
+            "continue": None if expected is None else torch.cat([longer, ids[:, :3]], 1).tolist(),
+            "schedules": schedules, "ids": ids.tolist()}
 
-def phase2(t, folder, expected, history):
+def phase2(t, folder, expected, history, schedules, ids):
     try:
         with torch.no_grad():
-            loaded = Session.load(os.path.join(folder, t + ".kvs"), tiny_causal_lm(t))
+            model = tiny_causal_lm(t)
+            loaded = Session.load(os.path.join(folder, t + ".kvs"), model)
             got = mine(loaded, torch.tensor(history), 3).tolist()
-        return {"ok": got == expected}
+            if got != expected:
+                return {"ok": False, "reason": "differs"}
+            for chunk, want in schedules.items():  # a loaded state continues under the schedule it was fed with
+                loaded = Session.load(os.path.join(folder, f"{t}.c{chunk}.kvs"), model)
+                tokens = mine(loaded, torch.tensor(ids), 3).tolist()
+                if tokens != want["tokens"] or loaded.last_plan.reused != want["reused"]:
+                    return {"ok": False, "reason": f"canonical_chunk={chunk}: reused {loaded.last_plan.reused} "
+                                                   f"of the {want['reused']} its own session reuses"}
+        return {"ok": True}
     except Exception as exc:
         return {"ok": False, "reason": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
@@ -109,7 +130,7 @@ for line in sys.stdin:
     job = json.loads(line)
     try:
         out = phase1(job["type"], job["folder"]) if job["phase"] == 1 else \
-            phase2(job["type"], job["folder"], job["expected"], job["history"])
+            phase2(job["type"], job["folder"], job["expected"], job["history"], job["schedules"], job["ids"])
     except BaseException as exc:
         out = {"status": "WRONG", "failed": [f"crashed: {type(exc).__name__}: {exc}"]}
     print(json.dumps(out), flush=True)
@@ -150,11 +171,12 @@ def sweep(types: list[str]) -> dict[str, dict]:
         r = first.run({"phase": 1, "type": t, "folder": folder}) or {"status": "WRONG", "failed": ["crashed"]}
         if r.get("status", "").startswith("exact") and r.get("expected") is not None:
             loaded = second.run({"phase": 2, "type": t, "folder": folder, "expected": r["expected"],
-                                 "history": r["continue"]}) or {"ok": False, "reason": "crashed"}
+                                 "history": r["continue"], "schedules": r["schedules"], "ids": r["ids"]}) \
+                or {"ok": False, "reason": "crashed"}
             if not loaded["ok"]:
                 r["status"], r["failed"] = "WRONG", [*r["failed"], f"save → load: {loaded.get('reason', 'differs')}"]
-        r.pop("expected", None)
-        r.pop("continue", None)
+        for key in ("expected", "continue", "schedules", "ids"):
+            r.pop(key, None)
         r["seconds"] = round(time.perf_counter() - start, 1)
         results[t] = r
         print(f"{t:28} {r['status']:15} {r.get('reason') or ', '.join(r.get('failed', []))}"[:160], flush=True)

@@ -15,6 +15,7 @@ import copy
 import functools
 import math
 import os
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -375,10 +376,13 @@ def test_a_batch_state_continues_in_a_session_bitwise_as_a_cold_run(arch):
         assert warm.last_plan.reused == 64 * (len(request.ids) // 64), len(request.ids)  # the canonical prompt
         # a plain Session feeds slots of other kernels again, never reuses them; a hybrid (lfm2: conv layers)
         # has no tiled prefill, so its states are the plain Session's
-        plain = Session(model, state=completion.state)
+        tiled = completion.state.canonical_device == "cpu+tile32"
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            plain = Session(model, state=completion.state, prefill_rows=0)
+        assert any("fed again" in str(w.message) for w in told) == tiled  # it says why nothing is reused
         a, b = plain.generate(turn, **options), Session(model).generate(turn, **options)
         assert torch.equal(a.sequences, b.sequences) and torch.equal(torch.cat(a.logits), torch.cat(b.logits))
-        tiled = completion.state.canonical_device == "cpu+tile32"
         assert plain.last_plan.reused == (0 if tiled else warm.last_plan.reused) and tiled == (arch != "lfm2")
 
 

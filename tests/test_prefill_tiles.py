@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from kvstate import Session
 from kvstate.batch import BatchRequest, Done, Scheduler
 from kvstate.engine import prefill
+from kvstate.errors import ScheduleWarning
 from tiny import assert_same_state, prompt, tiny_model
 
 
@@ -77,10 +78,15 @@ def test_a_tiled_session_answers_as_plain_generate_and_resumes_only_its_own_kern
         warm = session.generate(turn, **options)
         assert torch.equal(warm.sequences, cold.sequences) and torch.equal(torch.cat(warm.logits),
                                                                           torch.cat(cold.logits))
-        assert session.last_plan.reused == 128 and session.prefill_rows == 32
-    for other in (Session(model, state=loaded.state), Session(model, state=loaded.state, prefill_rows=16)):
+        assert session.last_plan.reused == 128 and session.settings.prefill_rows == 32
+    adopted = Session(model, state=loaded.state)  # a state given without a schedule continues under its own
+    assert adopted.settings.prefill_rows == 32
+    assert adopted.generate(turn, **options).sequences.equal(cold.sequences) and adopted.last_plan.reused == 128
+    for rows in (0, 16):
+        with pytest.warns(ScheduleWarning, match="fed again"):  # told other kernels: it says why nothing is reused
+            other = Session(model, state=loaded.state, prefill_rows=rows)
         warm = other.generate(turn, **options)  # other kernels: nothing is reused, the answer is its cold one
-        cold = Session(model, prefill_rows=other.prefill_rows).generate(turn, **options)
+        cold = Session(model, prefill_rows=rows).generate(turn, **options)
         assert other.last_plan.reused == 0 and torch.equal(torch.cat(warm.logits), torch.cat(cold.logits))
 
 

@@ -103,7 +103,7 @@ def test_marks_travel_in_state_files_and_another_schedule_starts_over(tmp_path):
     turn2 = torch.cat([through, user_turn(5, seed=3)], 1)
     cold = run(Session(model, canonical_chunk=C, canonical_marks=MARKS), turn2)
     loaded = Session.load(tmp_path / "chat.kvs", model)
-    assert loaded.canonical_marks == MARKS and loaded.state.canonical_marks == MARKS
+    assert loaded.settings.canonical_marks == MARKS and loaded.state.canonical_marks == MARKS
     assert_bitwise(run(loaded, turn2), cold, "loaded")
     assert loaded.last_plan.fed == 5 + len(MARKS)
     plain = Session.load(tmp_path / "chat.kvs", model, canonical_marks=())  # other cuts: none of its slots count

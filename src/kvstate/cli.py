@@ -233,13 +233,23 @@ def _verify(args: argparse.Namespace) -> int:
             fault=args.inject, quick=args.quick, progress=True))
     ok = all(r.ok for r in reports)
     if args.json:
-        print(json.dumps({"schema_version": 1, "ok": ok, "reports": [r.to_dict() for r in reports]}, indent=2))
+        print(json.dumps({"schema_version": 1, "ok": ok, "determinism": _determinism(reports),
+                          "reports": [r.to_dict() for r in reports]}, indent=2))
     else:
         print("\n\n".join(r.table(colour=sys.stdout.isatty()) for r in reports))
     if args.markdown:
         text = "\n".join(r.markdown() for r in reports)
         sys.stdout.write(text) if markdown is None else markdown.write_text(text)
     return 0 if ok else 1
+
+
+def _determinism(reports: list[Any]) -> dict[str, Any] | None:
+    """The repeat row of every report as one: bitwise only if each backend's two cold runs were."""
+    found = [r.determinism for r in reports if r.determinism is not None]
+    if not found:
+        return None
+    return {"repeat_bitwise": all(d.repeat_bitwise for d in found), "max_abs": max(d.max_abs for d in found),
+            "attention": "; ".join(d.attention for d in found)}
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -113,3 +113,8 @@ class InputFileError(KVStateError):
 
 class AgainstError(KVStateError):
     """``kvstate verify --against`` cannot use a server: a malformed URL, no answer, a refused key or model."""
+
+
+class ScheduleWarning(UserWarning):
+    """The canonical schedule cannot keep its promise here: the attention path is not known to repeat its bits,
+    or a state is continued under another schedule than it was fed with (its slots are fed again)."""

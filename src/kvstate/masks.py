@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from . import _compat
-from ._compat.watch import watched_backend
+from ._compat.attention import mask_format
 from .errors import UnsupportedError
 from .layers import AttentionLayerState, LayerState
 
@@ -43,7 +43,7 @@ def layer_masks(model: Any, layers: tuple[LayerState, ...], queries: Any) -> Ite
     ``queries.current`` holds the positions ``[B, Q(, R)]`` of the tokens in the forward
     that is running (the engine's ``Recorder`` sets it before the decoder runs).
     """
-    backend = watched_backend(_compat.attention_implementation(model))
+    backend = mask_format(_compat.attention_implementation(model))
     if backend not in _BACKENDS:
         raise UnsupportedError("compressed states need per-layer masks", expected=_BACKENDS, found=backend,
                                fix="load the model with attn_implementation='sdpa' or 'eager'")

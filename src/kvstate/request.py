@@ -21,6 +21,7 @@ import torch
 
 from .adapters.binding import Binding
 from .compress.during import Budget, plan_rounds, split_options
+from .engine.values import Feed
 from .errors import (
     BatchMismatchError,
     EmptyStateError,
@@ -95,6 +96,11 @@ class Extension:
     inputs: Mapping[str, torch.Tensor]
     spans: tuple[tuple[int, int], ...]
     media: tuple[MediaItem, ...] | None
+
+    @property
+    def feed(self) -> Feed:
+        """What the engine feeds: the new tokens with their mask, positions, inputs and media spans."""
+        return Feed(self.ids, self.mask, self.positions, self.inputs, self.spans)
 
 
 def validate_extension(binding: Binding, state: State, ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -186,6 +192,14 @@ def check_settings(**settings: int | None) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < rules[name]:
             raise InputError(f"invalid Session setting {name}", expected=f"int >= {rules[name]}",
                              found=repr(value), fix=f"pass {name}={max(rules[name], 1)} or more")
+
+
+def check_many(sessions: Sequence[tuple[object, object]], n_ids: int) -> None:
+    """``Session.extend_many``: sessions (as ``(model, settings)``) of one model and settings, one ids each."""
+    if any(m is not sessions[0][0] or s != sessions[0][1] for m, s in sessions) or n_ids != len(sessions):
+        raise InputError("extend_many takes sessions of one model and settings, one ids each",
+                         expected=f"{len(sessions)} ids for sessions of one model and settings",
+                         found=f"{n_ids} ids", fix="group the sessions by model and settings")
 
 
 def check_marks(marks: object) -> tuple[int, ...]:

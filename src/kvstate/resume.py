@@ -38,7 +38,7 @@ from .schedule import Canonical
 from .state import MediaItem, State
 
 if TYPE_CHECKING:
-    from .protocols import PrefixQuery, StateSource
+    from .protocols import PrefixQuery, StateSink, StateSource
     from .request import Request
 
 MODES = ("continue", "realign", "rollback", "checkpoint", "recompute", "stored-logits")
@@ -60,6 +60,11 @@ class ResumePlan:
     mode: str
     source: str = "state"
     start: State | None = field(default=None, repr=False, compare=False)
+    note: str = field(default="", compare=False)  # why a source's slots could not be reused (``schedule_note``)
+
+    def __repr__(self) -> str:
+        note = f", note={self.note!r}" if self.note else ""
+        return f"ResumePlan(reused={self.reused}, fed={self.fed}, mode={self.mode!r}, source={self.source!r}{note})"
 
 
 def common_prefix(state: State, ids: torch.Tensor, mask: torch.Tensor) -> int:
@@ -126,6 +131,7 @@ def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
         return ResumePlan(T, 0, "stored-logits", source)
     target = safe_point(min(shared, L - 1), spans)
     history = ids[0] if schedule.marks else None  # turn marks: a batch's rows hold no canonical slots
+    note = ""
     if canonical:  # a cut of the schedule, within the slots the cold run computed the same way
         kept = state.canonical_for(schedule.chunk, schedule.device, schedule.marks)
         cut = schedule.last_cut(min(target, kept), spans, history)
@@ -134,22 +140,32 @@ def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
             # run would need): trust the placeholders and continue, exact to float32 rounding only
             canonical = False
         else:
+            note = schedule_note(state, schedule) if cut < target and not kept else ""
             target = cut
     if target == T:
-        return ResumePlan(T, L - T, "continue", source)
+        return ResumePlan(T, L - T, "continue", source, note=note)
     if not rollback:
-        return ResumePlan(0, L, "recompute", source)
+        return ResumePlan(0, L, "recompute", source, note=note)
     if not state.rollback_limit(target):
         uses_checkpoint = any(layer.rollback_limit(target) for layer in state.layers)
         cut_only_for_schedule = canonical and min(shared, L - 1) >= T
         mode = "checkpoint" if uses_checkpoint else "realign" if cut_only_for_schedule else "rollback"
-        return ResumePlan(target, L - target, mode, source)
+        return ResumePlan(target, L - target, mode, source, note=note)
     for checkpoint in reversed(state.checkpoints):
         n = checkpoint.tokens_seen
         on_cut = not canonical or schedule.last_cut(n, spans, history) == n
         if n <= target and on_cut and safe_point(n, spans) == n and not state.rollback_limit(n):
-            return ResumePlan(n, L - n, "checkpoint", source)
-    return ResumePlan(0, L, "recompute", source)
+            return ResumePlan(n, L - n, "checkpoint", source, note=note)
+    return ResumePlan(0, L, "recompute", source, note=note)
+
+
+def schedule_note(state: State, schedule: Canonical) -> str:
+    """Why ``state``'s slots are not canonical under ``schedule``: it was fed under another schedule or kernels."""
+    if not state.canonical:
+        return ("its slots were fed off the canonical schedule (canonical_chunk=0): none is the cold run's under "
+                f"canonical_chunk={schedule.chunk}")
+    return (f"its {state.canonical} canonical slots were fed with canonical_chunk={state.canonical_chunk} on "
+            f"{state.canonical_device or 'unknown kernels'}, not canonical_chunk={schedule.chunk} on {schedule.device}")
 
 
 def choose(sources: Sequence[tuple[str, StateSource]], request: Request, empty: State, *, rollback: bool,
@@ -162,6 +178,7 @@ def choose(sources: Sequence[tuple[str, StateSource]], request: Request, empty: 
     """
     best_plan, best_state = None, empty
     at_most = request.ids.shape[1]
+    notes: list[str] = []  # why a source's slots were not reusable, for the caller (``ResumePlan.note``)
     for name, source in sources:
         longer_than = -1 if best_plan is None else best_plan.reused
         found = source.lookup(request.query, longer_than=longer_than, at_most=at_most)  # type: ignore[arg-type]
@@ -169,11 +186,13 @@ def choose(sources: Sequence[tuple[str, StateSource]], request: Request, empty: 
             continue
         state = found if best_plan is None else adopt(found)
         candidate = plan(state, request.ids, request.mask, request.spans, name, rollback, request.media, schedule)
+        if candidate.note:
+            notes.append(f"{name}: {candidate.note}")
         if best_plan is None or (candidate.reused, candidate.mode == "stored-logits") > (
                 best_plan.reused, best_plan.mode == "stored-logits"):
             best_plan, best_state = candidate, state
     assert best_plan is not None, "the session's own state always answers"
-    return replace(best_plan, start=start_state(best_state, best_plan, empty))
+    return replace(best_plan, start=start_state(best_state, best_plan, empty), note="; ".join(notes))
 
 
 def best(plans: Sequence[ResumePlan]) -> ResumePlan:
@@ -205,6 +224,18 @@ def settle_span(state: State, schedule: Canonical, through: torch.Tensor | None 
     if end <= start or any(start <= a < end for a, _ in spans) or state.rollback_limit(start):
         return None
     return start, end
+
+
+def offer(sinks: Sequence[StateSink], states: tuple[State, State], query: PrefixQuery,
+          seconds_per_token: float) -> None:
+    """Offer ``states`` (the prompt's, the conversation's) to every sink; a failing sink costs a ``StoreWarning``,
+    never the answer, which is already computed."""
+    for sink in sinks:
+        try:
+            sink.offer(states, query, seconds_per_token)
+        except Exception as exc:
+            warnings.warn(f"kvstate: prefix store write failed: {type(exc).__name__}: {exc}", StoreWarning,
+                          stacklevel=4)
 
 
 class Own:

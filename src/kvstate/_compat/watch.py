@@ -96,8 +96,3 @@ def future_rope(model: Any, layer: int, positions: torch.Tensor) -> tuple[torch.
     x = torch.zeros(1, dtype=torch.float32, device=positions.device)
     cos, sin = rotary(x, positions, **kwargs)
     return cos.float(), sin.float()
-
-
-def watched_backend(name: str) -> str:
-    """The mask format a backend uses: the watch runs eager's."""
-    return "eager" if name == NAME else name

@@ -259,7 +259,7 @@ class Scheduler:
         return Session(self.model, state=request.state, sources=(*request.sources, *self.sources),
                        chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
                        canonical_marks=self.canonical_marks, prefill_rows=self.prefill_rows,
-                       _prepack=self._kernels[0], _invariant=self._kernels[1], _fingerprint=self.fingerprint)
+                       prepack=self._kernels[0], invariant=self._kernels[1], fingerprint=self.fingerprint)
 
     def _pieces(self, job: _Job, spent: int) -> bool:
         """Whether ``job``'s history is fed in pieces: text longer than this step may feed. Its session then

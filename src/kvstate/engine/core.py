@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _compat
+from .._compat import attention
 from .._compat.watch import watching
 from ..adapters.binding import Binding, Live
 from ..errors import KVStateError, UnsupportedError
@@ -138,6 +139,7 @@ class Engine:
                 run.update(state=prefilled, live=live, recorder=recorder)
                 return self.runtime.lm_output(prefilled.last_logits[:, None, :], live.cache)  # type: ignore[index]
 
+            hooks.enter_context(attention.deterministic(self.model))  # every decode step too
             with _compat.replaced_prefill(self.model, prefill):
                 output = self.model.generate(**call, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
@@ -149,6 +151,13 @@ class Engine:
             output.sequences = new
             setattr(output, _compat.CACHE_KWARG, None)  # the state is the cache; never hand out its tensors
         return state, prefilled, new, output
+
+    def refeed(self, state: State, ids: torch.Tensor, start: int, end: int, settings: FeedSettings) -> State:
+        """``state`` cut back to ``start`` slots and fed the history ``ids[:, start:end]`` (``[1, L]``) again under
+        ``settings``: a decoded answer recomputed in canonical chunks (``Session.settle``); media records kept."""
+        base = state.truncated(start)
+        feed = self.feed_for(base, ids[:, start:end], torch.ones_like(ids[:, :end], dtype=torch.bool), {})
+        return replace(self.feed(base, feed, settings).with_checkpoint(settings.max_checkpoints), media=state.media)
 
     def observe(self, state: State, ids: torch.Tensor, listener: Listener, *, rerun: int = 0,
                 chunk_size: int = 512) -> None:
@@ -233,8 +242,10 @@ class Engine:
 
     def kernels(self, batch_size: int, settings: FeedSettings) -> str:
         """The label of the kernels a feed of ``batch_size`` rows runs its chunks on under ``settings``, as
-        canonical states record it: the device type, plus the prefill tile where the family runs one."""
-        device = next(self.model.parameters()).device.type
+        canonical states record it: the device type and attention path (``kvstate._compat.attention.label``:
+        none for sdpa on a CPU), plus the prefill tile where the family runs one."""
+        path = attention.label(self.model)
+        device = next(self.model.parameters()).device.type + (f"@{path}" if path else "")
         tiles = self.tiles(settings) if batch_size == 1 else None
         return device if tiles is None or not tiles.usable(self) else tiles.label(device)
 
@@ -262,7 +273,7 @@ class Engine:
             begin = time.perf_counter()
             head = nullcontext() if logits else _compat.without_logits(self.model)
             with recorder.attached(self.model), self._masks(state.layers, recorder), self.runtime.forward_context(), \
-                    head:
+                    attention.deterministic(self.model), head:
                 self.model(**kwargs)
             if ids.shape[1] > 8:
                 self.seconds_per_token = (time.perf_counter() - begin) / ids.shape[1]

@@ -46,6 +46,7 @@ from contextlib import ExitStack, nullcontext
 
 import torch
 
+from .._compat.attention import deterministic
 from .._compat.kernels import Kernel, available
 from .._compat.packed import PackedCache, Unpackable, packed
 from .._compat.pool import Pool
@@ -135,8 +136,8 @@ class Packed:
                 engine.cache_kwarg: cache}
         tiles = tiled_linear(self.rows, P) if self.invariant and (self.rows < P or not self.plain) else nullcontext()
         try:
-            with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles as mode, \
-                    prepacked(kernels, min(P, self.rows), mode):
+            with engine.lock, torch.no_grad(), deterministic(engine.model), packed(engine.model, cache), \
+                    tiles as mode, prepacked(kernels, min(P, self.rows), mode):
                 logits = engine.model(**call).logits[0, :n]  # [n, V]
             self._check(cache)
             if not self.verified and mode is not None:

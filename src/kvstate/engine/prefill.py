@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from .. import _compat
+from .._compat.attention import deterministic
 from .._compat.kernels import available
 from .._compat.packed import PackedCache, Unpackable, packed
 from ..layers import AttentionLayerState
@@ -181,8 +182,8 @@ class Tiled:
             head = nullcontext() if keep else _compat.without_logits(engine.model)
             tiles = tiled_linear(self.rows, P) if self.invariant and not self.plain else nullcontext()
             rows, own = self._calls(kernels, P, heads)
-            with engine.lock, torch.no_grad(), packed(engine.model, cache), tiles as mode, \
-                    prepacked(kernels, rows, mode, own), engine.runtime.forward_context(), head:
+            with engine.lock, torch.no_grad(), deterministic(engine.model), packed(engine.model, cache), \
+                    tiles as mode, prepacked(kernels, rows, mode, own), engine.runtime.forward_context(), head:
                 out = engine.model(**call)
             quiet = mode is not None and mode.quiet
             if cache.attended != self._attention:

@@ -61,7 +61,7 @@ class BatchRunner(Runner):
                  prefill_rows: int = 32, prefill_tokens: int = 512, gather: float = 0.02, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gather = gather  # seconds of quiet that end a burst of arrivals at an idle model (``_gather``)
-        self.kernels = dict(prefill_rows=prefill_rows, _prepack=prepack, _invariant=invariant)
+        self.kernels = dict(prefill_rows=prefill_rows, prepack=prepack, invariant=invariant)
         # a step feeds about prefill_tokens prompt tokens (a burst of prompts, or a long history in pieces), so
         # running answers keep streaming; prefixes are shared through each key's pool namespace, never across keys
         self.scheduler = Scheduler(self.model, max_batch=max_batch, rows=rows, invariant=invariant,

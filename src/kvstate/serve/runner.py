@@ -194,7 +194,7 @@ class Runner:
         """What every ``Session`` of this runner is built with: its states are one another's (and the
         scheduler's, for ``BatchRunner``), so each resumes from the others' canonical slots."""
         return dict(chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
-                    canonical_marks=self.canonical_marks, _fingerprint=self.fingerprint, **self.kernels)
+                    canonical_marks=self.canonical_marks, fingerprint=self.fingerprint, **self.kernels)
 
     def _done(self, job: Job) -> None:
         with self._lock:

@@ -3,12 +3,13 @@
 Each rule reads the ``facts`` of failing kvstate rows (or the pattern of the plain
 rows) and names the branch in plain words with the next check to run. The tree:
 K/V reconstruction -> resume inputs and the full mask -> token boundary ->
-model-side state -> logical positions.
+model-side state -> logical positions; before all of them, kernels that do not
+repeat their bits (two cold runs differ), which makes every other branch moot.
 """
 
 from __future__ import annotations
 
-from .report import Finding, Row
+from .report import Determinism, Finding, Row
 
 BRANCHES = {
     "reconstruction": ("K/V reconstruction",
@@ -28,14 +29,26 @@ BRANCHES = {
                   "identical K/V with a full mask on the same instance still differ, so new tokens were fed "
                   "at the wrong logical positions",
                   "compare state.next_position and the first forward's position_ids with the reference's"),
+    "kernels": ("kernel nondeterminism",
+                "two kvstate cold runs on the same history, in the same process, differ: this device's kernels are "
+                "not run-to-run deterministic for {attention}, so no warm path can equal a cold run bit for bit, and "
+                "the other rows' differences say nothing about positions, masks or the token boundary",
+                "load the model with attn_implementation='sdpa' (kvstate runs it through deterministic kernels on "
+                "CUDA) or 'eager'; with custom kernels, pass canonical_chunk=0 and judge within the noise floor"),
     "unclassified": ("unclassified", "a kvstate row failed in a way the decision tree does not cover",
                      "rerun with --json and compare the failing rows' facts"),
 }
 
 
-def diagnose(rows: list[Row]) -> list[Finding]:
-    """Findings for failing kvstate rows, then what the plain-transformers rows show."""
+def diagnose(rows: list[Row], determinism: Determinism | None = None) -> list[Finding]:
+    """Findings for failing kvstate rows, then what the plain-transformers rows show. Where two cold runs differ
+    (``determinism``), that is the one finding: no row's difference can then be told from the kernels' noise."""
     failing = [r for r in rows if r.group == "kvstate" and not r.matches]
+    if determinism is not None and not determinism.repeat_bitwise:
+        branch, message, next_check = BRANCHES["kernels"]
+        detail = (f" (max |Δlogit| {determinism.max_abs:.3e} between the two cold runs; {len(failing)} kvstate rows "
+                  "differ)")
+        return [Finding("kvstate", branch, message.format(attention=determinism.attention) + detail, next_check)]
     branches: dict[str, list[str]] = {}
     for row in failing:
         branches.setdefault(_branch(row, rows), []).append(row.name)

@@ -85,6 +85,17 @@ class Floor:
 
 
 @dataclass(frozen=True)
+class Determinism:
+    """The kvstate cold run twice in one process: whether every step's logits and the tokens were bitwise equal,
+    the largest |Δlogit| over the steps, and the attention path that ran (``kvstate._compat.attention``). Without
+    it nothing else can be bitwise, so ``verify`` measures it first."""
+
+    repeat_bitwise: bool
+    max_abs: float
+    attention: str
+
+
+@dataclass(frozen=True)
 class Finding:
     """One diagnosis: which branch of the long seed's decision tree, and what to check next."""
 
@@ -109,16 +120,19 @@ class Report:
     dtype: str | None = None  # the model's, e.g. "bfloat16"
     device: str | None = None
     floor: Floor | None = None
+    determinism: Determinism | None = None
 
     @property
     def ok(self) -> bool:
-        return all(row.matches for row in self.rows if row.group == "kvstate")
+        repeats = self.determinism is None or self.determinism.repeat_bitwise
+        return repeats and all(row.matches for row in self.rows if row.group == "kvstate")
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, "model": self.model, "backend": self.backend,
                 "dtype": self.dtype, "device": self.device,
                 "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "tolerance": TOLERANCE,
                 "floor": None if self.floor is None else asdict(self.floor),
+                "determinism": None if self.determinism is None else asdict(self.determinism),
                 "ok": self.ok, "rows": [{**asdict(r), "verdict": r.verdict} for r in self.rows],
                 "diagnosis": [asdict(f) for f in self.findings], "skipped": self.skipped,
                 "environment": self.environment}
@@ -127,7 +141,8 @@ class Report:
         head = f"{'group':<8} {'check':<46} {'max|Δlogit|':>11} {'cosine':>8} {'top5':>4} {'greedy':>7}  verdict"
         where = "" if self.dtype is None else f", {self.dtype} on {self.device}"
         lines = [f"kvstate verify: {self.model} ({self.backend}{where}), prompt {self.prompt_tokens} tokens, "
-                 f"{self.new_tokens} new", _environment_line(self.environment), *_floor_lines(self.floor),
+                 f"{self.new_tokens} new", _environment_line(self.environment),
+                 *_determinism_lines(self.determinism), *_floor_lines(self.floor),
                  head, "-" * len(head)]
         for r in self.rows:
             verdict = _paint(r.verdict, _COLOURS[r.verdict], colour)
@@ -176,6 +191,13 @@ _COLOURS = {"pass": "32", "matches": "32", "FAIL": "31", "drifts": "33", "crashe
 
 def _paint(text: str, code: str, colour: bool) -> str:
     return f"\033[{code}m{text}\033[0m" if colour else text
+
+
+def _determinism_lines(d: Determinism | None) -> list[str]:
+    if d is None:
+        return []
+    verdict = "bitwise equal" if d.repeat_bitwise else f"DIFFER (max|Δlogit| {d.max_abs:.3e} over the steps)"
+    return [f"determinism: the kvstate cold run twice in this process: {verdict}; attention: {d.attention}"]
 
 
 def _floor_lines(floor: Floor | None) -> list[str]:

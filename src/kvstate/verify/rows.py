@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
+from .._compat import attention
 from ..io import save_state
 from ..layers import LAYER_KINDS
 from ..selfcheck import adapter_for
 from ..session import Session
 from ..state import State
-from .report import Floor, Row, compare, crashed
+from .report import Determinism, Floor, Row, compare, crashed
 
 Result = tuple[torch.Tensor, torch.Tensor]  # first-step logits [B, V], greedy tokens [B, N]
 
@@ -59,8 +60,12 @@ class Matrix:
         self.ref_logits, self.ref_tokens = reference(self.model, self.ids, self.n, **media)
         # a family fed one token per forward cannot run the canonical schedule (docs/exactness.md): its rows
         # are judged within the floor only, and the report says so with chunk 0
-        self.chunk = 0 if self.adapter.caps.stepwise else canonical_chunk(self.ids.shape[1])
-        self.cold = greedy(self.session(), self.ids, self.n, **self.inputs)  # what every warm path must equal
+        device = next(self.model.parameters()).device.type
+        self.chunk = 0 if self.adapter.caps.stepwise else canonical_chunk(self.ids.shape[1], device)
+        attention.reset_counts()
+        self.cold_steps = cold_steps(self.session(), self.ids, self.n, **self.inputs)
+        self.cold = self.cold_steps[0][0], self.cold_steps[1]  # what every warm path must equal
+        self.determinism: Determinism | None = None  # ``repeat_row``'s
         s = self.session()
         s.extend(self.ids[:, :-1], **self.inputs)
         self.prefix = s.state
@@ -120,13 +125,14 @@ class Matrix:
                                  cold=cold if group == "kvstate" and canonical else None, floor=floor or self.floor))
 
 
-def canonical_chunk(length: int) -> int:
-    """The canonical chunk verify runs kvstate with: the session default, or for a prompt shorter than
-    twice that the largest power of two <= a quarter of it (at least 4), so the resumes keep slots."""
-    from ..session import DEFAULT_CANONICAL_CHUNK
+def canonical_chunk(length: int, device: str = "cpu") -> int:
+    """The canonical chunk verify runs kvstate with on a ``device`` type: the session default, or for a prompt
+    shorter than twice that the largest power of two <= a quarter of it (at least 4), so the resumes keep slots."""
+    from ..schedule import default_chunk
 
-    if length >= 2 * DEFAULT_CANONICAL_CHUNK:
-        return DEFAULT_CANONICAL_CHUNK
+    default = default_chunk((), device)
+    if length >= 2 * default:
+        return default
     return max(4, 1 << max((length // 4).bit_length() - 1, 0))
 
 
@@ -157,6 +163,29 @@ def reference(model: Any, ids: torch.Tensor, n: int, **inputs: Any) -> Result:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                          return_dict_in_generate=True, output_logits=True, **inputs)
     return out.logits[0], out.sequences[:, ids.shape[1]:]
+
+
+def cold_steps(session: Session, ids: torch.Tensor, n: int, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A greedy run's logits of every step ``[N, B, V]`` and its tokens ``[B, N]``."""
+    out = session.generate(ids, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
+                           output_logits=True, **inputs)
+    return torch.stack(out.logits), out.sequences
+
+
+def repeat_row(m: Matrix) -> None:
+    """The kvstate cold run again in this process, first: where two identical runs differ, the kernels are not
+    run-to-run deterministic and nothing can be bitwise (``Report.determinism``, and the diagnosis says so)."""
+    steps, tokens = cold_steps(m.session(), m.ids, m.n, **m.inputs)
+    first, again = m.cold_steps
+    same_shape = steps.shape == first.shape and tokens.shape == again.shape
+    bitwise = same_shape and torch.equal(steps, first) and torch.equal(tokens, again)
+    delta = (steps.float() - first.float()).abs().max().item() if steps.shape == first.shape else float("inf")
+    ran = attention.counts()
+    calls = ", ".join(f"{kernel} {n}" for kernel, n in sorted(ran.items()))
+    what = attention.describe(m.model) + (f"; kernel calls of the two runs: {calls}" if calls else "")
+    m.determinism = Determinism(bool(bitwise), float(delta), what)
+    m.row("kvstate: cold run, repeated", "kvstate", "the kvstate cold run again, in the same process",
+          lambda: (steps[0], tokens), {"instance": "same", "repeat": True})
 
 
 def greedy(session: Session, ids: torch.Tensor, n: int, **inputs: Any) -> Result:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 
 from .. import _compat
+from .._compat import attention
 from ..errors import InputError
 from ..selfcheck import adapter_for
 from .contract import (
@@ -31,7 +33,7 @@ from .contract import (
 from .diagnose import diagnose
 from .faults import FAULTS
 from .report import Report
-from .rows import Matrix, cache_variant_rows, plain_rows
+from .rows import Matrix, cache_variant_rows, plain_rows, repeat_row
 
 DEFAULT_PROMPT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. From the top he "
@@ -40,7 +42,7 @@ DEFAULT_PROMPT = (
     "should be, far out beyond the rocks, and he"
 )
 
-_STEPS = (cache_variant_rows, plain_rows, kvstate_path_rows, boundary_rows, contract_rows, compression_row,
+_STEPS = (repeat_row, cache_variant_rows, plain_rows, kvstate_path_rows, boundary_rows, contract_rows, compression_row,
           sliding_row, padded_row, multimodal_rows, video_rows)
 
 
@@ -66,10 +68,25 @@ def verify(model: Any, input_ids: torch.Tensor, *, new_tokens: int = 16, name: s
         raise InputError("the zero-rope-deltas fault needs a multimodal model and a fresh instance",
                          expected="a Qwen-VL model and fresh=...", found=type(model).__name__)
     attn = _compat.attention_implementation(model)
-    matrix = Matrix(model, input_ids, new_tokens, fresh=fresh, spec=spec, attn=attn, fault=fault, quick=quick)
-    for step in tqdm(_STEPS, desc="verify", disable=not progress, file=sys.stderr):
-        step(matrix)
+    with ExitStack() as planted:
+        if fault == "nondeterministic-attention":  # run-dependent noise in every attention output, fresh models too
+            planted.enter_context(attention.noisy(model))
+            fresh = None if fresh is None else _noisy(fresh, planted)
+        matrix = Matrix(model, input_ids, new_tokens, fresh=fresh, spec=spec, attn=attn, fault=fault, quick=quick)
+        for step in tqdm(_STEPS, desc="verify", disable=not progress, file=sys.stderr):
+            step(matrix)
     weight = next(model.parameters())
     return Report(name or type(model).__name__, str(attn), input_ids.shape[1], new_tokens, matrix.rows,
-                  diagnose(matrix.rows), matrix.skipped, dtype=str(weight.dtype).removeprefix("torch."),
-                  device=str(weight.device), floor=matrix.floor)
+                  diagnose(matrix.rows, matrix.determinism), matrix.skipped,
+                  dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device), floor=matrix.floor,
+                  determinism=matrix.determinism)
+
+
+def _noisy(fresh: Callable[[], Any], stack: ExitStack) -> Callable[[], Any]:
+    """``fresh``, whose models run with the planted noise while ``stack`` is open."""
+    def build() -> Any:
+        model = fresh()
+        stack.enter_context(attention.noisy(model))
+        return model
+
+    return build
