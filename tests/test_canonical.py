@@ -305,12 +305,18 @@ def test_the_device_script_runs_on_the_cpu(tmp_path):
 
     script = Path(__file__).parent.parent / "scripts" / "device_check.py"
     done = children.run("import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
-                        str(script), "--device", "cpu", "--dtype", "bfloat16", "--models", "tiny:llama",
-                        "tiny:qwen3_vl", "--out", str(tmp_path / "out.json"), check=False, timeout=600)
+                        str(script), "--device", "cpu", "--dtype", "bfloat16", "--tiny", "tiny:llama",
+                        "tiny:qwen3_vl", "--shape", "small", "--lengths", "96", "--chunks", "64",
+                        "--cost-length", "100", "--out", str(tmp_path / "out.json"), check=False, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "out.json").read_text())
-    assert report["ok"] and report["dtype"] == "bfloat16" and len(report["results"]) >= 2
-    assert all(path["bitwise"] and path["reused"] > 0 for r in report["results"] for path in r["paths"].values())
+    assert report["dtype"] == "bfloat16" and len(report["tiny"]) == 2 and report["incomplete"] is None
+    summary = report["summary"]
+    assert summary["bitwise_all"] and summary["repeat_bitwise"] and summary["max_history"] == 96
+    assert summary["cold_prefill_vs_plain"] > 0 and summary["warm_turn_vs_plain_cache"] > 0  # C = 64 on a CPU
+    for r in report["tiny"] + report["big"]:
+        assert all(p["bitwise"] and (p["reused"] > 0 or name.startswith("cold run")) for name, p in r["paths"].items())
+    assert {"keys", "backends"} <= set(report["kernels"][0]) and report["commit"]
 
 
 def answered_turn(arch: str, answer: int, then: int) -> tuple:

@@ -26,12 +26,12 @@ def _import_as(version: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **env})
 
 
-@pytest.mark.parametrize("version", ["5.13.1", "4.57.6", "5.25.0", "6.0.0.dev0"])
+@pytest.mark.parametrize("version", ["5.13.1", "4.57.6", "5.26.0", "6.0.0.dev0"])
 def test_a_version_outside_the_window_fails_import_with_one_line(version):
     run = _import_as(version, KVSTATE_ALLOW_ANY_TRANSFORMERS="")
     assert run.returncode == 1 and "imported" not in run.stdout
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("kvstate.errors.TransformersVersionError: kvstate supports transformers >=5.14,<5.25")
+    assert last.startswith("kvstate.errors.TransformersVersionError: kvstate supports transformers >=5.14,<5.26")
     assert f"found transformers {version}" in last and "KVSTATE_ALLOW_ANY_TRANSFORMERS=1" in last
 
 
@@ -41,8 +41,8 @@ def test_the_override_warns_and_imports():
 
 
 @pytest.mark.parametrize("version, inside", [("5.14.0", True), ("5.14.1", True), ("5.24.0", True),
-                                             ("5.24.3.dev0", True), ("5.13.9", False), ("5.25.0", False),
-                                             ("garbage", False)])
+                                             ("5.24.3.dev0", True), ("5.25.0", True), ("5.13.9", False),
+                                             ("5.26.0", False), ("garbage", False)])
 def test_window_bounds(version, inside):
     assert versions.in_window(version) is inside
 

@@ -16,17 +16,17 @@ import os
 import re
 import warnings
 
-OLDEST, NEWEST = (5, 14), (5, 24)
+OLDEST, NEWEST = (5, 14), (5, 25)
 OVERRIDE = "KVSTATE_ALLOW_ANY_TRANSFORMERS"
 
 
 def window() -> str:
-    """The window in words, e.g. ``transformers >=5.14,<5.25``."""
+    """The window in words, e.g. ``transformers >=5.14,<5.26``."""
     return f"transformers >={OLDEST[0]}.{OLDEST[1]},<{NEWEST[0]}.{NEWEST[1] + 1}"
 
 
 def minor(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a version string such as ``5.24.0`` or ``5.25.0.dev0``."""
+    """``(major, minor)`` of a version string such as ``5.25.0`` or ``5.26.0.dev0``."""
     match = re.match(r"(\d+)\.(\d+)", version)
     if match is None:
         raise ValueError(f"not a version: {version!r}")
