@@ -18,7 +18,7 @@ import functools
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .core import _RecordingSlidingLayer
 
@@ -58,7 +58,10 @@ def _plain(layer: Any, room: _Room, keys: torch.Tensor, values: torch.Tensor, *a
 def reserve(cache: Any, extra: int) -> None:
     """Give each filled plain or recording-sliding layer of ``cache`` (a ``DynamicCache`` kvstate built) room
     for ``extra`` more slots: its appends then write in place (the layer objects are this cache's own). A
-    sliding layer keeps its own ``update`` (the visible window) and only stores into the room."""
+    sliding layer keeps its own ``update`` (the visible window) and only stores into the room. Caches of other
+    classes (a family's own, RWKV's state list) keep their appends."""
+    if not isinstance(cache, DynamicCache):
+        return
     for layer in cache.layers:
         if type(layer) not in (DynamicLayer, _RecordingSlidingLayer) or not layer.is_initialized \
                 or layer.keys is None or layer.keys.dim() != 4:
@@ -72,6 +75,8 @@ def reserve(cache: Any, extra: int) -> None:
 
 def compact(cache: Any) -> None:
     """Copy each layer's slots out of its room (contiguous, as concatenation leaves them) and end the growth."""
+    if not isinstance(cache, DynamicCache):
+        return
     for layer in cache.layers:
         if layer.__dict__.pop("store", None) is not None or layer.__dict__.pop("update", None) is not None:
             layer.keys = layer.keys.clone(memory_format=torch.contiguous_format)

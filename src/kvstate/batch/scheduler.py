@@ -111,7 +111,9 @@ class Scheduler:
                                  found=repr(value), fix=f"pass {name}=8, say")
         self.model, self.max_batch, self.prefill_tokens = model, max_batch, prefill_tokens
         self.canonical_marks = check_marks(canonical_marks)
-        self.canonical_chunk = default_chunk(self.canonical_marks) if canonical_chunk is None else canonical_chunk
+        device = next(model.parameters()).device.type
+        chunk = canonical_chunk
+        self.canonical_chunk = default_chunk(self.canonical_marks, device) if chunk is None else chunk
         self.chunk_size = chunk_size
         self.sources = (*sources, *((RecentPrompts(max_batch),) if share_prefixes else ()))
         self.fingerprint = fingerprint or digest(model, tokenizer)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _compat
-from .._compat import attention
+from .._compat import attention, room
 from .._compat.watch import watching
 from ..adapters.binding import Binding, Live
 from ..errors import KVStateError, UnsupportedError
@@ -134,6 +134,8 @@ class Engine:
                 chunk = options.prefill_chunk_size or settings.chunk_size
                 prefilled = start if feed is None else self._run_feed(start, feed, settings, chunk)
                 live = hooks.enter_context(self.runtime.attached(prefilled))
+                # static room for the decode: each step writes its slot in place, not concatenated (fixed addresses)
+                room.reserve(live.cache, _room(options, history.shape[1]))
                 recorder = hooks.enter_context(Recorder(self.runtime, prefilled.next_position).attached(self.model))
                 hooks.enter_context(self._masks(prefilled.layers, recorder))
                 run.update(state=prefilled, live=live, recorder=recorder)
@@ -145,6 +147,7 @@ class Engine:
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
             new = sequences[:, history.shape[1]:]
             prefilled: State = run["state"]  # type: ignore[assignment]
+            room.compact(run["live"].cache)  # type: ignore[attr-defined]  # the state owns contiguous K/V, no room
             state = self._after_decode(prefilled, run["live"], run["recorder"], new, mask)  # type: ignore[arg-type]
             self.runtime.restore(state.extras)
         if not isinstance(output, torch.Tensor):
@@ -346,6 +349,12 @@ def _with_step_logits(kwargs: Mapping[str, Any], run: dict[str, object]) -> Mapp
     if not callable(getattr(streamer, "put_logits", None)):
         return kwargs
     return {**kwargs, "streamer": _StepLogits(streamer, run)}
+
+
+def _room(options: GenerateOptions, history: int) -> int:
+    """Decode slots ``generate`` may append after a history of ``history`` tokens (its length limit), at least 1."""
+    limit = options.max_length
+    return max(1, int(min(limit - history, 1 << 16))) if limit is not None and limit != float("inf") else 64
 
 
 MAX_PACKED = 2048  # rows of one packed prefill forward: its activations stay small

@@ -1,0 +1,215 @@
+"""kvstate against plain transformers on one device, in one run: one stream, many streams, and the hardware's bound.
+
+Built for one GPU (a Qwen3-8B shape with random weights, built on the device from its config: no download; the
+weights change neither the times nor the bits), tried on the CPU at a small shape first. Measured side by side:
+
+* **one stream**: a 300-token prompt, 32 greedy tokens: plain ``model.generate`` against ``Session.generate``, time to
+  first token and decode tokens per second (``(N - 1) / (t_N - t_1)``, from two runs of 1 and N tokens);
+* **streams** 1, 8 and 16 (prompts of 64-460 tokens, 32 tokens each): kvstate's ``generate_many`` with batch
+  invariance (every answer checked bitwise against the same request alone), without it (the invariance tax), and
+  transformers' ``generate_batch`` (continuous batching; a persistent manager, measured on its second call);
+* **the bound**: decode reads every weight once per step, so one stream cannot beat bandwidth / weight bytes; the
+  bandwidth is measured here (a large device-to-device copy), and ``bandwidth_fraction`` is kvstate's one-stream
+  decode rate over that bound;
+* **the canonical schedule's cost** (``scripts/device_check.py``'s rows): cold prefill of 4k tokens against plain
+  ``generate``'s time to first token, a 16-token warm turn after 4k against plain ``generate`` continuing a cache.
+
+JSON in ``bench/results/gpu_speed.json`` (commit, versions, device name) with a top-level ``summary`` (speed
+ratios kvstate / other, TTFT and turn costs as time ratios), written after every step; a PNG of tokens per second
+against streams beside it when matplotlib is installed.
+
+    python bench/bench_gpu.py                                          # one H200: under 8 minutes
+    python bench/bench_gpu.py --device cpu --shape small --streams 1 4 --cost-length 100 --out /tmp/gpu_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from device_check import SHAPES, Deadline, _device_name, _median, _now, big, costs
+
+from common import RESULTS, environment
+
+N = 32
+PROMPT = 300
+
+
+def one_stream(model, device: str) -> dict[str, float]:
+    """Plain ``generate`` and ``Session.generate`` on one 300-token prompt: TTFT (ms) and decode tokens/s."""
+    from kvstate import Session
+
+    ids = torch.randint(100, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    ids = ids.to(device)
+    greedy = dict(do_sample=False, eos_token_id=None)
+
+    def plain(n: int):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, **greedy)
+
+    def ours(n: int):
+        return Session(model).generate(ids, max_new_tokens=n, min_new_tokens=n, **greedy)
+
+    out = {}
+    for name, call in (("plain", plain), ("kvstate", ours)):
+        first = _median(device, lambda call=call: call(1))
+        whole = _median(device, lambda call=call: call(N))
+        out[f"{name}_ttft_ms"] = first
+        out[f"{name}_decode_tok_s"] = round((N - 1) / max((whole - first) / 1000, 1e-9), 2)
+    return out
+
+
+def requests(n: int, vocab: int, device: str) -> list:
+    """``n`` greedy requests with prompts of 64 to 460 tokens."""
+    from kvstate.batch import BatchRequest
+
+    gen = torch.Generator().manual_seed(7)
+    lengths = [64 + (396 * i) // max(n - 1, 1) for i in range(n)]
+    return [BatchRequest(torch.randint(100, vocab, (length,), generator=gen).to(device), max_new_tokens=N,
+                         stop_ids=()) for length in lengths]
+
+
+def streams(model, n: int, device: str) -> dict[str, object]:
+    """``n`` streams through kvstate (invariant, then not) and transformers' ``generate_batch``: tokens per second,
+    and whether each invariant answer is bitwise the same request alone."""
+    from transformers import GenerationConfig
+
+    from kvstate.batch import generate_many
+
+    batch = requests(n, model.config.vocab_size, device)
+    out: dict[str, object] = {"streams": n}
+    for name, invariant in (("kvstate", True), ("kvstate_no_invariance", False)):
+        begin = _now(device)
+        done = generate_many(model, batch, max_batch=n, invariant=invariant)
+        seconds = _now(device) - begin
+        out[f"{name}_tok_s"] = round(sum(len(c.tokens) for c in done) / seconds, 2)
+        if invariant:
+            alone = [generate_many(model, [r], max_batch=1)[0] for r in batch]
+            out["alone_equals_batched"] = all(a.tokens == b.tokens and a.logprobs == b.logprobs
+                                              for a, b in zip(alone, done, strict=True))
+    config = GenerationConfig(max_new_tokens=N, min_new_tokens=N, do_sample=False, eos_token_id=None, pad_token_id=0)
+    prompts = [r.ids.tolist() for r in batch]
+    try:
+        model.generate_batch(prompts, generation_config=config, persistent_manager=True)  # warm: graphs, pages
+        begin = _now(device)
+        result = model.generate_batch(prompts, generation_config=config, persistent_manager=True)
+        seconds = _now(device) - begin
+        out["transformers_tok_s"] = round(sum(len(r.generated_tokens) for r in result.values()) / seconds, 2)
+    except Exception as exc:  # an older transformers without continuous batching on this device
+        out["transformers_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        destroy = getattr(model, "destroy_cached_continuous_batching_manager", None)
+        if callable(destroy):  # the persistent manager holds its cache pages: free them for the next row
+            destroy()
+    return out
+
+
+def bandwidth(device: str) -> float:
+    """Bytes per second of a large copy on ``device`` (read + write), the memory bound a decode step meets."""
+    size = (1 << 30) if device == "cuda" else (1 << 28)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = _median(device, lambda: dst.copy_(src)) / 1000
+    return 2 * size / seconds
+
+
+def summary(report: dict, weight_bytes: int) -> dict[str, object]:
+    one, rows, chosen = report.get("one_stream"), report.get("streams", []), report.get("costs", [])
+    by = {r["streams"]: r for r in rows}
+    most = by.get(max(by)) if by else None
+    bound = report["bandwidth_bytes_s"] / weight_bytes if "bandwidth_bytes_s" in report else None
+    return {
+        "one_stream_decode_vs_plain": one and round(one["kvstate_decode_tok_s"] / one["plain_decode_tok_s"], 3),
+        "ttft_300_vs_plain": one and round(one["kvstate_ttft_ms"] / one["plain_ttft_ms"], 3),
+        "streams16_vs_transformers": most and most.get("transformers_tok_s") and
+        round(most["kvstate_tok_s"] / most["transformers_tok_s"], 3),
+        "alone_equals_batched": bool(rows) and all(r.get("alone_equals_batched") for r in rows),
+        "invariance_tax": most and round(1 - most["kvstate_tok_s"] / most["kvstate_no_invariance_tok_s"], 3),
+        "bandwidth_fraction": one and bound and round(one["kvstate_decode_tok_s"] / bound, 3),
+        "cold_prefill_4k_vs_plain": chosen[0]["cold_vs_plain"] if chosen else None,
+        "warm_turn_vs_plain_cache": chosen[0]["warm_vs_plain_cache"] if chosen else None,
+        "streams_measured": sorted(by)}
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = report["streams"]
+    xs = [r["streams"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("kvstate_tok_s", "kvstate (batch invariant)"), ("kvstate_no_invariance_tok_s",
+                                                                      "kvstate (no invariance)"),
+                       ("transformers_tok_s", "transformers generate_batch")):
+        ax.plot(xs, [r.get(key) or float("nan") for r in rows], marker="o", label=label)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{report['shape']} shape, {report['dtype']}, {report['device_name']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> int:
+    from kvstate.schedule import default_chunk
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    parser.add_argument("--streams", nargs="*", type=int, default=[1, 8, 16])
+    parser.add_argument("--cost-length", type=int, default=4000)
+    parser.add_argument("--deadline", type=float, default=450.0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "gpu_speed.json")
+    args = parser.parse_args()
+    began = time.perf_counter()
+    model = big(args.shape, args.device, getattr(torch, args.dtype), args.cost_length + 64)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    report: dict = {"env": environment(), "device": args.device, "device_name": _device_name(args.device),
+                    "dtype": args.dtype, "shape": args.shape, "weight_bytes": weight_bytes, "new_tokens": N,
+                    "streams": [], "costs": [], "incomplete": None}
+
+    def save() -> None:
+        report["seconds"] = round(time.perf_counter() - began, 1)
+        report["summary"] = summary(report, weight_bytes)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    def step(name: str) -> None:
+        if time.perf_counter() - began > args.deadline:
+            raise Deadline(f"deadline of {args.deadline} s reached before {name}")
+        print(f"[{time.perf_counter() - began:6.1f} s] {name}", flush=True)
+
+    try:
+        step("bandwidth")
+        report["bandwidth_bytes_s"] = bandwidth(args.device)
+        step("one stream")
+        report["one_stream"] = one_stream(model, args.device)
+        save()
+        for n in args.streams:
+            step(f"{n} streams")
+            report["streams"].append(streams(model, n, args.device))
+            save()
+        step("canonical schedule costs")
+        report["costs"].append(costs(model, args.cost_length, default_chunk((), args.device), args.device))
+    except Deadline as exc:
+        report["incomplete"] = str(exc)
+    save()
+    if report["streams"]:
+        plot(report, args.out.with_suffix(".png"))
+    print(json.dumps(report["summary"], indent=2))
+    return 0 if report["summary"]["alone_equals_batched"] and report["incomplete"] is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
