@@ -42,6 +42,11 @@ class EmptyStateError(PositionError):
     """A continuation at position > 0 was asked of a state that holds nothing (seed 002)."""
 
 
+class PlaceholderError(InputError):
+    """Media placeholder ids outside every item a processor laid out (a model generated them), in a call
+    that passes that kind's pixels: transformers would count them as media tokens."""
+
+
 class BatchMismatchError(InputError):
     """The input's batch size differs from the state's."""
 
