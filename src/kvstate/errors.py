@@ -21,6 +21,7 @@ class KVStateError(Exception):
         if fix:
             parts.append(f"fix: {fix}")
         super().__init__("; ".join(parts))
+        self.message = message  # the rule broken, without the details
         self.expected = expected
         self.found = found
         self.fix = fix

@@ -370,7 +370,7 @@ def check_positions(state: State, given: torch.Tensor | None, expected: torch.Te
         return
     if state.is_empty:
         raise EmptyStateError(
-            "position_ids continue a sequence, but the state is empty (seed 002)",
+            "position_ids continue a sequence, but the state is empty",
             expected=expected.tolist(), found=given.tolist(),
             fix="feed the earlier tokens first, or omit position_ids")
     raise PositionError("position_ids do not continue the state", expected=expected.tolist(),
