@@ -117,7 +117,7 @@ def test_every_mistake_is_one_line_and_exit_2(files, busy_port, capsys, monkeypa
         assert code == 2, f"{name}: exit {code}, stderr {err[-500:]}"
         # exactly one line: no loading bar (its carriage returns count as lines too), no traceback
         assert err.startswith("kvstate: error:") and err.count("\n") == 1 and err.endswith("\n") \
-            and "\r" not in err and len(err) < 400, f"{name}: {err[-800:]}"
+            and "\r" not in err and len(err) < 500, f"{name}: {err[-800:]}"
 
 
 def run(argv: list[str], capsys) -> tuple[int, str]:
@@ -150,7 +150,7 @@ def test_an_unexpected_error_is_one_line_with_exit_1_and_its_traceback_with_verb
     monkeypatch.setattr(kvstate.io, "inspect_state", broken)
     code, err = run(["inspect", str(files / "s.kvs")], capsys)
     assert code == 1 and err.count("\n") == 1 and err.startswith("kvstate: error: RuntimeError: the disk is on fire")
-    assert "--verbose" in err and len(err) < 400
+    assert "--verbose" in err and len(err) < 500
     code, err = run(["--verbose", "inspect", str(files / "s.kvs")], capsys)
     assert code == 1 and "Traceback (most recent call last)" in err and "smoke " * 100 in err
 

@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-LINE = 300  # characters of an error's one line before it is cut (the whole text is behind --verbose)
+LINE = 400  # characters of an error's one line before details are left out (all of them are behind --verbose)
 
 
 def error_text(exc: Exception, verbose: bool) -> str:
@@ -460,16 +460,18 @@ def error_text(exc: Exception, verbose: bool) -> str:
                                                 " (--verbose for the traceback)")
         return f"kvstate: error: {text[:LINE]}... (--verbose for the whole message)"
     message = getattr(exc, "message", str(exc))  # an error unpickled from a child process has only its text
-    details = [("expected", exc.expected), ("found", exc.found), ("fix", exc.fix)]
     if verbose:
+        details = [("expected", exc.expected), ("found", exc.found), ("fix", exc.fix)]
         return "\n".join([f"kvstate: error: {one_line(name + message)}",
                           *(f"  {key}: {one_line(str(value))}" for key, value in details if value is not None)])
     whole = one_line(f"{name}{exc}")
     if len(whole) <= LINE:
         return f"kvstate: error: {whole}"
-    short = one_line(f"{name}{message}" + (f"; fix: {exc.fix}" if exc.fix else ""))
-    cut = short if len(short) <= LINE else short[:LINE] + "..."
-    return f"kvstate: error: {cut} (--verbose: what was expected and found)"
+    head, fix = one_line(name + message), f"; fix: {one_line(exc.fix)}" if exc.fix else ""
+    room = LINE - len(head) - len(fix) - len("; found: ")  # the fix stays whole; what was found gets the rest
+    found = one_line(str(exc.found)) if exc.found is not None else ""
+    found = f"; found: {found if len(found) <= room else found[:room] + '...'}" if found and room >= 40 else ""
+    return f"kvstate: error: {head}{found}{fix} (--verbose: the whole error)"
 
 
 if __name__ == "__main__":
