@@ -40,6 +40,9 @@ weights and tokenizer files. kvstate never
 downloads: fetch a hub model with `huggingface-cli download <id> --local-dir <folder>`.
 --dtype auto loads a folder in its checkpoint's dtype (on CUDA where available);
 'default' and tiny models load in float32 on the CPU unless --dtype/--device say otherwise.
+
+errors: one line on stderr, with the fix (exit 2; an unexpected failure: exit 1); --verbose adds what
+was expected and what was found (and the traceback of an unexpected failure).
 """
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
