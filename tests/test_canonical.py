@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import children
 from kvstate import PrefixStore, Session
-from kvstate.models.tiny import QWEN_VL, RECURRENT
+from kvstate.models.tiny import IMAGE_TOKEN, QWEN_VL, RECURRENT, VIDEO_TOKEN
 from kvstate.schedule import Canonical
 from kvstate.selfcheck import bind
 from kvstate.serve.pool import StatePool
@@ -42,9 +42,11 @@ def model_in(arch: str, dtype: torch.dtype):
 
 
 def run(session: Session, ids: torch.Tensor, inputs: dict, n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
-    """New tokens ``[1, n]`` and every step's logits ``[n, V]``."""
+    """New tokens ``[1, n]`` and every step's logits ``[n, V]``. With media the answer holds no placeholder id:
+    the next turn passes the pixels again, and such a history is refused (test_media_placeholders.py)."""
+    keep_out = {"suppress_tokens": [IMAGE_TOKEN, VIDEO_TOKEN]} if inputs else {}
     out = session.generate(ids, max_new_tokens=n, do_sample=False, return_dict_in_generate=True, output_logits=True,
-                           **inputs)
+                           **keep_out, **inputs)
     return out.sequences, torch.cat(out.logits)
 
 

@@ -1,4 +1,5 @@
-"""Issue 11, acceptance 5: every CLI mistake is one line, ``kvstate: error: ...``, and exit code 2.
+"""Issue 11, acceptance 5: every CLI mistake is one line, ``kvstate: error: ...``, and exit code 2;
+``--verbose`` prints what was expected and found (the traceback of an unexpected error) on lines of their own.
 
 Also: the store reuses what it stores, and continuing a saved document with text gives
 the fresh run's answer (the real Gemma model, so these two are marked slow).
@@ -6,12 +7,18 @@ the fresh run's answer (the real Gemma model, so these two are marked slow).
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
 
+import kvstate.io
 import kvstate.models
 from kvstate import Session
 from kvstate.cli import main
+from kvstate.models.tiny_tokenizer import tiny_tokenizer
 from redis_server import free_port
 from tiny import prompt, tiny_model
 
@@ -25,13 +32,47 @@ def files(tmp_path):
     s.save(tmp_path / "s.kvs")
     (tmp_path / "text.kvs").write_text("this is a text file renamed to look like a state\n" * 5)
     tiny_model("llama").save_pretrained(tmp_path / "no-tokenizer")  # config and weights, no tokenizer
+    tiny_model("llama").save_pretrained(tmp_path / "llama")  # a model folder the text commands can load
+    tiny_tokenizer().save_pretrained(tmp_path / "llama")
+    other = Session(tiny_model("qwen2"))
+    other.extend(prompt(6))
+    other.save(tmp_path / "qwen2.kvs")
+    data = (tmp_path / "s.kvs").read_bytes()
+    (tmp_path / "truncated.kvs").write_bytes(data[:len(data) // 2])
     (tmp_path / "folder").mkdir()
     return tmp_path
 
 
-def mistakes(t) -> dict[str, list[str]]:
+@pytest.fixture
+def busy_port():
+    with socket.socket() as listener:  # another process's server on the port
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
+
+
+def mistakes(t, busy_port: int) -> dict[str, list[str]]:
     closed = f"redis://127.0.0.1:{free_port()}/0"
+    llama = str(t / "llama")
     return {
+        "another model's state": ["generate", "--model", llama, "--state", str(t / "qwen2.kvs"), "--prompt", "hi"],
+        "a state of other weights": ["generate", "--model", llama, "--state", str(t / "s.kvs"), "--prompt", "hi",
+                                     "--dtype", "bfloat16"],
+        "a truncated state": ["generate", "--model", llama, "--state", str(t / "truncated.kvs"), "--prompt", "hi"],
+        "inspect a truncated state": ["inspect", str(t / "truncated.kvs")],
+        "inspect a missing file": ["inspect", str(t / "missing.kvs")],
+        "an unknown tiny model type": ["verify", "--model", "tiny:no_such_type"],
+        "a --prompt for a tiny model": ["verify", "--model", "tiny:llama", "--prompt", "hello"],
+        "a folder as --prompt-file": ["verify", "--model", "tiny:llama", "--prompt-file", str(t / "folder")],
+        "--new-tokens x": ["verify", "--model", "tiny:llama", "--new-tokens", "x"],
+        "an unknown flag": ["verify", "--bogus"],
+        "no command": [],
+        "an unknown command": ["bogus"],
+        "--against a malformed URL": ["verify", "--against", "not a url"],
+        "--cold without --against": ["verify", "--model", "tiny:llama", "--cold", "http://127.0.0.1:1"],
+        "serve on a port in use": ["serve", "--model", "tiny:llama", "--port", str(busy_port)],
+        "serve with an unusable store": ["serve", "--model", "tiny:llama", "--store", "/proc/x"],
+        "serve --no-reuse with --store": ["serve", "--model", "tiny:llama", "--no-reuse", "--store", str(t / "st")],
         "missing --prompt-file": ["verify", "--model", "tiny:llama", "--prompt-file", str(t / "nope.txt")],
         "nonexistent --model folder": ["verify", "--model", str(t / "no-such-model")],
         "a hub id, offline": ["verify", "--model", "someone/some-model"],
@@ -61,7 +102,7 @@ def mistakes(t) -> dict[str, list[str]]:
     }
 
 
-def test_every_mistake_is_one_line_and_exit_2(files, capsys, monkeypatch):
+def test_every_mistake_is_one_line_and_exit_2(files, busy_port, capsys, monkeypatch):
     real = kvstate.models.load_model
 
     def only_tiny(spec, *args, **kwargs):  # the default model is never needed to report these
@@ -70,22 +111,62 @@ def test_every_mistake_is_one_line_and_exit_2(files, capsys, monkeypatch):
         return real(spec, *args, **kwargs)
 
     monkeypatch.setattr(kvstate.models, "load_model", only_tiny)
-    for name, argv in mistakes(files).items():
-        code = None
-        try:
-            code = main(argv)
-        except SystemExit as exc:  # argparse's own errors
-            code = exc.code
-        out = capsys.readouterr()
-        lines = [line for line in out.err.splitlines() if line.strip()]
-        assert code == 2, f"{name}: exit {code}, stderr {out.err[-500:]}"
-        assert len(lines) == 1 and lines[0].startswith("kvstate: error:"), f"{name}: {out.err[-800:]}"
-        assert "Traceback" not in out.err
+    capsys.readouterr()
+    for name, argv in mistakes(files, busy_port).items():
+        code, err = run(argv, capsys)
+        assert code == 2, f"{name}: exit {code}, stderr {err[-500:]}"
+        # exactly one line: no loading bar (its carriage returns count as lines too), no traceback
+        assert err.startswith("kvstate: error:") and err.count("\n") == 1 and err.endswith("\n") \
+            and "\r" not in err and len(err) < 500, f"{name}: {err[-800:]}"
+
+
+def run(argv: list[str], capsys) -> tuple[int, str]:
+    """``kvstate argv`` in this process: its exit code and stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["another model's state", "a truncated state", "an unknown tiny model type",
+                                  "a folder as --prompt-file"])
+def test_verbose_prints_what_was_expected_and_found(files, busy_port, capsys, case):
+    argv = mistakes(files, busy_port)[case]
+    code, short = run(argv, capsys)
+    for verbose in (["--verbose", *argv], [*argv, "--verbose"]):  # before or after the command
+        code_verbose, err = run(verbose, capsys)
+        lines = err[err.index("kvstate: error:"):].splitlines()  # after model loading's progress bars
+        assert code == code_verbose == 2, err
+        assert any(line.startswith("  found: ") for line in lines), err
+        assert any(line.startswith("  fix: ") for line in lines), err
+        assert len(err) >= len(short)
+
+
+def test_an_unexpected_error_is_one_line_with_exit_1_and_its_traceback_with_verbose(files, capsys, monkeypatch):
+    def broken(path):
+        raise RuntimeError("the disk is on fire\n" + "smoke " * 100)
+
+    monkeypatch.setattr(kvstate.io, "inspect_state", broken)
+    code, err = run(["inspect", str(files / "s.kvs")], capsys)
+    assert code == 1 and err.count("\n") == 1 and err.startswith("kvstate: error: RuntimeError: the disk is on fire")
+    assert "--verbose" in err and len(err) < 500
+    code, err = run(["--verbose", "inspect", str(files / "s.kvs")], capsys)
+    assert code == 1 and "Traceback (most recent call last)" in err and "smoke " * 100 in err
 
 
 def test_debug_shows_the_traceback(files):
     with pytest.raises(Exception, match="no model folder"):
         main(["--debug", "verify", "--model", str(files / "no-such-model")])
+
+
+def test_another_models_state_is_one_line_from_the_shell(files):
+    """A real process: what a terminal shows, transformers' own output included."""
+    argv = mistakes(files, 0)["another model's state"]
+    done = subprocess.run([sys.executable, "-m", "kvstate.cli", *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "\r" not in done.stderr, done.stderr
+    assert done.stderr.startswith("kvstate: error: FingerprintMismatchError: state belongs to a different model "
+                                  "(model_type, ") and "fix: load the model the state was made with" in done.stderr
 
 
 @pytest.mark.slow

@@ -89,8 +89,10 @@ def check_model(state: State, fingerprint: Fingerprint, model: torch.nn.Module, 
     differences = [] if state.fingerprint is None else \
         mismatch(state.fingerprint, model, fingerprint, cast="kvstate.cast" in state.metadata)
     if differences:
+        fields = [difference.split(":")[0] for difference in differences]
         raise FingerprintMismatchError(
-            "state belongs to a different model", expected=f"model fingerprint {fingerprint.to_dict()}",
+            f"state belongs to a different model ({', '.join(fields[:4])}{', ...' if len(fields) > 4 else ''} "
+            f"differ{'s' if len(fields) == 1 else ''})", expected=f"model fingerprint {fingerprint.to_dict()}",
             found="; ".join(differences), fix="load the model the state was made with, or start a fresh Session")
 
 

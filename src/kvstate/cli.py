@@ -1,13 +1,16 @@
 """The ``kvstate`` command: a thin layer over the library (parsing and printing only).
 
-Every user mistake ends in one line, ``kvstate: error: ...`` with the fix, and exit code 2;
-``--debug`` shows the traceback instead. Nothing heavy is imported before a command runs,
-so ``kvstate --help`` answers at once.
+Every user mistake ends in one line on stderr, ``kvstate: error: ...`` with the fix, and exit code 2
+(an unexpected failure: one line and exit code 1). ``--verbose`` prints what was expected and found
+on lines of their own (the traceback for an unexpected failure) and shows model loading; ``--debug``
+raises the exception instead. Nothing heavy is imported before a command runs, so ``kvstate --help``
+answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -37,6 +40,9 @@ weights and tokenizer files. kvstate never
 downloads: fetch a hub model with `huggingface-cli download <id> --local-dir <folder>`.
 --dtype auto loads a folder in its checkpoint's dtype (on CUDA where available);
 'default' and tiny models load in float32 on the CPU unless --dtype/--device say otherwise.
+
+errors: one line on stderr, with the fix (exit 2; an unexpected failure: exit 1); --verbose adds what
+was expected and what was found (and the traceback of an unexpected failure).
 """
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
@@ -98,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog="kvstate", description="Explicit, portable, exact generation state for transformers.",
                      formatter_class=formatter, epilog=EPILOG)
-    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    _verbosity(parser, False)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     v = sub.add_parser("verify", help="the generation-equivalence control matrix, with diagnosis",
                        description="Continue one prompt through every kvstate path (and, for contrast, the "
@@ -155,7 +161,18 @@ def _parser() -> argparse.ArgumentParser:
     from .serve.cli import add_parser
 
     add_parser(sub, positive, non_negative, model_options)
+    for command in sub.choices.values():  # `kvstate generate ... --verbose` works as well
+        _verbosity(command, argparse.SUPPRESS)
     return parser
+
+
+def _verbosity(parser: argparse.ArgumentParser, default: Any) -> None:
+    """``--verbose`` and ``--debug``; a subcommand's copy defaults to SUPPRESS, so it never hides the top level's."""
+    parser.add_argument("--verbose", action="store_true", default=default,
+                        help="on an error, also print what was expected and what was found (the traceback for an "
+                        "unexpected error); show model-loading progress")
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="raise errors as Python exceptions, with their traceback (for bug reports)")
 
 
 def _max_input_option(parser: argparse.ArgumentParser) -> None:
@@ -168,7 +185,23 @@ def _load(args: argparse.Namespace, attn: str | None = None, *, text: str | None
     """Model and tokenizer; ``text`` names the command when it needs a tokenizer (checked before weights load)."""
     from . import models
 
-    return models.load_model(args.model, attn, need_tokenizer=text, dtype=args.dtype, device=args.device)
+    with _loading_bars(args.verbose):
+        return models.load_model(args.model, attn, need_tokenizer=text, dtype=args.dtype, device=args.device)
+
+
+@contextlib.contextmanager
+def _loading_bars(show: bool) -> Any:
+    """transformers' weight-loading bars only with ``--verbose``: on stderr they read as lines of an error."""
+    from transformers.utils import logging as hf_logging
+
+    hide = not show and hf_logging.is_progress_bar_enabled()
+    if hide:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide:
+            hf_logging.enable_progress_bar()
 
 
 def _read_text(path: Path, limit: int | None) -> str:
@@ -372,7 +405,24 @@ def _store(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .serve.cli import command
 
+    _check_port(args.host, args.port)
     return command(args, UserError)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse an address another process listens on before the model loads (the server would stop after it)."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what uses the port, or "
+                        "pass another --port (or --host)") from exc
 
 
 def time_text(stamp: float) -> str:
@@ -392,18 +442,49 @@ def main(argv: list[str] | None = None) -> int:
     except (KVStateError, UserError) as exc:
         if args.debug:
             raise
-        name = "" if isinstance(exc, UserError) else f"{type(exc).__name__}: "
-        print(f"kvstate: error: {one_line(f'{name}{exc}')}", file=sys.stderr)
+        print(error_text(exc, args.verbose), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvstate: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # not a known mistake: still one line, the traceback with --debug
+    except Exception as exc:  # not a known mistake: still one line, the traceback with --verbose
         if args.debug:
             raise
-        print(f"kvstate: error: {one_line(f'{type(exc).__name__}: {exc}')} (rerun with --debug for the traceback)",
-              file=sys.stderr)
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        print(error_text(exc, args.verbose), file=sys.stderr)
         return 1
+
+
+LINE = 400  # characters of an error's one line before details are left out (all of them are behind --verbose)
+
+
+def error_text(exc: Exception, verbose: bool) -> str:
+    """``kvstate: error: ...`` for ``exc``: one line, with the fix; with ``verbose`` every detail, a line each."""
+    from .errors import KVStateError
+
+    name = "" if isinstance(exc, UserError) else f"{type(exc).__name__}: "
+    if not isinstance(exc, KVStateError):
+        text = one_line(f"{name}{exc}")
+        if verbose or len(text) <= LINE:
+            return f"kvstate: error: {text}" + ("" if verbose or isinstance(exc, UserError) else
+                                                " (--verbose for the traceback)")
+        return f"kvstate: error: {text[:LINE]}... (--verbose for the whole message)"
+    message = getattr(exc, "message", str(exc))  # an error unpickled from a child process has only its text
+    if verbose:
+        details = [("expected", exc.expected), ("found", exc.found), ("fix", exc.fix)]
+        return "\n".join([f"kvstate: error: {one_line(name + message)}",
+                          *(f"  {key}: {one_line(str(value))}" for key, value in details if value is not None)])
+    whole = one_line(f"{name}{exc}")
+    if len(whole) <= LINE:
+        return f"kvstate: error: {whole}"
+    head, fix = one_line(name + message), f"; fix: {one_line(exc.fix)}" if exc.fix else ""
+    room = LINE - len(head) - len(fix) - len("; found: ")  # the fix stays whole; what was found gets the rest
+    found = one_line(str(exc.found)) if exc.found is not None else ""
+    found = f"; found: {found if len(found) <= room else found[:room] + '...'}" if found and room >= 40 else ""
+    return f"kvstate: error: {head}{found}{fix} (--verbose: the whole error)"
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ class KVStateError(Exception):
         if fix:
             parts.append(f"fix: {fix}")
         super().__init__("; ".join(parts))
+        self.message = message  # the rule broken, without the details
         self.expected = expected
         self.found = found
         self.fix = fix
@@ -40,6 +41,11 @@ class PositionError(InputError):
 
 class EmptyStateError(PositionError):
     """A continuation at position > 0 was asked of a state that holds nothing (seed 002)."""
+
+
+class PlaceholderError(InputError):
+    """Media placeholder ids outside every item a processor laid out (a model generated them), in a call
+    that passes that kind's pixels: transformers would count them as media tokens."""
 
 
 class BatchMismatchError(InputError):

@@ -27,6 +27,7 @@ from .errors import (
     EmptyStateError,
     InputError,
     MaskError,
+    PlaceholderError,
     PositionError,
     RollbackError,
     UnsupportedError,
@@ -71,6 +72,7 @@ def validate(binding: Binding, fingerprint: Fingerprint, input_ids: IdsLike, att
     refuse_media(kwargs, keys, binding.caps.name)
     options = resolve(binding.model, kwargs)
     ids = as_ids(input_ids, device, vocab_size)
+    check_placeholders(binding, ids, inputs)
     check_length(options, ids.shape[1])
     mask = history_mask(ids, attention_mask, options.pad_id)
     check_padding(binding, mask)
@@ -114,6 +116,7 @@ def validate_extension(binding: Binding, state: State, ids: torch.Tensor, attent
     T = state.tokens_seen
     mask = full_mask(state, T + ids.shape[1], attention_mask, ids.device)
     check_padding(binding, mask)
+    check_placeholders(binding, ids, inputs)
     binding.inputs.check(ids, inputs, 0)
     own_spans = binding.inputs.spans(ids, inputs)  # relative to the new tokens
     positions = binding.inputs.positions(state.next_position, ids, mask[:, T:], inputs)
@@ -148,6 +151,27 @@ def check_padding(binding: Binding, mask: torch.Tensor) -> None:
                                "a mask (generate masks those)",
                                fix="run one row per Session; to keep pad ids as tokens, pass "
                                "attention_mask=torch.ones_like(input_ids)")
+
+
+def check_placeholders(binding: Binding, ids: torch.Tensor, inputs: Mapping[str, Any]) -> None:
+    """Refuse media placeholder ids outside every processor-made item of ``ids`` ``[B, L]`` when the
+    call passes that kind's pixels. ``generate`` reads a generated ``<|image_pad|>`` as text, but any
+    forward with pixels counts it as an image token and fails, cold or warm: no run of such a history
+    is the cold answer, so none is made."""
+    for strays in binding.inputs.strays(ids):
+        if inputs.get(strays.pixels_key) is None:  # without pixels the ids are text to every path
+            continue
+        kind, token, n = strays.kind, strays.token, len(strays.slots)
+        where = [s for _, s in strays.slots] if ids.shape[0] == 1 else [f"row {b} slot {s}" for b, s in strays.slots]
+        ids_text = f"{n} {kind} placeholder id{'s' if n > 1 else ''} ({token})"
+        raise PlaceholderError(
+            f"{ids_text} outside every {kind} the processor laid out, in a call with {kind} pixels: transformers "
+            f"would count {'them' if n > 1 else 'it'} as {kind} tokens",
+            expected=f"id {token} only inside the {kind}s' placeholder runs, which {strays.pixels_key} fill",
+            found=f"{ids_text} at slot{'s' if n > 1 else ''} {where[:8]}{' ...' if n > 8 else ''}, as a model "
+            "generates them",
+            fix=f"strip id {token} from the history before passing the {kind}s again, and keep it out of generated "
+            f"text with generate(..., suppress_tokens=[{token}]) or bad_words_ids=[[{token}]]")
 
 
 def media_items(binding: Binding, ids: torch.Tensor, inputs: Mapping[str, torch.Tensor],
@@ -360,7 +384,7 @@ def check_positions(state: State, given: torch.Tensor | None, expected: torch.Te
         return
     if state.is_empty:
         raise EmptyStateError(
-            "position_ids continue a sequence, but the state is empty (seed 002)",
+            "position_ids continue a sequence, but the state is empty",
             expected=expected.tolist(), found=given.tolist(),
             fix="feed the earlier tokens first, or omit position_ids")
     raise PositionError("position_ids do not continue the state", expected=expected.tolist(),

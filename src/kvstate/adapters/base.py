@@ -29,6 +29,7 @@ from ..layers import (
     RecurrentLayerState,
     StatelessLayerState,
 )
+from .media import StrayPlaceholders
 
 
 class Adapter:
@@ -88,6 +89,11 @@ class Adapter:
     def check_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any], fed_from: int) -> None:
         """Raise a typed error unless ``inputs`` fit ``ids`` ``[B, L]``, of which slots from ``fed_from`` on
         go through the model (the media they hold must be given)."""
+
+    def stray_placeholders(self, model: torch.nn.Module, ids: torch.Tensor) -> list[StrayPlaceholders]:
+        """Per media kind, the placeholder ids of ``ids`` ``[B, L]`` outside every item a processor laid out
+        (``kvstate.request`` refuses them next to that kind's pixels); none for text-only families."""
+        return []
 
     def media_spans(self, model: torch.nn.Module, ids: torch.Tensor,
                     inputs: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:

@@ -29,6 +29,7 @@ import torch
 from ..errors import LayoutMismatchError
 from ..layers import LayerState
 from .base import Adapter, Capabilities
+from .media import StrayPlaceholders
 
 if TYPE_CHECKING:
     from ..protocols import HFCache, MediaSpans, ModelInputs, ModelOutput
@@ -114,6 +115,10 @@ class InputRules(_Bound):
     def check(self, ids: torch.Tensor, inputs: ModelInputs, fed_from: int) -> None:
         """Raise a typed error unless ``inputs`` fit ``ids``, of which slots from ``fed_from`` on are fed."""
         self.adapter.check_inputs(self.model, ids, dict(inputs), fed_from)
+
+    def strays(self, ids: torch.Tensor) -> list[StrayPlaceholders]:
+        """Per media kind, its placeholder ids in ``ids`` ``[B, L]`` outside every item a processor laid out."""
+        return self.adapter.stray_placeholders(self.model, ids)
 
     def image_tokens(self) -> tuple[int, int, int] | None:
         """``(start, placeholder, end)`` ids a prompt writes for one image; None without images."""

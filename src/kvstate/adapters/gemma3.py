@@ -18,7 +18,7 @@ import torch
 from ..errors import InputError, UnsupportedError
 from .base import Adapter, Capabilities
 from .fingerprinting import media_digest
-from .media import placeholder_runs
+from .media import StrayPlaceholders, placeholder_runs, stray_placeholders
 
 
 class Gemma3Adapter(Adapter):
@@ -71,6 +71,12 @@ class Gemma3Adapter(Adapter):
                              found=f"pixel_values {tuple(pixels.shape)}", fix="pass every image of the history, "
                              "in order, with the ids the processor made for them (or no pixels if every image is "
                              "already processed)")
+
+    def stray_placeholders(self, model: torch.nn.Module, ids: torch.Tensor) -> list[StrayPlaceholders]:
+        """Image placeholder ids outside a begin-of-image run (a generated one is text to ``generate``)."""
+        config = model.config  # type: ignore[union-attr]
+        strays = stray_placeholders(ids, "image", int(config.image_token_id), int(config.boi_token_id), "pixel_values")
+        return [] if strays is None else [strays]
 
     def media_spans(self, model: torch.nn.Module, ids: torch.Tensor,
                     inputs: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:

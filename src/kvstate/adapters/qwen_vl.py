@@ -22,7 +22,7 @@ from .. import _compat
 from ..errors import InputError, UnsupportedError
 from .base import Adapter, Capabilities
 from .fingerprinting import media_digest
-from .media import placeholder_runs
+from .media import StrayPlaceholders, placeholder_runs, stray_placeholders
 
 _IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
 _VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -135,6 +135,14 @@ class QwenVLAdapter(Adapter):
             raise InputError("second_per_grid_ts needs one value per video", found=f"{len(seconds)} values for "
                              f"{0 if videos is None else videos.shape[0]} videos", fix="pass it as the processor "
                              "returns it, with the videos")
+
+    def stray_placeholders(self, model: torch.nn.Module, ids: torch.Tensor) -> list[StrayPlaceholders]:
+        """Image and video placeholder ids outside a vision-start run: a generated ``<|image_pad|>`` is
+        text to ``generate``, but a later forward with pixels counts it as an image token."""
+        start = int(model.config.vision_start_token_id)  # type: ignore[union-attr]
+        kinds = ((_IMAGE, "image", _IMAGE_INPUTS[0]), (_VIDEO, "video", _VIDEO_INPUTS[0]))
+        found = (stray_placeholders(ids, name, _token(model, kind), start, key) for kind, name, key in kinds)
+        return [strays for strays in found if strays is not None]
 
     def media_spans(self, model: torch.nn.Module, ids: torch.Tensor,
                     inputs: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:
