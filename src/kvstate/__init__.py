@@ -22,7 +22,7 @@ _PUBLIC = {
     "save_state": "io", "load_state": "io", "inspect_state": "io", "continue_text": "text",
     "KVStateError": "errors", "InputError": "errors", "UnsupportedError": "errors", "StateFileError": "errors",
 }
-# Names the top level exported before issue 22, still resolved for old code; each has its home in a subpackage.
+# Names the top level exported before core v3, still resolved for old code; each has its home in a subpackage.
 _COMPATIBLE = {
     "StoreWarning": "errors", "RollbackError": "errors", "UnsupportedModelError": "errors",
     "LayerState": "layers", "AttentionLayerState": "layers", "ResumePlan": "resume",

@@ -1,7 +1,7 @@
 """Checks before a ``Session`` adopts a state, or keeps one: the state must belong to the model.
 
 A state from a file, a store or a caller must come from this model (fingerprint), on its
-device and dtype, in its layer layout, with contents that mean something on it (issue 24);
+device and dtype, in its layer layout, with contents that mean something on it (hostile inputs);
 and the model's weights must not have changed under a state made with them. Each check
 raises a typed error that shows the expected value, the value found, and the fix.
 """
@@ -51,7 +51,7 @@ def check_contents(state: State, vocab: int, width: int, layout: Any) -> None:
     """What a state holds must mean something on this model: token ids in its vocabulary,
     ``last_logits`` ``[B, V]`` of its output size, and every checkpoint's K/V in its head layout
     ``layout.kv_shapes()`` ``(H, D_k, D_v)`` (``Layout.check`` covers the layers). A file can be
-    well-formed and still fail these (issue 24)."""
+    well-formed and still fail these (hostile inputs)."""
     if state.tokens.numel() and (int(state.tokens.min()) < 0 or int(state.tokens.max()) >= vocab):
         raise LayoutMismatchError("the state's tokens are outside the model's vocabulary",
                                   expected=f"0 <= id < {vocab}",

@@ -147,7 +147,7 @@ class AttentionLayerState(LayerState):
         full retained tensors after the update; this trims them to ``keep`` plus the slots the
         update added. So the state can always roll back ``reserve`` tokens past the start of its
         last append: a canonical resume restarts at the last cut before where the history ended,
-        after the whole answer was appended at once (issue 23; trimming to ``keep`` alone made a
+        after the whole answer was appended at once (the canonical schedule; trimming to ``keep`` alone made a
         chat longer than the window unable to resume: each turn fed its whole history again).
         """
         keep = self.keep

@@ -6,7 +6,7 @@ media inputs for the whole history, the media ``spans`` and content hashes, the
 resolved generation options, the compression budget if any, and the ``PrefixQuery``
 sources key the history by. ``validate_extension`` does the same for ``Session.extend``.
 Every broken rule raises a typed error that shows what was expected, what was found
-and the fix; planning and the engine never re-check (issue 22).
+and the fix; planning and the engine never re-check (core v3).
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ MEDIA_KEYS = frozenset({
 
 
 def refuse_media(keys: Any, allowed: tuple[str, ...], family: str) -> None:
-    """Media inputs a family's adapter does not hold are refused before anything runs (issue 13)."""
+    """Media inputs a family's adapter does not hold are refused before anything runs (media state)."""
     media = sorted(k for k in keys if k in MEDIA_KEYS and k not in allowed)
     if media:
         raise UnsupportedError(

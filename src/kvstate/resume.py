@@ -13,7 +13,7 @@ no model and changes nothing, so it is tested on toy states. The rules:
 * otherwise feed at least one token: cut the state back where every layer allows
   (``rollback``), else to the latest checkpoint that fits (``checkpoint``), else
   start over (``recompute``). A token is never processed twice;
-* under the canonical schedule (``kvstate.schedule``, issue 23) the kept prefix also
+* under the canonical schedule (``kvstate.schedule``) the kept prefix also
   ends at a cut of the schedule within the state's canonical slots, so every slot fed
   from there is computed as the cold run computes it (``realign`` when that is the only
   reason to cut back); the stored logits are used only when they are canonical.
@@ -208,7 +208,7 @@ def start_state(state: State, resume: ResumePlan, empty: State) -> State:
 
 
 def settle_span(state: State, schedule: Canonical, through: torch.Tensor | None = None) -> tuple[int, int] | None:
-    """The slots ``[start, end)`` that ``Session.settle`` feeds in canonical chunks (issue 23): from the
+    """The slots ``[start, end)`` that ``Session.settle`` feeds in canonical chunks (the canonical schedule): from the
     end of the state's canonical prefix to its last cut, or, given ``through`` (text ids ``[L]`` the next
     turn will begin with, a turn mark following them), to ``L``. None when nothing is to do or it is not
     possible: the schedule is off, a batch, padding, compression, an image in the way (its pixels are

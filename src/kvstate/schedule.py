@@ -1,5 +1,5 @@
 """The canonical schedule: every token's K/V comes from a forward of the same shape, however the
-history was reached (issue 23).
+history was reached.
 
 Low precision rounds a computation differently when its shape changes: a prefill split
 at another point, or a decode step instead of a prefill chunk, gives other bits for

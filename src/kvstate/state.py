@@ -16,13 +16,13 @@ Shapes (``B`` batch rows, ``T`` token slots processed, ``V`` vocabulary):
   storage or dtype casts applied on load;
 * ``media`` - one ``MediaItem`` (slot span and content hash) per image or video whose
   slots the state holds, so a history with the same placeholders but other pixels is
-  never continued on stale K/V (issue 13);
+  never continued on stale K/V (media state);
 * ``canonical`` / ``canonical_chunk`` / ``canonical_device`` / ``canonical_marks`` - slots
   ``[0, canonical)`` were computed by the canonical schedule with chunks of ``canonical_chunk``
   tokens (and turn marks ``canonical_marks``) on a device of type ``canonical_device``
   (``kvstate.schedule``): a
   resume keeps them up to the schedule's last cut, so a warm answer equals the cold one
-  bit for bit (issue 23). Decoded, compressed or cast slots are not canonical.
+  bit for bit (the canonical schedule). Decoded, compressed or cast slots are not canonical.
 
 ``T`` is *tokens seen*; each layer separately reports *slots stored*. States are
 never modified: operations return new states that share unchanged tensors. The

@@ -62,7 +62,7 @@ def layer_specs(config: object) -> list[tuple[str, int | None]]:
     """``(kind, window)`` per decoder layer, decided exactly as transformers decides it.
 
     Remembered per config object while its attributes are unchanged: building the probe cache
-    costs ~0.3 ms, and every session and load asks (issue 11's load budget)."""
+    costs ~0.3 ms, and every session and load asks (the load budget)."""
     try:
         key = repr(sorted(vars(config).items(), key=lambda item: item[0]))
     except TypeError:  # no __dict__: nothing to remember it by

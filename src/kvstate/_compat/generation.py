@@ -35,7 +35,7 @@ def own_thread(hook: Callable[..., Any]) -> Callable[..., Any]:
 def without_logits(model: Any) -> Iterator[None]:
     """Forwards inside compute no logits: the output head gets zero rows (``[B, 0, V]`` logits).
 
-    For a chunk whose logits nobody reads (issue 23): the head reads all of its ``V x H``
+    For a chunk whose logits nobody reads (the canonical schedule): the head reads all of its ``V x H``
     weights for even one row, and Gemma-3's 262k-token head is 60% of that model. Only a
     ``Linear`` head is trimmed (an ``Embedding`` returned as the head also embeds the input).
     """

@@ -1,4 +1,4 @@
-"""Prepacked CPU matrix kernels for the packed decode's fixed tiles (issue 25), through torch's private
+"""Prepacked CPU matrix kernels for the packed decode's fixed tiles (continuous batching), through torch's private
 oneDNN ops ``mkldnn._reorder_linear_weight`` and ``mkldnn._linear_pointwise`` (torch 2.13).
 
 A decode tile is a product of ``rows`` (16) rows by each weight ``[N, K]``. ``F.linear`` picks its

@@ -1,4 +1,4 @@
-"""A packed forward: the rows of several conversations in one forward of batch 1 (issue 25): the next
+"""A packed forward: the rows of several conversations in one forward of batch 1 (continuous batching): the next
 token of each (a decode step), or a prefill chunk of each.
 
 Conversation ``i``'s rows are a segment ``[start_i, start_i + n_i)`` of one sequence ``[1, P]`` (rows

@@ -1,4 +1,4 @@
-"""One K/V buffer per attention layer for every stream of packed decode steps (issue 25).
+"""One K/V buffer per attention layer for every stream of packed decode steps (continuous batching).
 
 A stream that joins a ``Pool`` has a slot ``s``: layer ``l``'s keys are ``keys[l][s, :, :lengths[s][l]]``
 (``[Hkv, n, D]``; values alike). A decode step then costs per layer one ``index_put`` for all streams'

@@ -1,4 +1,4 @@
-"""Room to grow: a packed decode appends each step's slot in place (issue 25), for a cache that
+"""Room to grow: a packed decode appends each step's slot in place (continuous batching), for a cache that
 ``kvstate._compat.pool`` cannot hold (and for one-row tiles, whose decode stays ``Session``'s).
 
 transformers' ``DynamicLayer.update`` concatenates, so every decode step copies each layer's whole

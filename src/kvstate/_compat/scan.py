@@ -1,4 +1,4 @@
-"""Multi-token continuation for Mamba-style selective scans (issue 12).
+"""Multi-token continuation for Mamba-style selective scans (the coverage sweep).
 
 Transformers 5.24's ``mamba_selective_scan`` (Mamba, Jamba, FalconMamba) has no initial-state
 argument: its torch path starts every multi-token chunk from zeros ("Initial hidden state is

@@ -1,4 +1,4 @@
-"""Watching attention while the model runs, for compression scoring (issue 16).
+"""Watching attention while the model runs, for compression scoring (KV compression).
 
 transformers picks each layer's attention function by name from ``AttentionInterface``.
 kvstate registers one more name, ``kvstate_watch``: it runs the family's own eager

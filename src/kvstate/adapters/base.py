@@ -83,7 +83,7 @@ class Adapter:
     def inputs_until(self, model: torch.nn.Module, ids: torch.Tensor, end: int,
                      inputs: dict[str, Any]) -> dict[str, Any]:
         """Of ``inputs`` (which belong to ``ids`` ``[B, L]``), those of the media items starting before
-        slot ``end``: a canonical chunk ends there, after whole items only (issue 23)."""
+        slot ``end``: a canonical chunk ends there, after whole items only (the canonical schedule)."""
         return inputs
 
     def check_inputs(self, model: torch.nn.Module, ids: torch.Tensor, inputs: dict[str, Any], fed_from: int) -> None:

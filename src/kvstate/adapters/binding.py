@@ -1,4 +1,4 @@
-"""An adapter bound to one model: three small views, each for one kind of caller (issue 22).
+"""An adapter bound to one model: three small views, each for one kind of caller (core v3).
 
 ``Adapter`` methods take the model as their first argument and answer for a whole
 family. A ``Binding`` fixes the model once and splits the answers by who needs them:

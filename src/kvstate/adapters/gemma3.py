@@ -1,4 +1,4 @@
-"""Gemma 3 with images: image tokens attend to each other bidirectionally (issue 13).
+"""Gemma 3 with images: image tokens attend to each other bidirectionally (media state).
 
 Gemma 3's processor marks image tokens with ``token_type_ids``; the model turns them into a
 block mask, so an image's tokens see the whole image while text stays causal. Transformers

@@ -1,5 +1,5 @@
 """Batched generation: many conversations decode in one forward, and each answer is bit for bit
-what it gets alone (issue 25; ``docs/batching.md``).
+what it gets alone (continuous batching; ``docs/batching.md``).
 
 ``generate_many(model, requests)`` answers a list of ``BatchRequest`` s; ``Scheduler`` is the
 continuous-batching loop under it (submit, step, cancel), for servers; its requests and events are

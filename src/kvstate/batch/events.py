@@ -1,5 +1,5 @@
 """What ``kvstate.batch.Scheduler`` takes and gives: a ``BatchRequest``, the events of its run (``Token``,
-``Done`` with a ``Completion``, ``Failed``), checked at entry (issue 25)."""
+``Done`` with a ``Completion``, ``Failed``), checked at entry (continuous batching)."""
 
 from __future__ import annotations
 

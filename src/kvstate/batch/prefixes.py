@@ -1,4 +1,4 @@
-"""Prompts admitted in later steps share their common prefix (issue 25): a system prompt that many
+"""Prompts admitted in later steps share their common prefix (continuous batching): a system prompt that many
 requests start with is computed once (the scheduler holds a prompt that shares a whole chunk with one
 admitted in the same step until the next step, so it finds that one here).
 

@@ -1,4 +1,4 @@
-"""Choosing each request's next token from its own logits row, with its own generator (issue 25).
+"""Choosing each request's next token from its own logits row, with its own generator (continuous batching).
 
 Everything here sees one request's logits ``[V]`` only, so a token and its log-probabilities
 depend on that row and the request's ``torch.Generator`` alone: a seeded request draws the same

@@ -1,4 +1,4 @@
-"""Compression during ``generate``: the options ``compress=policy, budget=B, every=N`` (issue 16).
+"""Compression during ``generate``: the options ``compress=policy, budget=B, every=N`` (KV compression).
 
 This module validates them into a ``Budget`` before anything runs, refusing options
 whose meaning spans rounds; the engine's budgeted schedule (``kvstate.engine.budgeted``)

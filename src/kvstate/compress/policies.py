@@ -238,7 +238,7 @@ class ReRotate(Wrapper):
 
 @dataclass(frozen=True)
 class MediaSpans(Wrapper):
-    """Images and videos kept or dropped whole (issue 13), the rest scored by ``policy``.
+    """Images and videos kept or dropped whole (media state), the rest scored by ``policy``.
 
     ``keep=True``: no media slot is evicted; ``policy`` evicts its ratio from the other slots (a
     layer keeps at least its media). ``keep=False``: every media slot is evicted, plus what

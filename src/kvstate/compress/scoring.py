@@ -1,4 +1,4 @@
-"""Query-agnostic policies that look ahead: context reconstruction and expected attention (issue 16).
+"""Query-agnostic policies that look ahead: context reconstruction and expected attention (KV compression).
 
 Both score a slot by how much *future* queries are likely to need it, without the
 question. ``KVzip`` watches the model re-read its context; ``ExpectedAttention``

@@ -1,7 +1,7 @@
 """The engine: the only caller of the model (``core``), what each forward saw (``recorder``),
 and the schedules it runs: canonical prefill chunks (``kvstate.schedule``), budgeted
 compression rounds (``budgeted``), and batch-invariant decode steps of many conversations
-(``decode``, with ``invariant``'s tiled matrix products; issue 25)."""
+(``decode``, with ``invariant``'s tiled matrix products; continuous batching)."""
 
 from .core import Engine
 from .recorder import Forward, Recorder, model_lock

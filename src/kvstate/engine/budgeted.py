@@ -1,4 +1,4 @@
-"""The budgeted schedule: a long decode that never holds more than a slot budget (issue 16).
+"""The budgeted schedule: a long decode that never holds more than a slot budget (KV compression).
 
 ``Session.generate(history, compress=policy, budget=B, every=N, ...)`` decodes in
 rounds of ``N`` tokens through the ordinary ``generate`` run: before each round the

@@ -99,7 +99,7 @@ class Engine:
         if plan.fed:
             inputs = self.binding.inputs.select(request.ids, T, request.inputs)
             feed = self.feed_for(start, request.ids[:, T:], request.mask, inputs, request.spans)
-        if request.budget is not None:  # rounds of generate under a slot budget (issue 16)
+        if request.budget is not None:  # rounds of generate under a slot budget (KV compression)
             outcome = run_budgeted(self, start, feed, request, settings, plan.reused)
         else:
             state, prefilled, new, output = self.generate(start, feed, request.ids, request.mask,

@@ -1,5 +1,5 @@
 """Decode steps for many conversations (``kvstate.batch``): packed into one forward, or one forward each
-(issue 25).
+(continuous batching).
 
 A ``Stream`` is one conversation past its prompt: its prefilled ``State`` (with the prompt's
 last logits), the token it feeds next, and whatever its decoder keeps between steps. A decoder

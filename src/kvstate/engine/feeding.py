@@ -1,9 +1,9 @@
 """One feed's chunks, one at a time: ``Engine._run_feed`` runs one feed's, ``Engine.feed_many`` the feeds of
-many conversations in lockstep, so the chunks of one round can share a tiled forward (issue 25).
+many conversations in lockstep, so the chunks of one round can share a tiled forward (continuous batching).
 
 A ``FeedRun`` plans each chunk (``chunk``: its ids, mask, positions, inputs, and whether its logits
 are needed) and takes the state after it (``advance``), marking the slots the canonical schedule
-made canonical and taking checkpoints at its cuts (issue 23). Which forward computed a chunk is the
+made canonical and taking checkpoints at its cuts (the canonical schedule). Which forward computed a chunk is the
 engine's business; the label of its kernels (``Engine.kernels``) goes into the state with the
 canonical count, so a resume reuses only slots computed on the same kernels. Everything here is
 planning: no forward runs in this module.
@@ -81,7 +81,7 @@ class FeedRun:
     def advance(self, state: State) -> None:
         """Take ``state``, the state after the chunk ``chunk`` planned."""
         start, end, T, Q, settings, schedule = self.start, self.end, self.T, self.Q, self.settings, self.schedule
-        if self.ends is not None:  # every slot so far is the cold run's (issue 23); the last chunk's, unless
+        if self.ends is not None:  # every slot so far is the cold run's; the last chunk's, unless
             # the history ends inside an incomplete turn mark
             self.ends.pop(0)
             kept = schedule.keeps(T + start, T + end, self.history) if end >= Q else T + end

@@ -1,4 +1,4 @@
-"""Batch-invariant linear layers: every matrix product runs on tiles of exactly ``rows`` rows (issue 25).
+"""Batch-invariant linear layers: every matrix product runs on tiles of exactly ``rows`` rows (continuous batching).
 
 A CPU or GPU matrix kernel is chosen by the number of rows: measured on this project's CPU
 (``docs/batching.md``), a row of ``F.linear`` over ``M`` rows differs from the same row over

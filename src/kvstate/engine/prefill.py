@@ -1,5 +1,5 @@
 """Prefill chunks in tiles: one chunk's forward, or the chunks of many conversations packed into one
-forward, with the same bits for each (issue 25).
+forward, with the same bits for each (continuous batching).
 
 A ``Piece`` is one conversation's chunk: its state before the chunk and the chunk's ids. ``Tiled``
 runs any number of pieces as one packed forward of batch 1 (``kvstate._compat.packed``): piece ``i``'s

@@ -74,7 +74,7 @@ def _cast(state: State, dtype: torch.dtype) -> State:
     fingerprint = None if state.fingerprint is None else replace(state.fingerprint, dtype=target)
     return replace(state, layers=layers, checkpoints=checkpoints, extras=MappingProxyType(extras),
                    last_logits=None if state.last_logits is None else state.last_logits.to(dtype),
-                   fingerprint=fingerprint, canonical=0,  # cast K/V are not what this dtype computes (issue 23)
+                   fingerprint=fingerprint, canonical=0,  # cast K/V are not what this dtype computes
                    metadata=MappingProxyType({**state.metadata, "kvstate.cast": f"{source} -> {target}"}))
 
 

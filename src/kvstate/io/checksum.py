@@ -1,4 +1,4 @@
-"""Tensor checksums of state files, and kvstate's one background I/O thread (issue 11).
+"""Tensor checksums of state files, and kvstate's one background I/O thread (hostile inputs).
 
 ``xxhash`` releases the GIL, so a save hashes its tensors on that thread while the calling
 one writes them, and the blocks of a file a save replaced are freed there too; see

@@ -1,4 +1,4 @@
-"""Memory for loads: refuse what cannot fit, and map what will fit cheaply (issue 11)."""
+"""Memory for loads: refuse what cannot fit, and map what will fit cheaply (hostile inputs)."""
 
 from __future__ import annotations
 

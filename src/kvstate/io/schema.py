@@ -75,7 +75,7 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "device": str(state.device),
         "metadata": meta,
         "media": [[m.start, m.end, m.digest, m.kept] for m in state.media],
-        # lossy storage changes K/V bits, so nothing of a compact file is the cold run's (issue 23)
+        # lossy storage changes K/V bits, so nothing of a compact file is the cold run's (the canonical schedule)
         # turn marks are a 4th entry only when set: a reader that predates them refuses such a file
         "canonical": [0, 0, ""] if compact else [state.canonical, state.canonical_chunk, state.canonical_device,
                                                  *([list(state.canonical_marks)] if state.canonical_marks else [])],
@@ -157,7 +157,7 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
 
 def _canonical(header: dict[str, Any], T: int) -> dict[str, Any]:
     """``canonical``, ``canonical_chunk``, ``canonical_device`` and ``canonical_marks``; files written
-    before issue 23 hold no canonical slots."""
+    before the canonical schedule hold no canonical slots."""
     value = header.get("canonical") or [0, 0, ""]
     marks = value[3] if isinstance(value, list) and len(value) == 4 else []
     if (not isinstance(value, list) or len(value) not in (3, 4) or not all(type(v) is int for v in value[:2])
@@ -174,7 +174,7 @@ def _canonical(header: dict[str, Any], T: int) -> dict[str, Any]:
 
 
 def _media(header: dict[str, Any], T: int) -> tuple[MediaItem, ...]:
-    """The processed media items; files written before issue 13 have none (a resume over their
+    """The processed media items; files written before media hashes have none (a resume over their
     images then re-feeds from the first image whose pixels are given: never stale K/V)."""
     items = header.get("media") or []
     if not isinstance(items, list):

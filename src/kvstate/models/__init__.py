@@ -1,4 +1,4 @@
-"""Production model loading, used by the CLI, the server and ``verify`` (issue 23).
+"""Production model loading, used by the CLI, the server and ``verify`` (the canonical schedule).
 
 * ``load``: ``load_model(spec, dtype=, device=)`` for ``default``, ``tiny:<model_type>`` or a
   local folder, with the dtype and device rules of ``kvstate verify/prefill/generate/serve``;

@@ -213,7 +213,7 @@ def _tokenizer(folder: str) -> Any:
     return _TOKENIZERS[folder]
 
 
-# Gemma 3's ids for this sentence, as the newest transformers converts the GGUF's vocabulary (issue 15):
+# Gemma 3's ids for this sentence, as the newest transformers converts the GGUF's vocabulary (the version window):
 # a BOS, then one token per word. transformers 5.14's GGUF conversion drops the BOS and splits the words
 # into 10 fragments, and the model then answers " is is is is"; a folder converted by a newer version
 # loads correctly under 5.14, since the tokenizer file no longer depends on that conversion.

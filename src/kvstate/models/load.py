@@ -3,7 +3,7 @@
 kvstate never downloads: a folder must hold ``config.json`` and weights (and a tokenizer
 for commands that take text). Hub ids are refused with the command that fetches them.
 
-``dtype`` and ``device`` are resolved per spec (issue 23):
+``dtype`` and ``device`` are resolved per spec (the canonical schedule):
 
 * ``dtype="auto"`` is the checkpoint's own dtype for a folder (``config.dtype``, else the
   weights' dtype, as ``from_pretrained(dtype="auto")`` reads it), and float32 for the

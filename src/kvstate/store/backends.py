@@ -80,7 +80,7 @@ class FolderBackend:
 
         path = self._path(key)
         # a regular file only, read with a bound: an entry replaced by a FIFO or a link to /dev/zero is a
-        # failed read (a StoreWarning and a miss), never a hang or an unbounded read (issue 24)
+        # failed read (a StoreWarning and a miss), never a hang or an unbounded read (hostile inputs)
         try:
             data = read_bounded(path, _ENTRY_LIMIT, "prefix store entry")
         except InputFileError as exc:

@@ -189,7 +189,7 @@ def multimodal_rows(m: Matrix) -> None:
 
 
 def video_rows(m: Matrix) -> None:
-    """The control matrix again on a video prefix (issue 13: the long seed's own modality): the cache
+    """The control matrix again on a video prefix (media state: the long seed's own modality): the cache
     variants and the plain resume rows, named ``<group>: video, <row>``."""
     video = m.adapter.synthetic_video(m.model)
     if video is None:

@@ -6,7 +6,7 @@ with the fresh reference (plain ``model.generate``). ``group`` says whose path i
 never fail a run. ``facts`` records the conditions of the row (mask given, positions
 given, instance, K/V identical, token re-fed), which is what the diagnosis reasons about.
 
-What "equal" means (issue 23): a kvstate row must be **bitwise** equal to the kvstate
+What "equal" means (the canonical schedule): a kvstate row must be **bitwise** equal to the kvstate
 cold run (a new ``Session`` on the same history: the same computation, so the same
 bits), where the row follows the canonical schedule; and within the **noise floor**
 of plain transformers against itself (the same history prefilled whole and split,

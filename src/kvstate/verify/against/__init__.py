@@ -1,4 +1,4 @@
-"""``kvstate verify --against URL``: are an OpenAI-compatible server's cache hits exact? (issue 26)
+"""``kvstate verify --against URL``: are an OpenAI-compatible server's cache hits exact? (verify --against)
 
 Each scenario sends the very same request warm (after primers filled the server's cache)
 and cold (to a reference), then compares the answers; the pattern of failures names the
