@@ -199,7 +199,8 @@ def test_store_failures_never_lose_the_answer(case):
     for store in (BrokenStore(read=OSError("disk gone")), BrokenStore(write=OSError("disk full")),
                   BrokenStore(read=ConnectionError("redis down"), write=ConnectionError("redis down"))):
         session = Session(case.model, chunk_size=3, store=store, state=case.base.state)
-        clean = Session(case.model, chunk_size=3, state=case.base.state, checkpoint_every=session.settings.checkpoint_every)
+        clean = Session(case.model, chunk_size=3, state=case.base.state,
+                        checkpoint_every=session.settings.checkpoint_every)
         with pytest.warns(StoreWarning):
             tokens = case.generate(session)
         assert torch.equal(tokens, case.reference)
