@@ -219,3 +219,42 @@ def test_planted_nondeterministic_attention_is_diagnosed_as_the_kernels_alone():
     assert "not run-to-run deterministic for sdpa with run-dependent noise" in findings[0]["message"]
     assert "attn_implementation" in findings[0]["next_check"]
     assert "say nothing about positions, masks or the token boundary" in findings[0]["message"]
+
+
+# ----- the CUDA path's plumbing, on the CPU ------------------------------------------------------------------------
+@pytest.fixture
+def cuda_rules(monkeypatch):
+    """kvstate's CUDA attention path run on the CPU: the model reads as on CUDA, the rule is CUDA's (float32 may take
+    flash too, so it is exercised here), and flash, a CUDA kernel, is stood in by SDPA with the same lower-right
+    causal bias. What this checks is the plumbing and the mask semantics, not the CUDA kernels' bits."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    def flash_on_cpu(query, key, value, scale, causal):
+        bias = causal_lower_right(query.shape[2], key.shape[2]) if causal else None
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
+
+    rule = attention.choose
+    monkeypatch.setattr(attention, "_device", lambda model: "cuda")
+    monkeypatch.setattr(attention, "FLASH_DTYPES", (*attention.FLASH_DTYPES, torch.float32))
+    monkeypatch.setattr(attention, "choose", lambda device, *args: rule("cuda", *args))
+    monkeypatch.setattr(attention, "flash", flash_on_cpu)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "lfm2", "qwen3_vl"])
+def test_every_forward_runs_through_the_cuda_path_and_answers_as_plain_generate(arch, cuda_rules):
+    from kvstate.testing import assert_logits_close
+
+    model = tiny_model(arch)
+    ids = prompt(40)  # past gemma3_text's window: its sliding layers need the dense mask
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                           return_dict_in_generate=True, output_logits=True)
+    attention.reset_counts()
+    session = Session(model, canonical_chunk=16)
+    session.extend(ids[:, :30])
+    out = session.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    assert session.state.canonical_device.endswith("@det") and model.config._attn_implementation == "sdpa"
+    ran = attention.counts()
+    assert ran.get("flash", 0) > 0 and (ran.get("math", 0) > 0) == (arch == "gemma3_text"), ran
+    assert torch.equal(out.sequences, plain.sequences[:, ids.shape[1]:])
+    for ours, theirs in zip(out.logits, plain.logits, strict=True):
+        assert_logits_close(ours, theirs)

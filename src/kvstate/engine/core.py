@@ -352,9 +352,11 @@ def _with_step_logits(kwargs: Mapping[str, Any], run: dict[str, object]) -> Mapp
 
 
 def _room(options: GenerateOptions, history: int) -> int:
-    """Decode slots ``generate`` may append after a history of ``history`` tokens (its length limit), at least 1."""
-    limit = options.max_length
-    return max(1, int(min(limit - history, 1 << 16))) if limit is not None and limit != float("inf") else 64
+    """Decode slots ``generate`` may append after a history of ``history`` tokens (as ``finish_reasons`` counts
+    them), at least 1; a longer answer than that (a stopping criterion's choice) grows the room."""
+    config = options.config
+    n = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 0) - history
+    return max(1, min(int(n), 1 << 16))
 
 
 MAX_PACKED = 2048  # rows of one packed prefill forward: its activations stay small
