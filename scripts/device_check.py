@@ -11,7 +11,7 @@ script (one GPU run; tried on the CPU first at small shapes).
    the same matrix at each ``--lengths`` (4k and 16k tokens), the default attention, the device's canonical chunk.
 4. **Costs** on the big model, for each ``--chunks`` C: the cold prefill of 4k tokens against plain
    ``model.generate``'s time to first token on the same ids, and a 16-token warm turn after 4k against plain
-   ``generate`` continuing a ``DynamicCache`` (median of 3, synchronized).
+   ``generate`` continuing a ``DynamicCache`` (median of 5 after a warm-up, synchronized).
 
 JSON goes to ``--out`` after every step (a deadline or a crash keeps what was measured), with the commit, versions
 and device name, and a top-level ``summary``: ``bitwise_all``, ``repeat_bitwise``, ``max_history``,
@@ -225,7 +225,7 @@ def costs(model, length: int, chunk: int, device: str) -> dict[str, float]:
     ours_warm = _median(device, lambda: state.fork().run(answer_turn, **one))
     with torch.no_grad():
         cache = getattr(model(ids[:, :length + 8], use_cache=True), CACHE_KWARG)
-    copies = iter([copy.deepcopy(cache) for _ in range(4)])
+    copies = iter([copy.deepcopy(cache) for _ in range(6)])
     plain_warm = _median(device, lambda: model.generate(answer_turn, attention_mask=torch.ones_like(answer_turn),
                                                         **{CACHE_KWARG: next(copies)}, **one))
     return {"chunk": chunk, "length": length, "cold_ms": ours_cold, "plain_cold_ms": plain_cold,
@@ -307,9 +307,11 @@ def _print(name: str, found: dict) -> None:
           flush=True)
 
 
-def _median(device: str, call) -> float:
+def _median(device: str, call, repeats: int = 5) -> float:
+    """Median milliseconds of ``repeats`` calls after one warm-up call (allocator, kernel selection, caches)."""
+    call()
     times = []
-    for _ in range(3):
+    for _ in range(repeats):
         begin = _now(device)
         call()
         times.append((_now(device) - begin) * 1000)
