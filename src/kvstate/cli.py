@@ -83,9 +83,10 @@ def backends(text: str) -> list[str]:
     return names
 
 
-def _canonical_option(parser: argparse.ArgumentParser, default: int | None) -> None:
-    from_state = " (default: the state file's own, else 64)" if default is None else f" (default {default})"
-    parser.add_argument("--canonical-chunk", type=non_negative, default=default, metavar="C",
+def _canonical_option(parser: argparse.ArgumentParser, state: bool) -> None:
+    device = "the device's: 64 on a CPU, 512 on CUDA"
+    from_state = f" (default: the state file's own, else {device})" if state else f" (default: {device})"
+    parser.add_argument("--canonical-chunk", type=non_negative, default=None, metavar="C",
                         help="prefill in chunks aligned to multiples of C, so a resume answers bit for bit as a "
                         f"cold run{from_state}; 0: off, reuse the longest prefix (exact to float32 rounding only)")
 
@@ -140,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     _max_input_option(p)
     p.add_argument("--out", type=Path, required=True, help="state file to write")
     p.add_argument("--chunk-size", type=positive, default=256, help="tokens per forward (progress granularity)")
-    _canonical_option(p, 64)
+    _canonical_option(p, state=False)
     g = sub.add_parser("generate", help="continue a saved state, or a store's prefix, with text; prints the answer")
     g.add_argument("--model", default="default", help="'default' or a local folder with a tokenizer")
     model_options(g)
@@ -149,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", default="", help="text after the saved text (with --state), or the whole prompt")
     g.add_argument("--max-new-tokens", type=positive, default=64)
     g.add_argument("--save", type=Path, help="also save the continued conversation here")
-    _canonical_option(g, None)
+    _canonical_option(g, state=True)
     g.add_argument("--cast-state", action="store_true",
                    help="with --state: cast a state file of another dtype to the model's (lossy when narrowing; "
                    "recorded in the state's metadata). Without it such a file is refused")
