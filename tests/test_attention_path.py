@@ -231,7 +231,8 @@ def cuda_rules(monkeypatch):
 
     def flash_on_cpu(query, key, value, scale, causal):
         bias = causal_lower_right(query.shape[2], key.shape[2]) if causal else None
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale,
+                                                                enable_gqa=query.shape[1] != key.shape[1])
 
     rule = attention.choose
     monkeypatch.setattr(attention, "_device", lambda model: "cuda")

@@ -212,20 +212,39 @@ def attend(path: Path, module: Any, query: torch.Tensor, key: torch.Tensor, valu
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
     q, kv, groups = query.shape[2], key.shape[2], query.shape[1] // key.shape[1]
-    if groups > 1:  # one K/V head per query head, as transformers' sdpa function does with a mask
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
     scale = query.shape[3] ** -0.5 if scaling is None else scaling
     if path.kernel == "flash":
         out = flash(query, key, value, scale, causal=path.mask == "lower_right")
     else:
+        if groups > 1:  # one K/V head per query head, as transformers' sdpa function does with a mask
+            key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
         dense = None if path.mask == "none" else _dense(q, kv, attention_mask, query)
         out = torch.ops.aten._scaled_dot_product_attention_math(query, key, value, dense, scale=scale)[0]
     return out.transpose(1, 2).contiguous(), None
 
 
+_NATIVE_GQA: list[bool] = []  # whether this torch's flash op takes fewer K/V heads than query heads (asked once)
+
+
 def flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """PyTorch's flash kernel (CUDA, fp16 / bf16), causal aligned to the last key when ``causal`` (what its
-    ``is_causal`` means for this op); head dims padded to a multiple of 8 as PyTorch pads them. ``[B, H, q, D]``."""
+    ``is_causal`` means for this op); head dims padded to a multiple of 8 as PyTorch pads them. ``[B, H, q, D]``.
+    Grouped K/V heads go in as they are where the op takes them (FlashAttention-2 maps query head ``h`` to K/V
+    head ``h // G``, as a repeat would): a decode over a long cache then copies nothing."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and not _NATIVE_GQA:
+        try:
+            _flash(query[:, :1, :1], key[:, :1, :1], value[:, :1, :1], scale, False)  # the op's shape check only
+            _flash(query[:, :groups, :1], key[:, :1, :1], value[:, :1, :1], scale, False)
+            _NATIVE_GQA.append(True)
+        except RuntimeError:
+            _NATIVE_GQA.append(False)
+    if groups > 1 and not _NATIVE_GQA[0]:
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    return _flash(query, key, value, scale, causal)
+
+
+def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     D = value.shape[-1]
     pad = (-max(query.shape[-1], D)) % 8
     if pad or query.shape[-1] != D:
