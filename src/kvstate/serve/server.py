@@ -98,7 +98,7 @@ class Server:
         if not prompt.images:
             self.images.check_text_only(prompt.ids)
             return prompt, {}
-        ids, inputs = self.images.encode(prompt.text, prompt.images)
+        ids, inputs = self.images.encode(prompt.ids, prompt.images)
         return replace(prompt, ids=ids), inputs
 
     def check_prompt(self, prompt: Prompt) -> None:
