@@ -69,6 +69,10 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
     s.add_argument("--pool-bytes", type=positive, default=2 << 30, help="memory for recent conversation states")
     s.add_argument("--no-reuse", action="store_true", help="no pool and no store: every request runs cold and "
                    "reports cached_tokens 0 (the cold twin for `kvstate verify --against URL --cold URL2`)")
+    s.add_argument("--shutdown-timeout", type=non_negative, default=20, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: stop accepting (new requests get a 503), let running requests "
+                   "finish for SECONDS, then end each running answer at its next token (finish_reason 'length', "
+                   "its state kept in the store), and exit 0 (default 20)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -98,7 +102,7 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
                         prefill_per_step=args.prefill_per_step,
                         batch_invariant=args.batch_invariance == "on", batch_prepack=args.batch_prepack == "on",
                         batch_prefill_rows=args.batch_prefill_rows, batch_gather_ms=args.batch_gather_ms,
-                        reuse=not args.no_reuse)
+                        reuse=not args.no_reuse, shutdown_timeout=args.shutdown_timeout)
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings,
                     image_processor=image_processor(args.model))

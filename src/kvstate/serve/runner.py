@@ -43,6 +43,12 @@ class Cancelled(Exception):
     """The client disconnected; the job stops without committing anything."""
 
 
+def shutting_down() -> HTTPError:
+    """The 503 of a request that a draining server will not start (``Runner.stop_accepting``)."""
+    return HTTPError("the server is shutting down", status=503, code="server_shutting_down",
+                     fix="retry on another replica, or once this one is back", headers={"Retry-After": "5"})
+
+
 # How long an idle model waits before settling a reply: a client that sends its next request as soon as
 # a reply ends gets it to the runner within a few ms here (rendering and tokenizing included)
 SETTLE_GRACE = 0.05
@@ -94,6 +100,8 @@ class Runner:
         self._unsettled: deque[tuple[str, Any, Any]] = deque(maxlen=16)
         self._arrived = threading.Event()  # set by every submit: a settle waiting for its grace yields
         self._closing = False
+        self._draining = False  # a graceful stop began: no new job is accepted (``stop_accepting``)
+        self._halted = threading.Event()  # its deadline passed: running answers end at their next token (``halt``)
         self._lock = threading.Lock()
         self._stops: dict[tuple[str, ...], Any] = {}  # StopStringCriteria by stop strings (``_stop_criterion``)
 
@@ -113,6 +121,8 @@ class Runner:
 
     def _count(self, job: Job) -> None:
         """Count ``job`` as waiting or running, or raise the 429 of a full queue (holds ``_lock``)."""
+        if self._draining:
+            raise shutting_down()
         if self._pending >= self.max_queue:
             raise HTTPError(f"the server is busy: {self._pending} requests are queued or running "
                             f"(limit {self.max_queue})", status=429, code="rate_limit_exceeded",
@@ -123,6 +133,19 @@ class Runner:
     def drain(self) -> None:
         """Wait until the work queued so far, replies and their settling included, has run."""
         self._executor.submit(lambda: None).result()
+
+    def stop_accepting(self) -> None:
+        """Begin a graceful stop: new jobs get a 503, queued and running ones go on, and no reply is settled
+        any more (the pool goes with the process)."""
+        with self._lock:
+            self._draining = True
+        self._arrived.set()  # a settle waiting for its grace returns
+
+    def halt(self) -> None:
+        """End every running answer at its next token, as a length limit would (``finish_reason`` ``length``,
+        its state kept and offered to the pool and the store); jobs not started yet get a 503."""
+        self._halted.set()
+        self._arrived.set()
 
     def _stop_criterion(self, stops: tuple[str, ...]) -> Any:
         """transformers' ``StopStringCriteria`` for ``stops``, built once: ``generate(stop_strings=...)`` builds
@@ -177,7 +200,7 @@ class Runner:
         return not (self._busy() or self._arrived.wait(seconds) or self._busy())
 
     def _busy(self) -> bool:
-        return bool(self._pending) or self._closing
+        return bool(self._pending) or self._closing or self._draining
 
     def _settle(self, namespace: str, state: Any, through: Any = None) -> None:
         """After a reply: recompute its decoded tokens in canonical chunks, so the next turn's pool hit
@@ -213,6 +236,8 @@ class Runner:
     def _run(self, job: Job) -> Result:
         if job.cancelled.is_set():
             raise Cancelled
+        if self._halted.is_set():
+            raise shutting_down()
         started = time.perf_counter()
         ids = torch.tensor([job.prompt.ids], dtype=torch.long)
         store = self.store_for(job.namespace)
@@ -222,9 +247,11 @@ class Runner:
         options = dict(job.request.options)
         if job.request.seed is not None:
             torch.manual_seed(job.request.seed)
+        halt = _Halt(self._halted)
+        options["stopping_criteria"] = [*options.get("stopping_criteria", ()), halt]
         try:
             if "stop_strings" in options:  # refused as generate(stop_strings=...) would: no token spells one
-                options["stopping_criteria"] = [self._stop_criterion(tuple(options.pop("stop_strings")))]
+                options["stopping_criteria"].append(self._stop_criterion(tuple(options.pop("stop_strings"))))
             outcome = session.run(ids, streamer=streamer, **options, **job.inputs)
         except (ValueError, TypeError) as exc:
             if streamer.tokens:  # a failure mid-answer is the server's, not the request's
@@ -237,7 +264,7 @@ class Runner:
         self._defer_settle(job, outcome.state, text)
         with contextlib.suppress(RuntimeError):  # the executor is shutting down: nothing to settle for
             self._executor.submit(self._settle_idle)
-        finish = "stop" if stopped else outcome.finish_reason[0]
+        finish = "stop" if stopped else "length" if halt.fired else outcome.finish_reason[0]
         k = job.request.logprobs
         logprobs = streamer.logprobs if k is None or streamer.complete else \
             compute(outcome.output.logits, tokens, k, self.tokenizer, text)
@@ -245,6 +272,21 @@ class Runner:
                         time.perf_counter() - started, logprobs)
         self.metrics.record(result)
         return result
+
+
+class _Halt:
+    """A stopping criterion that ends the answer once the server's shutdown deadline passed (``Runner.halt``);
+    ``fired`` says whether it did."""
+
+    def __init__(self, halted: threading.Event) -> None:
+        self.halted, self.fired = halted, False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Halt:  # a copy must watch the same deadline and report here
+        return self
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self.fired = self.fired or self.halted.is_set()
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
 
 
 class _Streamer:

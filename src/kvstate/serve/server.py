@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,6 +39,7 @@ class Settings:
     batch_prefill_rows: int = 32  # the prefill's tile; 0: each prompt in plain forwards (Scheduler.prefill_rows)
     batch_gather_ms: int = 20  # an idle batched server admits a burst together (BatchRunner._gather); 0: off
     reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
+    shutdown_timeout: float = 20.0  # a graceful stop's seconds for running answers, then they end (``Server.stop``)
 
 
 class Server:
@@ -80,6 +82,7 @@ class Server:
         else:
             self.runner = Runner(*args, **turns)
         self.started = int(time.time())
+        self.stopping = threading.Event()  # a graceful stop began (``stop``): new requests get a 503
 
     def store_for(self, namespace: str) -> PrefixStore | None:
         """The namespace's view of the store (same backend, keys salted by the namespace)."""
@@ -113,10 +116,24 @@ class Server:
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "kvstate"}
 
+    def stop(self) -> None:
+        """Begin a graceful stop (``kvstate serve`` on SIGTERM or Ctrl-C): new requests get a 503 and ``/health``
+        says ``draining``; queued and running requests go on for ``shutdown_timeout`` seconds, then each running
+        answer ends at its next token (``finish_reason`` ``length``, its state kept in the pool and the store).
+        Safe to call from a signal handler, and more than once."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        self.runner.stop_accepting()
+        timer = threading.Timer(self.settings.shutdown_timeout, self.runner.halt)
+        timer.daemon = True  # a process that finished draining early does not wait for it
+        timer.start()
+
     def health(self) -> dict[str, Any]:
         store = self.store_for("default")
         weight = next(self.model.parameters())  # what the answers are computed in (issue 23)
-        return {"status": "ok", "model": self.model_id, "dtype": str(weight.dtype).removeprefix("torch."),
+        return {"status": "draining" if self.stopping.is_set() else "ok", "model": self.model_id,
+                "dtype": str(weight.dtype).removeprefix("torch."),
                 "device": str(weight.device), "queue": self.runner.pending, "max_queue": self.settings.max_queue,
                 "store": None if store is None else store.health()}
 
