@@ -149,6 +149,7 @@ class BatchRunner(Runner):
         if self._halted.is_set():
             future.set_exception(shutting_down())
             return
+        self._settle_for(job)  # its conversation's last reply, settled first: the scheduler resumes from that
         request = self._batch_request(job)
         if request is None:
             try:

@@ -68,6 +68,22 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass(frozen=True, eq=False)  # compared by identity: the deque removes this entry, not an equal one
+class Unsettled:
+    """A reply waiting for its settle: its conversation's ``namespace``, the ``state`` after it, and the ids the
+    next turn begins with (``through``, None: settle the decoded tokens up to the last cut)."""
+
+    namespace: str
+    state: Any
+    through: list[int] | None = None
+
+    def continued_by(self, ids: list[int]) -> bool:
+        """Whether a prompt of ``ids`` continues this reply: it begins with ``through`` (or the state's tokens)
+        and goes on past them."""
+        known = self.through if self.through is not None else self.state.tokens[0].tolist()
+        return len(ids) > len(known) and ids[:len(known)] == list(known)
+
+
 @dataclass(frozen=True)
 class Result:
     text: str
@@ -96,8 +112,9 @@ class Runner:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstate-model")
         self._pending = 0
         self._jobs: set[Job] = set()  # queued or running, so close() can cancel them
-        # replies whose settle waits for an idle model (``_settle_idle``); past 16 the oldest is dropped
-        self._unsettled: deque[tuple[str, Any, Any]] = deque(maxlen=16)
+        # replies whose settle waits for an idle model (``_settle_idle``) or their conversation's next request
+        # (``_settle_for``); past 16 the oldest is dropped. Read and written on the model thread only
+        self._unsettled: deque[Unsettled] = deque(maxlen=16)
         self._arrived = threading.Event()  # set by every submit: a settle waiting for its grace yields
         self._closing = False
         self._draining = False  # a graceful stop began: no new job is accepted (``stop_accepting``)
@@ -172,25 +189,38 @@ class Runner:
             return None
 
     def _defer_settle(self, job: Job, state: Any, text: str) -> None:
-        """Queue the settle of ``job``'s reply ``text`` (its state ``state``) for when the model is idle."""
+        """Queue the settle of ``job``'s reply ``text`` (its state ``state``) for when the model is idle, or for
+        the conversation's next request, whichever comes first."""
         if self.canonical_chunk and self.pool.max_bytes:  # a pool of 0 bytes: no reuse, nothing to settle for
-            self._unsettled.append((job.namespace, state, self._through(job, text)))
+            self._unsettled.append(Unsettled(job.namespace, state, self._through(job, text)))
 
     def _settle_idle(self) -> None:
         """Settle the waiting replies, newest first, while no request waits. Each first waits ``SETTLE_GRACE``
-        for a request: one sent as soon as a reply ends (the chat's next turn, or another chat) runs first
-        instead of waiting for a settle, which is one forward. It then re-feeds those tokens itself, in the
-        same canonical chunks, so only who pays for them changes; the settle is retried after the next job."""
+        for a request: one sent as soon as a reply ends runs first instead of waiting for a settle, which is
+        one forward. If it continues a waiting reply (the chat's next turn), ``_settle_for`` settles that one
+        before it; another chat's request does not wait for a settle it does not need."""
         while True:
             self._forget_unpooled()
             if not self._unsettled or not self._idle_for(SETTLE_GRACE):
                 return
-            self._settle(*self._unsettled.pop())
+            self._settle(self._unsettled.pop())
+
+    def _settle_for(self, job: Job) -> None:
+        """Before ``job`` runs: settle the waiting reply that its prompt continues (same namespace; the ids the
+        settle feeds through, or the reply's own tokens, begin the prompt), and pool the settled state. The
+        conversation's next request then resumes from it whatever the client's timing: an agent that asks again
+        as soon as a reply arrives reuses as much as one that pauses, and the same forwards run, in this
+        request's time instead of the idle model's."""
+        for entry in reversed(self._unsettled):  # the newest first: it is the longest of its conversation
+            if entry.namespace == job.namespace and entry.continued_by(job.prompt.ids):
+                self._unsettled.remove(entry)
+                self._settle(entry)
+                return
 
     def _forget_unpooled(self) -> None:
         """Drop the waiting settles of states the pool no longer holds: their chat went on (a newer state covers
         them) or the pool evicted them, and holding them here would keep their K/V past the pool's budget."""
-        held = [entry for entry in self._unsettled if self.pool.holds(entry[0], entry[1])]
+        held = [entry for entry in self._unsettled if self.pool.holds(entry.namespace, entry.state)]
         self._unsettled.clear()
         self._unsettled.extend(held)
 
@@ -202,14 +232,14 @@ class Runner:
     def _busy(self) -> bool:
         return bool(self._pending) or self._closing or self._draining
 
-    def _settle(self, namespace: str, state: Any, through: Any = None) -> None:
+    def _settle(self, entry: Unsettled) -> None:
         """After a reply: recompute its decoded tokens in canonical chunks, so the next turn's pool hit
         re-feeds only the tail since the last cut (issue 23). Runs on the model thread between jobs; a
         failure here costs the next turn that re-feed, never an answer."""
         try:
-            session = Session(self.model, state=state, **self._session_settings())
-            if session.settle(through):
-                self.pool.put(namespace, session.state)
+            session = Session(self.model, state=entry.state, **self._session_settings())
+            if session.settle(entry.through):
+                self.pool.put(entry.namespace, session.state)
         except Exception:  # an optimisation: the unsettled state is in the pool already; say why it failed
             logging.getLogger("kvstate.serve").warning("settling a reply failed", exc_info=True)
 
@@ -238,6 +268,7 @@ class Runner:
             raise Cancelled
         if self._halted.is_set():
             raise shutting_down()
+        self._settle_for(job)
         started = time.perf_counter()
         ids = torch.tensor([job.prompt.ids], dtype=torch.long)
         store = self.store_for(job.namespace)
