@@ -89,6 +89,22 @@ def turn_marks(tokenizer: Any, template: str | None = None) -> tuple[int, ...]:
     return tuple(marks[:64])
 
 
+_BREAKS = ("\n", "\r", "\u010a", "\u010d", "<0x0A>", "<0x0D>")  # a line break as vocabularies spell it
+
+
+def line_marks(tokenizer: Any) -> tuple[int, ...]:
+    """Line marks for ``Session(canonical_marks=...)`` (``kvstate.schedule.lines``): every token whose text begins
+    with a line break, so text without a chat template (a raw completions prompt) is cut where its lines
+    start. ``()`` when no token does. Special tokens are never among them."""
+    from .schedule import MAX_LINE_TOKENS, lines
+
+    specials = set(tokenizer.all_special_ids)
+    candidates = sorted(i for token, i in tokenizer.get_vocab().items()
+                        if i not in specials and any(b in token for b in _BREAKS))
+    found = [i for i in candidates if tokenizer.decode([i]).startswith(("\n", "\r"))][:MAX_LINE_TOKENS]
+    return lines(found) if found else ()
+
+
 # ----- chat messages to ids -------------------------------------------------------------------------
 # Private-use characters: no tokenizer gives them a special meaning and no template transforms them
 _MARKER = re.compile("\ue000(\\d+)\ue001")

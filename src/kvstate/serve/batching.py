@@ -170,9 +170,10 @@ class BatchRunner(Runner):
                             seed=job.request.seed, min_p=options.get("min_p", 0.0)) \
             if options.get("do_sample") else Sampling()
         store = self.store_for(job.namespace)
-        sources = (self.pool.source(job.namespace), *(() if store is None else (store,)))
+        marks = self._marks(job)
+        sources = (self.pool.source(job.namespace, marks), *(() if store is None else (store,)))
         return BatchRequest(torch.tensor(job.prompt.ids), max_new_tokens=options["max_new_tokens"],
-                            sampling=sampling, inputs=job.inputs, sources=sources,
+                            sampling=sampling, inputs=job.inputs, sources=sources, marks=marks,
                             top_logprobs=job.request.logprobs or 0, processors=_processors(options))
 
     def _dispatch(self, event: Token | Done | Failed) -> None:

@@ -55,6 +55,7 @@ class Prompt:
     image_digests: tuple[str, ...] = ()
     default_stop: tuple[str, ...] = ()
     messages: tuple[dict[str, str], ...] = ()  # a text-only chat's rendered messages (``Renderer.following``)
+    plain: bool = False  # a completions prompt given as text: its continuation is its text plus more
 
 
 class Renderer:
@@ -94,8 +95,12 @@ class Renderer:
             return ()
 
     def following(self, prompt: Prompt, answer: str) -> list[int] | None:
-        """The ids the next turn's history begins with after ``answer`` to the text-only chat ``prompt``:
-        its messages plus the answer, rendered without a generation prompt (None for other prompts)."""
+        """The ids the next turn's history begins with after ``answer`` to ``prompt``: a text-only chat's
+        messages plus the answer, rendered without a generation prompt; a text completion's prompt plus the
+        answer, tokenized as one string (a client that continues it sends that text and more). None for
+        other prompts."""
+        if prompt.plain:
+            return list(self.tokenizer(prompt.text + answer).input_ids)
         if not prompt.messages:
             return None
         plain = [*prompt.messages, {"role": "assistant", "content": answer}]
@@ -107,7 +112,7 @@ class Renderer:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # OpenAI accepts a batch; n=1 and one prompt are what kvstate serves
         if isinstance(prompt, str) and prompt:
-            return Prompt(prompt, self.tokenizer(prompt).input_ids)
+            return Prompt(prompt, self.tokenizer(prompt).input_ids, plain=True)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                        for t in prompt):
             if self.vocab is not None and not all(0 <= t < self.vocab for t in prompt):

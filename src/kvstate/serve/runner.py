@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..schedule import Canonical
 from ..session import Session
 from .chat import Prompt
 from .errors import BadRequest, HTTPError
@@ -66,6 +67,9 @@ class Job:
     # with logprobs: receives each token's piece of the answer and its logprobs as the piece is final
     on_token: Callable[[str, TokenLogprob], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # the canonical schedule's marks for this prompt (None: the runner's): a chat's turn marks, a raw prompt's
+    # line marks (``kvstate.schedule``)
+    marks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: the deque removes this entry, not an equal one
@@ -76,12 +80,24 @@ class Unsettled:
     namespace: str
     state: Any
     through: list[int] | None = None
+    marks: tuple[int, ...] = ()  # the schedule the reply was fed with, and is settled with
 
     def continued_by(self, ids: list[int]) -> bool:
         """Whether a prompt of ``ids`` continues this reply: it begins with ``through`` (or the state's tokens)
         and goes on past them."""
-        known = self.through if self.through is not None else self.state.tokens[0].tolist()
-        return len(ids) > len(known) and ids[:len(known)] == list(known)
+        known = self._known()
+        return len(ids) > len(known) and ids[:len(known)] == known
+
+    def settles_for(self, ids: list[int], chunk: int) -> bool:
+        """Whether, for a prompt of ``ids`` that continues this reply, settling first moves where its resume
+        restarts: to the settle's end (a cut of the prompt's history), past the last cut before the reply's
+        decoded tokens. Not when the prompt goes on inside the reply's last segment (a raw prompt that
+        continues the answer's line): the settled slots would be fed again."""
+        schedule, known = Canonical(chunk, marks=self.marks), len(self._known())
+        return schedule.last_cut(known, ids=ids) > schedule.last_cut(min(self.state.canonical, known), ids=ids)
+
+    def _known(self) -> list[int]:
+        return list(self.through) if self.through is not None else self.state.tokens[0].tolist()
 
 
 @dataclass(frozen=True)
@@ -178,9 +194,13 @@ class Runner:
                 self._stops.pop(next(iter(self._stops)))
         return found
 
+    def _marks(self, job: Job) -> tuple[int, ...]:
+        return self.canonical_marks if job.marks is None else job.marks
+
     def _through(self, job: Job, text: str) -> Any:
-        """The ids the next turn begins with (``settle(through=...)``), when turn marks make that useful."""
-        if not self.canonical_marks or self.follow is None:
+        """The ids the next turn begins with (``settle(through=...)``), when marks make that useful: a turn or
+        a line starts right after them."""
+        if not self._marks(job) or self.follow is None:
             return None
         try:
             return self.follow(job, text)
@@ -192,7 +212,7 @@ class Runner:
         """Queue the settle of ``job``'s reply ``text`` (its state ``state``) for when the model is idle, or for
         the conversation's next request, whichever comes first."""
         if self.canonical_chunk and self.pool.max_bytes:  # a pool of 0 bytes: no reuse, nothing to settle for
-            self._unsettled.append(Unsettled(job.namespace, state, self._through(job, text)))
+            self._unsettled.append(Unsettled(job.namespace, state, self._through(job, text), self._marks(job)))
 
     def _settle_idle(self) -> None:
         """Settle the waiting replies, newest first, while no request waits. Each first waits ``SETTLE_GRACE``
@@ -213,8 +233,9 @@ class Runner:
         request's time instead of the idle model's."""
         for entry in reversed(self._unsettled):  # the newest first: it is the longest of its conversation
             if entry.namespace == job.namespace and entry.continued_by(job.prompt.ids):
-                self._unsettled.remove(entry)
-                self._settle(entry)
+                self._unsettled.remove(entry)  # its conversation went on: the idle model need not settle it
+                if entry.settles_for(job.prompt.ids, self.canonical_chunk):
+                    self._settle(entry)
                 return
 
     def _forget_unpooled(self) -> None:
@@ -237,17 +258,18 @@ class Runner:
         re-feeds only the tail since the last cut (issue 23). Runs on the model thread between jobs; a
         failure here costs the next turn that re-feed, never an answer."""
         try:
-            session = Session(self.model, state=entry.state, **self._session_settings())
+            session = Session(self.model, state=entry.state, **self._session_settings(entry.marks))
             if session.settle(entry.through):
                 self.pool.put(entry.namespace, session.state)
         except Exception:  # an optimisation: the unsettled state is in the pool already; say why it failed
             logging.getLogger("kvstate.serve").warning("settling a reply failed", exc_info=True)
 
-    def _session_settings(self) -> dict[str, Any]:
-        """What every ``Session`` of this runner is built with: its states are one another's (and the
-        scheduler's, for ``BatchRunner``), so each resumes from the others' canonical slots."""
-        return dict(chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
-                    canonical_marks=self.canonical_marks, _fingerprint=self.fingerprint, **self.kernels)
+    def _session_settings(self, marks: tuple[int, ...]) -> dict[str, Any]:
+        """What every ``Session`` of this runner is built with, for a history fed with ``marks``: its states are
+        one another's (and the scheduler's, for ``BatchRunner``), so each resumes from the others' canonical
+        slots."""
+        return dict(chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk, canonical_marks=marks,
+                    _fingerprint=self.fingerprint, **self.kernels)
 
     def _done(self, job: Job) -> None:
         with self._lock:
@@ -272,8 +294,9 @@ class Runner:
         started = time.perf_counter()
         ids = torch.tensor([job.prompt.ids], dtype=torch.long)
         store = self.store_for(job.namespace)
-        sources = [self.pool.source(job.namespace), *(() if store is None else (store,))]
-        session = Session(self.model, sources=sources, **self._session_settings())
+        marks = self._marks(job)
+        sources = [self.pool.source(job.namespace, marks), *(() if store is None else (store,))]
+        session = Session(self.model, sources=sources, **self._session_settings(marks))
         streamer = _Streamer(self.tokenizer, job)
         options = dict(job.request.options)
         if job.request.seed is not None:

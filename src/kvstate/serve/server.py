@@ -9,6 +9,7 @@ from typing import Any
 
 from ..schedule import default_chunk
 from ..store import PrefixStore
+from ..text import line_marks
 from .chat import Prompt, Renderer
 from .errors import BadRequest
 from .media import ImageEncoder
@@ -65,7 +66,9 @@ class Server:
         self._stores: dict[str, PrefixStore] = {}
         if settings.store is not None and settings.reuse:
             self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
-        self.marks = self.renderer.marks if settings.canonical_chunk != 0 and settings.turn_marks else ()
+        marked = settings.canonical_chunk != 0 and settings.turn_marks
+        self.marks = self.renderer.marks if marked else ()  # a chat's cuts: where its template starts a user turn
+        self.lines = line_marks(tokenizer) if marked else ()  # a raw prompt's: where a line starts
         chunk = settings.canonical_chunk
         self.canonical_chunk = default_chunk(self.marks) if chunk is None else chunk
         args = (model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue, settings.chunk_size,
@@ -83,6 +86,10 @@ class Server:
             self.runner = Runner(*args, **turns)
         self.started = int(time.time())
         self.stopping = threading.Event()  # a graceful stop began (``stop``): new requests get a 503
+
+    def marks_for(self, chat: bool) -> tuple[int, ...]:
+        """The canonical schedule's marks for a chat's prompt (turn marks) or a completions prompt (line marks)."""
+        return self.marks if chat else self.lines
 
     def store_for(self, namespace: str) -> PrefixStore | None:
         """The namespace's view of the store (same backend, keys salted by the namespace)."""
