@@ -17,9 +17,12 @@ they share no pooled state. Servers, one at a time on the same threads:
 * ``off``: ``--canonical-chunk 0``: no schedule, a turn feeds only its new tokens in one forward (the
   one-forward limit; exact to float32 rounding only, not bitwise).
 
-Per turn it records the request's wall time and ``cached_tokens``; turn 1 is the cold prefill.
+Requests are streamed: per turn it records the time to the first text (TTFT: the prefill, and at agent
+speed the previous reply's settle, plus one token) and to the end, and ``cached_tokens``; turn 1 is the
+cold prefill. The three servers run side by side, one at a time (the others idle), in ``--rounds`` rounds
+with fresh keys and a rotated order; the summary takes each turn's median over the rounds.
 
-    python bench/bench_serve_reuse.py                 # about 6 minutes on 2 cores (results: serve_reuse.json)
+    python bench/bench_serve_reuse.py                 # about 12 minutes on 2 cores (results: serve_reuse.json)
     python bench/bench_serve_reuse.py --servers default --label before --out serve_reuse_before
 """
 
@@ -35,7 +38,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -43,7 +46,7 @@ from common import write_results
 
 SERVERS = {"default": [], "positions": ["--no-turn-marks", "--canonical-chunk", "256"],
            "off": ["--canonical-chunk", "0"]}
-KEYS = ("raw-agent", "raw-paused", "chat-agent", "chat-paused")
+RUNS = {"raw-agent": ("raw", 0), "raw-paused": ("raw", 1), "chat-agent": ("chat", 0), "chat-paused": ("chat", 1)}
 DOCUMENT = "\n".join([
     "The Harbour Town of Lindqvist: A Short Guide",
     "Lindqvist is a small harbour town on the western coast, founded in 1612 by fishermen who came from the "
@@ -101,12 +104,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _server(extra: list[str], threads: int) -> Iterator[str]:
+def _server(extra: list[str], threads: int, keys: list[str]) -> Iterator[str]:
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    keys = [arg for key in KEYS for arg in ("--api-key", key)]
     proc = subprocess.Popen([sys.executable, "-m", "kvstate.cli", "serve", "--model", "default", "--port", str(port),
-                             "--log-level", "warning", "--max-new-tokens", "64", *keys, *extra],
+                             "--log-level", "warning", "--max-new-tokens", "64",
+                             *(arg for key in keys for arg in ("--api-key", key)), *extra],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -123,16 +126,20 @@ def _server(extra: list[str], threads: int) -> Iterator[str]:
         proc.wait(timeout=120)
 
 
-def _timed(call: object, **kwargs: object) -> tuple[float, object]:
-    start = time.perf_counter()
-    response = call(**kwargs)  # type: ignore[operator]
-    return time.perf_counter() - start, response
-
-
-def _row(seconds: float, response: object, text: str) -> dict[str, object]:
-    usage = response.usage  # type: ignore[attr-defined]
-    return {"seconds": round(seconds, 4), "cached": usage.prompt_tokens_details.cached_tokens,
-            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "answer": text}
+def _streamed(start: float, stream: Iterator[object], text_of: Callable[[object], str | None]) -> dict[str, object]:
+    """TTFT (to the first chunk with text, or to the end for an empty answer), total seconds, the answer and the
+    usage of a streamed request sent at ``start``."""
+    ttft, parts, usage = None, [], None
+    for chunk in stream:
+        text = text_of(chunk) if getattr(chunk, "choices", None) else None
+        if text:
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            parts.append(text)
+        usage = getattr(chunk, "usage", None) or usage
+    total = time.perf_counter() - start
+    return {"ttft_s": round(ttft if ttft is not None else total, 4), "total_s": round(total, 4),
+            "cached": usage.prompt_tokens_details.cached_tokens, "prompt_tokens": usage.prompt_tokens,  # type: ignore[union-attr]
+            "completion_tokens": usage.completion_tokens, "answer": "".join(parts)}  # type: ignore[union-attr]
 
 
 def _raw(api: object, pause: float) -> list[dict[str, object]]:
@@ -141,10 +148,12 @@ def _raw(api: object, pause: float) -> list[dict[str, object]]:
         prompt += f"Question: {question}\nAnswer:"
         if i:
             time.sleep(pause)
-        seconds, r = _timed(api.completions.create, model="gemma-3-270m", prompt=prompt,  # type: ignore[attr-defined]
-                            max_tokens=32, temperature=0, stop=["\n"])
-        rows.append(_row(seconds, r, r.choices[0].text))
-        prompt += r.choices[0].text + "\n"
+        start = time.perf_counter()
+        stream = api.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=32,  # type: ignore[attr-defined]
+                                        temperature=0, stop=["\n"], stream=True,
+                                        stream_options={"include_usage": True})
+        rows.append(_streamed(start, stream, lambda c: c.choices[0].text))
+        prompt += str(rows[-1]["answer"]) + "\n"
     return rows
 
 
@@ -154,21 +163,27 @@ def _chat(api: object, pause: float) -> list[dict[str, object]]:
         messages.append({"role": "user", "content": question})
         if i:
             time.sleep(pause)
-        seconds, r = _timed(api.chat.completions.create, model="gemma-3-270m",  # type: ignore[attr-defined]
-                            messages=messages, max_tokens=32, temperature=0)
-        rows.append(_row(seconds, r, r.choices[0].message.content))
-        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        start = time.perf_counter()
+        stream = api.chat.completions.create(model="gemma-3-270m", messages=messages,  # type: ignore[attr-defined]
+                                             max_tokens=32, temperature=0, stream=True,
+                                             stream_options={"include_usage": True})
+        rows.append(_streamed(start, stream, lambda c: c.choices[0].delta.content))
+        messages.append({"role": "assistant", "content": str(rows[-1]["answer"])})
     return rows
 
 
-def _summary(rows: list[dict[str, object]]) -> dict[str, object]:
-    warm = rows[1:]
-    new = [int(r["prompt_tokens"]) - int(r["cached"]) for r in warm]  # type: ignore[call-overload]
-    return {"cold_s": rows[0]["seconds"], "warm_median_s": round(statistics.median(r["seconds"] for r in warm), 4),
-            "warm_max_s": max(r["seconds"] for r in warm), "cached": [r["cached"] for r in rows],
-            "fed_median": statistics.median(new),
-            "warm_s_per_completion_token": round(sum(r["seconds"] for r in warm)
-                                                 / max(1, sum(int(r["completion_tokens"]) for r in warm)), 4)}
+def _summary(rounds: list[list[dict[str, object]]]) -> dict[str, object]:
+    """Per turn, the median over rounds of TTFT and total seconds; the warm turns' median of those medians."""
+    turns = list(zip(*rounds, strict=True))
+    ttft = [statistics.median(float(r["ttft_s"]) for r in turn) for turn in turns]
+    total = [statistics.median(float(r["total_s"]) for r in turn) for turn in turns]
+    first = rounds[0]
+    return {"cold_ttft_s": round(ttft[0], 4), "warm_ttft_median_s": round(statistics.median(ttft[1:]), 4),
+            "warm_total_median_s": round(statistics.median(total[1:]), 4),
+            "ttft_s": [round(t, 4) for t in ttft], "total_s": [round(t, 4) for t in total],
+            "cached": [r["cached"] for r in first], "prompt_tokens": [r["prompt_tokens"] for r in first],
+            "same_answers_every_round": all([r["answer"] for r in one] == [r["answer"] for r in first]
+                                            for one in rounds)}
 
 
 def main() -> None:
@@ -176,25 +191,37 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default=",".join(SERVERS), help="which of: " + ", ".join(SERVERS))
+    parser.add_argument("--rounds", type=int, default=3, help="each conversation this many times (fresh keys)")
     parser.add_argument("--pause", type=float, default=1.0, help="seconds between turns in the paused runs")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--label", default="", help="recorded in the results (say, the code the server ran)")
     parser.add_argument("--out", default="serve_reuse", help="results name: bench/results/<out>.json")
     args = parser.parse_args()
-    results: dict[str, object] = {}
-    for name in args.servers.split(","):
-        print(f"{name}: kvstate serve {' '.join(SERVERS[name])}", flush=True)
-        with _server(SERVERS[name], args.threads) as url:
-            apis = {key: openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=600) for key in KEYS}
-            apis["raw-agent"].completions.create(model="gemma-3-270m", prompt="Hello", max_tokens=2)  # warm up
-            runs = {"raw-agent": _raw(apis["raw-agent"], 0.0), "raw-paused": _raw(apis["raw-paused"], args.pause),
-                    "chat-agent": _chat(apis["chat-agent"], 0.0), "chat-paused": _chat(apis["chat-paused"], args.pause)}
-        results[name] = {"flags": SERVERS[name], **{run: {"summary": _summary(rows), "turns": rows}
-                                                   for run, rows in runs.items()}}
-        for run, rows in runs.items():
-            print(f"  {run:12s} {_summary(rows)}", flush=True)
+    names = args.servers.split(",")
+    keys = [f"{run}-{k}" for run in RUNS for k in range(args.rounds)]
+    samples: dict[str, dict[str, list[list[dict[str, object]]]]] = {n: {run: [] for run in RUNS} for n in names}
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(_server(SERVERS[name], args.threads, keys)) for name in names}
+        for url in urls.values():  # warm every server up (kernels, allocator)
+            openai.OpenAI(base_url=url + "/v1", api_key=keys[0]).completions.create(
+                model="gemma-3-270m", prompt="Hello", max_tokens=2)
+        for k in range(args.rounds):  # servers one at a time (the others idle), in a rotated order
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                for run, (kind, pause) in RUNS.items():
+                    api = openai.OpenAI(base_url=urls[name] + "/v1", api_key=f"{run}-{k}", max_retries=0,
+                                        timeout=600)
+                    rows = (_raw if kind == "raw" else _chat)(api, pause * args.pause)
+                    samples[name][run].append(rows)
+                    print(f"round {k + 1} {name:9s} {run:12s} ttft {[r['ttft_s'] for r in rows]} "
+                          f"cached {[r['cached'] for r in rows]}", flush=True)
+    results = {name: {"flags": SERVERS[name], **{run: {"summary": _summary(rounds), "rounds": rounds}
+                                                for run, rounds in runs.items()}} for name, runs in samples.items()}
+    for name, runs in results.items():
+        for run in RUNS:
+            print(f"{name:9s} {run:12s} {runs[run]['summary']}", flush=True)  # type: ignore[index]
     write_results(args.out, {"label": args.label, "pause_s": args.pause, "threads": args.threads,
-                             "model": "gemma-3-270m float32 (the default model)", "servers": results})
+                             "rounds": args.rounds, "model": "gemma-3-270m float32 (the default model)",
+                             "servers": results})
 
 
 if __name__ == "__main__":

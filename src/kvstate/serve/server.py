@@ -127,7 +127,7 @@ class Server:
         """Begin a graceful stop (``kvstate serve`` on SIGTERM or Ctrl-C): new requests get a 503 and ``/health``
         says ``draining``; queued and running requests go on for ``shutdown_timeout`` seconds, then each running
         answer ends at its next token (``finish_reason`` ``length``, its state kept in the pool and the store).
-        Safe to call from a signal handler, and more than once."""
+        Call it from a thread, not from a signal handler (it takes locks); more than once is fine."""
         if self.stopping.is_set():
             return
         self.stopping.set()
