@@ -178,4 +178,23 @@ def test_a_settle_runs_first_only_when_it_moves_the_resume():
     entry = Unsettled("ns", s.state, through, MARKS)
     for more, settles in (([NL, 11, 12], True), ([11, 12, NL, 13], False)):
         assert entry.continued_by(through + more) and entry.settles_for(through + more, C) == settles
-    assert not entry.continued_by(through[:-1] + [99, NL])
+    assert not entry.continued_by([*through[:-1], 99, NL])
+
+
+def test_a_settle_runs_no_output_head():
+    """A settle recomputes K/V only: every forward it runs gives the head zero rows (on the default model the
+    head costs as much as the rest of a short forward, and a request at agent speed waits for the settle),
+    and the next question still answers bitwise as the cold run."""
+    model = model_in("llama")
+    text = torch.cat([prompt(12, seed=1) % 100 + 10, line(9, seed=2)], 1)
+    s = Session(model, canonical_chunk=C, canonical_marks=MARKS)
+    through = torch.cat([text, run(s, text, n=4)[0] % 100 + 10], 1)
+    rows: list[int] = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda _m, _a, out: rows.append(out.shape[-2]))
+    try:
+        assert s.settle(through=through) > 0
+    finally:
+        handle.remove()
+    assert rows and set(rows) == {0} and s.state.last_logits is None, rows
+    more = torch.cat([through, line(5, seed=3)], 1)
+    assert_bitwise(run(s, more), run(Session(model, canonical_chunk=C, canonical_marks=MARKS), more), "after")

@@ -314,9 +314,11 @@ class Session:
         the state's last cut (issue 23). Returns how many slots were fed (0: nothing to do, or not
         possible: the schedule is off, a batch, padding, media in the way, or no rollback point).
 
-        The state is then shorter (it ends at that cut, with the cold run's logits there) and every slot
-        of it is canonical, so the next turn re-feeds at most the tail since the cut. A server runs this
-        after a reply is sent, off the critical path. Transactional like every verb.
+        The state is then shorter (it ends at that cut) and every slot of it is canonical, so the next turn
+        re-feeds at most the tail since the cut. It holds no logits: the output head is skipped (it costs
+        the default model as much as the rest of a short forward), as the cold run skips it on a chunk that
+        ends at a cut, and the next turn feeds on from there. A server runs this after a reply is sent, off
+        the critical path. Transactional like every verb.
 
         ``through``: text ids ``[L]`` or ``[1, L]`` that the next turn's history begins with (the answer
         as the chat template renders it, closing tokens included) when a turn mark follows them
@@ -331,7 +333,8 @@ class Session:
         base = state.truncated(start)
         ids = state.tokens if history is None else history[None]
         feed = self._engine.feed_for(base, ids[:, start:end], torch.ones_like(ids[:, :end], dtype=torch.bool), {})
-        settled = self._engine.feed(base, feed, self._settings()).with_checkpoint(self.max_checkpoints)
+        settled = self._engine.feed(base, feed, replace(self._settings(), logits=False))
+        settled = settled.with_checkpoint(self.max_checkpoints)
         self._commit(replace(settled, media=state.media))
         return end - start
 
