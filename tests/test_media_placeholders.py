@@ -121,8 +121,8 @@ def test_without_pixels_placeholder_ids_are_text_as_in_plain_generate():
 
 def test_the_server_never_reaches_the_refusal_with_a_500():
     """``kvstate serve`` decodes answers without special tokens, so a generated placeholder never comes back in
-    the next turn's text, and placeholder text in a message is a 400 before any model work."""
-    import openai
+    the next turn's text, and placeholder text in a message is text (``kvstate.text.chat_ids``), never an image id:
+    no history the server builds can hold a stray placeholder."""
     from tests.serving import client, live
     from tests.test_serve_images import _ask
 
@@ -141,6 +141,8 @@ def test_the_server_never_reaches_the_refusal_with_a_500():
                      {"role": "user", "content": "Again?"}]
         second = api.chat.completions.create(model="tiny:qwen2_vl", messages=messages, max_tokens=N, temperature=0)
         assert second.usage.completion_tokens == N
+        own = server.render(messages, True)[0].ids.count(IMAGE_TOKEN)  # the image's own placeholders
         messages[1] = {"role": "assistant", "content": "<|image_pad|><|image_pad|>"}  # a client that kept them
-        with pytest.raises(openai.BadRequestError, match="placeholder"):
-            api.chat.completions.create(model="tiny:qwen2_vl", messages=messages, max_tokens=N, temperature=0)
+        assert server.render(messages, True)[0].ids.count(IMAGE_TOKEN) == own  # message text is text
+        third = api.chat.completions.create(model="tiny:qwen2_vl", messages=messages, max_tokens=N, temperature=0)
+        assert third.usage.completion_tokens == N

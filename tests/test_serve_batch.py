@@ -13,6 +13,7 @@ import time
 import pytest
 from tests.serving import client, live, make_server, reference
 
+from kvstate.serve import Server, Settings
 from kvstate.serve.chat import Renderer
 from kvstate.serve.cli import load
 
@@ -292,3 +293,21 @@ def test_batch_prepack_chooses_the_tiles_kernels_and_either_answers_as_plain_gen
                 t.join(timeout=300)
             assert together == [ask(client(url), 2 * i, False) for i in range(4)], (prepack, rows)
         assert together[1][0] == ask_alone(model, tokenizer, 2), (prepack, rows)
+
+
+def test_a_server_batches_by_default_on_a_gpu_and_serves_one_at_a_time_on_a_cpu(tiny):
+    """--max-batch unset: the device's default (16 on CUDA, where a decode step reads the weights once whatever its
+    rows; 1 on a CPU), and the canonical chunk the device's too (64 on a CPU without marks)."""
+    from kvstate.cli import _parser
+    from kvstate.serve.batching import BatchRunner
+    from kvstate.serve.server import default_batch
+
+    model, tokenizer = tiny
+    assert _parser().parse_args(["serve"]).max_batch is None
+    assert (default_batch("cuda"), default_batch("cpu"), default_batch("mps")) == (16, 1, 1)
+    server = Server(model, tokenizer, "tiny:llama", Settings(turn_marks=False))
+    assert server.max_batch == 1 and not isinstance(server.runner, BatchRunner) and server.canonical_chunk == 64
+    server.close()
+    batched = Server(model, tokenizer, "tiny:llama", Settings(max_batch=4))
+    assert batched.max_batch == 4 and isinstance(batched.runner, BatchRunner)
+    batched.close()

@@ -66,14 +66,22 @@ def test_images_answer_exactly_and_reuse_only_the_same_pixels(vl, max_batch):
         assert answer3 == _reference(server, model, tokenizer, other)
 
 
-def test_placeholder_text_and_text_only_models_are_refused(vl, tmp_path):
+def test_placeholder_text_is_text_and_text_only_models_are_refused(vl, tmp_path):
+    """Image tokens typed as text are text (``kvstate.text.chat_ids``): a text-only chat never holds image ids,
+    and in a chat with images, typed placeholders next to the server's own ones are refused."""
     import openai
 
     model, tokenizer, images = vl
-    smuggled = [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>"}]
-    with live(Server(model, tokenizer, MODEL, Settings(), image_processor=images)) as url, \
-            pytest.raises(openai.BadRequestError):  # image tokens typed as text, no pixels
-        chat_turn(client(url), smuggled, stream=False, model=MODEL)
+    placeholders = "<|vision_start|><|image_pad|><|vision_end|>"
+    server = Server(model, tokenizer, MODEL, Settings(), image_processor=images)
+    smuggled = [{"role": "user", "content": placeholders}]
+    with live(server) as url:
+        prompt, inputs = server.render(smuggled, True)
+        assert not inputs and not set(prompt.ids) & set(range(190, 194))  # the characters, no image tokens
+        assert prompt.ids.count(tokenizer.convert_tokens_to_ids("<")) == 3
+        chat_turn(client(url), smuggled, stream=False, model=MODEL)  # answered as the text it is
+        with pytest.raises(openai.BadRequestError):  # typed next to an image: indistinguishable from its group
+            chat_turn(client(url), [_ask(1, placeholders)], stream=False, model=MODEL)
     llama, text_tokenizer = load("tiny:llama")
     with live(Server(llama, text_tokenizer, "tiny:llama", Settings())) as url, \
             pytest.raises(openai.BadRequestError) as info:

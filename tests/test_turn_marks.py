@@ -275,6 +275,38 @@ def test_a_request_sent_while_a_settle_waits_runs_first_and_the_settle_is_kept(m
     server.close()
 
 
+@pytest.mark.parametrize("max_batch", [1, 4], ids=["one-at-a-time", "batched"])
+def test_a_client_that_never_pauses_reuses_as_much_as_one_that_pauses(max_batch, monkeypatch):
+    """An agent sends its next turn as soon as a reply arrives. Here the idle settle never comes first
+    (``SETTLE_GRACE`` 60 s: the next request always arrives while it waits), so each request settles its own
+    conversation's last reply before it runs: every turn reuses everything before its new user message, as
+    with a pause (``test_a_served_chat_reuses_everything_before_the_new_user_turn``), and every answer is
+    plain ``model.generate``'s on the rendered history (on another instance of the model)."""
+    from tests.serving import chat_turn, client, live, make_server, reference
+
+    from kvstate.serve import runner
+    from kvstate.serve.cli import load
+
+    monkeypatch.setattr(runner, "SETTLE_GRACE", 60.0)
+    model, tokenizer = load("tiny:llama")
+    server = make_server(model, tokenizer, max_batch=max_batch)
+    messages, turns = [{"role": "system", "content": "You are terse."}], []
+    with live(server) as url:
+        api = client(url)
+        for i, question in enumerate(["Hi there!", "What is the sea?", "And the sky, at night?", "Why?"]):
+            messages.append({"role": "user", "content": question})
+            prompt = server.renderer.chat(messages)
+            answer, cached = chat_turn(api, messages, stream=bool(i % 2), max_tokens=12)
+            turns.append((prompt, answer, cached))
+            messages.append({"role": "assistant", "content": answer})
+    oracle = load("tiny:llama")[0]
+    for i, (prompt, answer, cached) in enumerate(turns):
+        assert answer == reference(oracle, tokenizer, prompt.ids, 12), f"turn {i + 1}"
+        if i:
+            settled = server.renderer.following(*turns[i - 1][:2])
+            assert prompt.ids[:len(settled)] == settled and cached == len(settled), (i, cached, len(settled))
+
+
 def test_a_waiting_settle_lets_go_of_a_state_the_pool_evicted(monkeypatch):
     """A settle kept for later holds its state only while the pool does: once the pool evicts it, the runner drops
     it too (``_forget_unpooled``, before every settling pass), so waiting settles never keep K/V past the pool's
@@ -290,11 +322,11 @@ def test_a_waiting_settle_lets_go_of_a_state_the_pool_evicted(monkeypatch):
     with live(server) as url:
         api = client(url)
         chat_turn(api, [{"role": "user", "content": "I am Ada."}], stream=False, max_tokens=8)
-        namespace, ada, _ = server.runner._unsettled[-1]
+        namespace, ada = server.runner._unsettled[-1].namespace, server.runner._unsettled[-1].state
         server.pool.max_bytes = ada.nbytes * 3 // 2  # room for one such state: the next reply evicts Ada's
         chat_turn(api, [{"role": "user", "content": "I am Ben."}], stream=False, max_tokens=8)
-        ben = server.runner._unsettled[-1][1]
+        ben = server.runner._unsettled[-1].state
         assert len(server.runner._unsettled) == 2
         assert server.pool.holds(namespace, ben) and not server.pool.holds(namespace, ada)
         server.runner._executor.submit(server.runner._forget_unpooled).result()  # on the model thread, as it runs
-        assert len(server.runner._unsettled) == 1 and server.runner._unsettled[0][1] is ben
+        assert len(server.runner._unsettled) == 1 and server.runner._unsettled[0].state is ben

@@ -27,13 +27,25 @@ schedule. The cuts are still a function of the token ids alone (the cold run fin
 marks), and prefix-stable, with one exception handled by ``keeps``: a history that ends inside
 an incomplete mark.
 
+**Line marks** do the same for text without a chat template (a raw prompt, a Q&A transcript, a
+document with questions): ``(LINES, *ids)`` (``lines(ids)``, ``kvstate.text.line_marks(tokenizer)``)
+starts a segment at every token among ``ids``, the tokens whose text begins with a line break, at least
+``LINE_SEGMENT`` tokens after the previous start. An answer that stops at the end of its line (a stop
+string ``"\n"``) then ends where the next line's segment starts, so once settled through the prompt and
+the answer, the continued prompt feeds only its new tokens. A cut is decided by the token at it (no
+look-ahead), so these cuts are prefix-stable without exception. ``LINES`` is negative, never a token
+id, so a turn-mark sequence and line marks cannot be mistaken for each other, and a reader that
+predates line marks refuses a state file that records them (``valid_marks``).
+
 Everything here is pure: positions are slot indices, ``spans`` are ``[start, end)`` media
 items (``kvstate.resume`` and ``kvstate.engine`` apply it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,12 +66,37 @@ MIN_SEGMENT = 8  # a mark closer than this to the previous segment start (a BOS 
 POSITION_CHUNK = 64
 MARKED_CHUNK = 256
 DEVICE_CHUNKS = {"cpu": (POSITION_CHUNK, MARKED_CHUNK), "cuda": (512, 512)}
+LINES = -1  # first entry of line marks (``lines``): the other entries are the tokens that start a line
+# Line segments are one line each, however short: a short answer's line must end on a cut, so its continuation
+# feeds only its own tokens. Only one-token segments (a line break right after another) are merged away
+LINE_SEGMENT = 2
+MAX_TURN_MARKS, MAX_LINE_TOKENS = 64, 4096
 
 
 def default_chunk(marks: Sequence[int] = (), device: str = "cpu") -> int:
     """The default ``C`` on a ``device`` type (``DEVICE_CHUNKS``): with turn marks or without."""
     plain, marked = DEVICE_CHUNKS.get(device, DEVICE_CHUNKS["cpu"])
     return marked if len(marks) else plain
+
+
+def lines(ids: Iterable[int]) -> tuple[int, ...]:
+    """Line marks: a segment starts at each token among ``ids`` (see the module docstring)."""
+    return (LINES, *sorted(set(ids)))
+
+
+def valid_marks(values: Sequence[object]) -> bool:
+    """Whether ``values`` are marks: none, 1 to ``MAX_TURN_MARKS`` token ids (a turn-mark sequence), or ``LINES``
+    then 1 to ``MAX_LINE_TOKENS`` increasing token ids (line marks). Token ids are ints in ``[0, 2**31)``."""
+    if not values:
+        return True
+    if not all(type(t) is int for t in values):
+        return False
+    ids: list[int] = list(values)  # type: ignore[arg-type]
+    if ids[0] == LINES:
+        ids = ids[1:]
+        return 0 < len(ids) <= MAX_LINE_TOKENS and all(0 <= a < b < 1 << 31 for a, b in itertools.pairwise(ids)) \
+            and 0 <= ids[0] < 1 << 31
+    return len(ids) <= MAX_TURN_MARKS and all(0 <= t < 1 << 31 for t in ids)
 
 
 @dataclass(frozen=True)
@@ -108,26 +145,45 @@ class Canonical:
     def keeps(self, start: int, end: int, ids: Ids = None) -> int:
         """How many leading slots a feed's last chunk ``[start, end)`` leaves canonical: ``end``, or
         ``start`` when the history ends inside an incomplete mark that begins after ``start`` (a longer
-        history completes it and cuts there, inside this chunk)."""
-        if not self.marks or end <= start:
+        history completes it and cuts there, inside this chunk). Line marks are one token: never incomplete."""
+        if not self.marks or end <= start or self.marks[0] == LINES:
             return end
         tail = _as_list(ids, end, max(start + 1, end - len(self.marks) + 1))
         partial = any(tail[i:] == list(self.marks[:len(tail) - i]) for i in range(len(tail)))
         return start if partial else end
 
     def _points(self, limit: int, spans: Spans, ids: Ids) -> list[int]:
-        """Every cut in ``(0, limit]`` under turn marks, ascending: segment starts, and the multiples of
-        ``C`` after each start, moved past media."""
-        tokens, m = _as_list(ids, limit + len(self.marks)), len(self.marks)
-        starts, marks = [0], list(self.marks)
-        for p in (i for i, t in enumerate(tokens[:len(tokens) - m + 1]) if t == marks[0]):
-            if p - starts[-1] >= MIN_SEGMENT and tokens[p:p + m] == marks:
-                starts.append(p)
+        """Every cut in ``(0, limit]`` under turn or line marks, ascending: segment starts, and the multiples
+        of ``C`` after each start, moved past media."""
+        starts = self._line_starts(limit, ids) if self.marks[0] == LINES else self._turn_starts(limit, ids)
         bounds = [*starts[1:], limit + 1]
         points = {_moved(s + k * self.chunk, spans) for s, nxt in zip(starts, bounds, strict=True)
                   for k in range(1, (nxt - s - 1) // self.chunk + 1)}
         points |= {_moved(s, spans) for s in starts[1:]}
         return sorted(p for p in points if 0 < p <= limit)
+
+    def _turn_starts(self, limit: int, ids: Ids) -> list[int]:
+        """0, then every occurrence of the turn marks at least ``MIN_SEGMENT`` after the previous start."""
+        tokens, m = _as_list(ids, limit + len(self.marks)), len(self.marks)
+        starts, marks = [0], list(self.marks)
+        for p in (i for i, t in enumerate(tokens[:len(tokens) - m + 1]) if t == marks[0]):
+            if p - starts[-1] >= MIN_SEGMENT and tokens[p:p + m] == marks:
+                starts.append(p)
+        return starts
+
+    def _line_starts(self, limit: int, ids: Ids) -> list[int]:
+        """0, then every token in ``(0, limit]`` that starts a line, at least ``LINE_SEGMENT`` after the
+        previous start."""
+        breaks = self._breaks
+        starts = [0]
+        for p, t in enumerate(_as_list(ids, limit + 1)):
+            if t in breaks and p - starts[-1] >= LINE_SEGMENT:
+                starts.append(p)
+        return starts
+
+    @functools.cached_property
+    def _breaks(self) -> frozenset[int]:
+        return frozenset(self.marks[1:])
 
 
 def _as_list(ids: Ids, n: int, start: int = 0) -> list[int]:

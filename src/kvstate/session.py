@@ -199,7 +199,8 @@ class Session:
         """Recompute in canonical chunks the slots a resume would feed again (a decoded answer, up to the state's
         last cut; or, given ``through`` ``[L]``, the ids the next turn's history begins with, up to ``L``). Returns
         the slots fed (0: nothing to do, or not possible: schedule off, a batch, padding, media, no rollback).
-        Transactional; a server runs it after a reply is sent."""
+        The settled state holds no logits (its last chunk skips the output head, as the cold run's chunk ending
+        at a cut does): the next call feeds on from there. Transactional; a server runs it after a reply."""
         state = self._state
         history = None if through is None else checks.check_through(through, self.device, vocab_size(self.model))
         span = resume.settle_span(state, self._schedule(), history)

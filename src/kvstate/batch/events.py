@@ -23,7 +23,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 class BatchRequest:
     """One conversation to continue: its full history ``ids`` (``[L]`` or ``[1, L]``), media ``inputs``
     for it (``pixel_values``...), an optional ``state`` to resume from, prefix ``sources`` of its own
-    (after the scheduler's: a server's pool namespace and store), and how to answer: ``processors``
+    (after the scheduler's: a server's pool namespace and store), its canonical ``marks`` when they are not the
+    scheduler's (a server's raw prompts: line marks; its chats: turn marks), and how to answer: ``processors``
     are logits processors (``generate``'s signature, fresh per request: some keep state) applied in
     order to the raw float32 logits before sampling; logprobs stay the raw logits'."""
 
@@ -36,8 +37,13 @@ class BatchRequest:
     inputs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     state: State | None = None
     sources: tuple[PrefixCache, ...] = ()
+    marks: tuple[int, ...] | None = None  # the canonical schedule's marks for this history (None: the scheduler's)
 
     def __post_init__(self) -> None:
+        if self.marks is not None:
+            from ..request import check_marks
+
+            object.__setattr__(self, "marks", check_marks(self.marks))
         if not all(callable(p) for p in self.processors):
             raise InputError("BatchRequest.processors must be logits processors", expected="callables (ids, scores)",
                              found=[type(p).__name__ for p in self.processors], fix="pass LogitsProcessor objects")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -255,12 +256,16 @@ class Scheduler:
         """Whether this step may feed more prompt tokens after ``spent``."""
         return self.prefill_tokens is None or spent == 0 or spent < self.prefill_tokens
 
+    def _marks(self, request: BatchRequest) -> tuple[int, ...]:
+        """The canonical marks ``request``'s history is fed with: its own, or the scheduler's."""
+        return self.canonical_marks if request.marks is None else request.marks
+
     def _session(self, request: BatchRequest) -> Any:
         from ..session import Session
 
         return Session(self.model, state=request.state, sources=(*request.sources, *self.sources),
                        chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
-                       canonical_marks=self.canonical_marks, prefill_rows=self.prefill_rows,
+                       canonical_marks=self._marks(request), prefill_rows=self.prefill_rows,
                        prepack=self._kernels[0], invariant=self._kernels[1], fingerprint=self.fingerprint)
 
     def _pieces(self, job: _Job, spent: int) -> bool:
@@ -288,6 +293,8 @@ class Scheduler:
         if cuts is None:
             return False
         for other, _ in work:
+            if self._marks(other.request) != self._marks(job.request):  # other chunks: nothing to resume from
+                continue
             a, b = job.ids[0], other.ids[0]  # type: ignore[index]
             n = min(a.shape[0], b.shape[0])
             same = a[:n] == b[:n]
@@ -302,7 +309,8 @@ class Scheduler:
         ids = torch.as_tensor(job.request.ids, dtype=torch.long).reshape(1, -1)
         job.session, job.ids = self._session(job.request), ids.to(next(self.model.parameters()).device)
         job.reused = T = job.session.take_prefix(job.ids)
-        cuts = self.engine.canonical_cuts(job.session.state, job.ids[:, T:], self._single.settings)
+        settings = replace(self._single.settings, marks=self._marks(job.request))
+        cuts = self.engine.canonical_cuts(job.session.state, job.ids[:, T:], settings)
         job.end = None if cuts is None else ids.shape[1]
         return cuts
 
@@ -343,24 +351,27 @@ class Scheduler:
             yield from self._took(job, choice)
 
     def _extend(self, feeds: list[tuple[_Job, int]]) -> dict[int, Exception]:
-        """Feed each job's history up to ``end``, together; where that fails, each alone (so only the failing
-        requests fail). Returns the failures by handle."""
+        """Feed each job's history up to ``end``, together where the jobs share their schedule's marks; where that
+        fails, each alone (so only the failing requests fail). Returns the failures by handle."""
         from ..session import Session
 
         def piece(job: _Job, end: int) -> torch.Tensor:
             return job.ids[:, job.session.state.tokens_seen:end]  # type: ignore[index]
 
-        try:
-            Session.extend_many([job.session for job, _ in feeds], [piece(job, end) for job, end in feeds])
-            return {}
-        except Exception:
-            failed: dict[int, Exception] = {}
-            for job, end in feeds:
-                try:
-                    job.session.extend(piece(job, end))
-                except Exception as exc:
-                    failed[job.handle] = exc
-            return failed
+        groups: dict[tuple[int, ...], list[tuple[_Job, int]]] = {}
+        for job, end in feeds:
+            groups.setdefault(self._marks(job.request), []).append((job, end))
+        failed: dict[int, Exception] = {}
+        for group in groups.values():
+            try:
+                Session.extend_many([job.session for job, _ in group], [piece(job, end) for job, end in group])
+            except Exception:
+                for job, end in group:
+                    try:
+                        job.session.extend(piece(job, end))
+                    except Exception as exc:
+                        failed[job.handle] = exc
+        return failed
 
     def _decode(self, decoder: Packed | Single, jobs: list[_Job]) -> torch.Tensor:
         """One decode step of ``jobs``: their logits ``[n, V]``. A model that refuses its first packed forward

@@ -160,7 +160,8 @@ class Engine:
         ``settings``: a decoded answer recomputed in canonical chunks (``Session.settle``); media records kept."""
         base = state.truncated(start)
         feed = self.feed_for(base, ids[:, start:end], torch.ones_like(ids[:, :end], dtype=torch.bool), {})
-        return replace(self.feed(base, feed, settings).with_checkpoint(settings.max_checkpoints), media=state.media)
+        settled = self.feed(base, feed, replace(settings, logits=False))  # K/V only: the next call feeds on
+        return replace(settled.with_checkpoint(settings.max_checkpoints), media=state.media)
 
     def observe(self, state: State, ids: torch.Tensor, listener: Listener, *, rerun: int = 0,
                 chunk_size: int = 512) -> None:

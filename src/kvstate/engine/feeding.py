@@ -57,7 +57,8 @@ class FeedRun:
             self.end = min(start + size, Q)
         end = self.end
         inputs = feed.inputs if self.ends is None else self._inputs(start, end)
-        return feed.ids[:, start:end], feed.mask[:, :T + end], feed.positions[:, start:end], inputs, end >= Q
+        last = end >= Q and self.settings.logits
+        return feed.ids[:, start:end], feed.mask[:, :T + end], feed.positions[:, start:end], inputs, last
 
     def _size(self, remaining: int) -> int:
         """Tokens in the next forward off the schedule: stepwise families continue one token at a time; media

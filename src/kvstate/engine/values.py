@@ -39,6 +39,7 @@ class FeedSettings:
     tile: int = 0
     prepack: bool = True
     invariant: bool = True  # False: pieces packed with plain kernels (the invariance tax's baseline)
+    logits: bool = True  # False: the last chunk skips the output head too (a settle: the next call feeds on)
 
 
 @dataclass(frozen=True)

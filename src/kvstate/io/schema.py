@@ -32,6 +32,7 @@ import torch
 from ..errors import StateFileError
 from ..identity import Fingerprint
 from ..layers import LAYER_KINDS
+from ..schedule import LINES, valid_marks
 from ..state import Checkpoint, MediaItem, State
 from .container import dtype_of
 
@@ -75,8 +76,9 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
         "storage": compact or "exact", "kv_dtype": _dtype_name(state.kv_dtype), "device": str(state.device),
         "metadata": meta,
         "media": [[m.start, m.end, m.digest, m.kept] for m in state.media],
-        # lossy storage changes K/V bits, so nothing of a compact file is the cold run's (the canonical schedule)
-        # turn marks are a 4th entry only when set: a reader that predates them refuses such a file
+        # lossy storage changes K/V bits, so nothing of a compact file is the cold run's
+        # turn marks are a 4th entry only when set: a reader that predates them refuses such a file (and line
+        # marks begin with a negative entry, which a reader that predates them refuses too)
         "canonical": [0, 0, ""] if compact else [state.canonical, state.canonical_chunk, state.canonical_device,
                                                  *([list(state.canonical_marks)] if state.canonical_marks else [])],
         "created_with": created_with(),
@@ -162,10 +164,11 @@ def _canonical(header: dict[str, Any], T: int) -> dict[str, Any]:
     marks = value[3] if isinstance(value, list) and len(value) == 4 else []
     if (not isinstance(value, list) or len(value) not in (3, 4) or not all(type(v) is int for v in value[:2])
             or not 0 <= value[0] <= T or not 0 <= value[1] <= 1 << 20 or not isinstance(value[2], str)
-            or len(value[2]) > 32 or not isinstance(marks, list) or len(marks) > 64
-            or not all(type(t) is int and 0 <= t < 1 << 31 for t in marks) or (len(value) == 4 and not marks)):
+            or len(value[2]) > 32 or not isinstance(marks, list) or not valid_marks(marks)
+            or (len(value) == 4 and not marks)):
         raise StateFileError("canonical is malformed",
-                             expected=f"[slots 0..{T}, chunk 0..2**20, kernels label(, 1-64 turn-mark ids)]",
+                             expected=f"[slots 0..{T}, chunk 0..2**20, kernels label(, 1-64 turn-mark ids, or "
+                                      f"{LINES} then line-start ids)]",
                              found=str(value)[:120], fix="re-save the state")
     if header.get("storage") != "exact":
         return {"canonical": 0, "canonical_chunk": 0, "canonical_device": ""}

@@ -31,7 +31,7 @@ from ..errors import KVStateError
 from .errors import BadRequest, HTTPError, internal_error, validation_error
 from .logprobs import TokenLogprob, chat_shape, completion_shape, pieces
 from .params import CHAT_FIELDS, COMPLETION_FIELDS, parse
-from .runner import Cancelled, Job, Result
+from .runner import Cancelled, Job, Result, shutting_down
 from .schema import (
     ChatChunk,
     ChatCompletion,
@@ -73,9 +73,10 @@ def create_app(server: Server) -> FastAPI:
         error = HTTPError(f"{request.method} {request.url.path[:200]}: {exc.detail}", status=exc.status_code)
         return await _http_error(request, error)
 
-    @app.get("/health", response_model=None, responses=_responses(Health))
-    async def health() -> dict[str, Any]:
-        return server.health()
+    @app.get("/health", response_model=None,
+             responses={**_responses(Health), 503: {"model": Health, "description": "Draining: shutting down"}})
+    async def health() -> Response:  # 503 while draining, so a load balancer stops sending requests here
+        return JSONResponse(server.health(), status_code=503 if server.stopping.is_set() else 200)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=_responses(None))
     async def metrics() -> Response:
@@ -109,7 +110,8 @@ def _responses(ok: type | None, *, auth: bool = False, found: bool = False, body
         success["model"] = ok
     if body:  # the event schema is filled in by _openapi, where the chunk models are in components
         success["content"] = {"text/event-stream": {"schema": {}}}
-    codes = [500, *([401] if auth else []), *([404] if found or body else []), *([400, 413, 429] if body else [])]
+    codes = [500, *([401] if auth else []), *([404] if found or body else []),
+             *([400, 413, 429, 503] if body else [])]  # 503: the server is shutting down
     return {200: success, **{code: {"model": ErrorBody, "description": "An OpenAI error"} for code in codes}}
 
 
@@ -196,6 +198,8 @@ def _check_model(server: Server, name: Any) -> None:
 
 async def _complete(server: Server, request: Request, namespace: str, body: dict[str, Any], *,
                     chat: bool) -> Response:
+    if server.stopping.is_set():
+        raise shutting_down()
     _check_model(server, body["model"])
     loop = asyncio.get_running_loop()
     # rendering decodes images and tokenizes: off the event loop
@@ -204,7 +208,7 @@ async def _complete(server: Server, request: Request, namespace: str, body: dict
     fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
     req = parse(body, fields, server.limits, prompt.default_stop, None if chat else 16)
     server.check_prompt(prompt)
-    job = Job(namespace, prompt, req, inputs)
+    job = Job(namespace, prompt, req, inputs, marks=server.marks_for(chat))
     kind = "chat.completion" if chat else "text_completion"
     reply = _Reply(server.model_id, kind, chat)
     if req.stream:

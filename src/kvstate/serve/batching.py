@@ -1,7 +1,7 @@
 """``kvstate serve --max-batch N``: requests decode together, each answer bit for bit what it gets alone.
 
 ``BatchRunner`` is a ``Runner`` whose model thread drives one ``kvstate.batch.Scheduler``
-(continuous batching, issue 25) instead of one ``Session`` per request. The HTTP side is the
+(continuous batching, continuous batching) instead of one ``Session`` per request. The HTTP side is the
 same: one bounded queue (``max_queue`` waiting or running, then a 429), streamed text, and
 cancel-on-disconnect (a cancelled request leaves the batch at the next step and commits
 nothing). The loop on the model thread takes new jobs, cancels the ones whose clients left,
@@ -36,7 +36,7 @@ from ..batch.scheduler import Completion
 from ..errors import KVStateError
 from .errors import BadRequest
 from .logprobs import build
-from .runner import Cancelled, Job, Result, Runner, _Streamer
+from .runner import Cancelled, Job, Result, Runner, _Streamer, shutting_down
 
 _BATCHED_OPTIONS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "stop_strings",
                     "output_logits", "return_dict_in_generate",  # these two: logprobs, which the sampler gives
@@ -52,6 +52,7 @@ class _Active:
     def __init__(self, job: Job, future: concurrent.futures.Future[Result], streamer: _Streamer) -> None:
         self.job, self.future, self.streamer = job, future, streamer
         self.started = time.perf_counter()
+        self.halted = False  # ended by the shutdown deadline (``Runner.halt``)
 
 
 class BatchRunner(Runner):
@@ -111,6 +112,9 @@ class BatchRunner(Runner):
             for handle, active in self._active.items():
                 if active.job.cancelled.is_set():
                     self.scheduler.cancel(handle)
+                elif self._halted.is_set() and not active.halted:  # ends at the step boundary, state kept
+                    active.halted = True
+                    self.scheduler.stop(handle)
             self.peak = max(self.peak, self.scheduler.running)
             try:
                 for event in self.scheduler.stepping():
@@ -142,6 +146,10 @@ class BatchRunner(Runner):
         if job.cancelled.is_set():
             future.set_exception(Cancelled())
             return
+        if self._halted.is_set():
+            future.set_exception(shutting_down())
+            return
+        self._settle_for(job)  # its conversation's last reply, settled first: the scheduler resumes from that
         request = self._batch_request(job)
         if request is None:
             try:
@@ -162,9 +170,10 @@ class BatchRunner(Runner):
                             seed=job.request.seed, min_p=options.get("min_p", 0.0)) \
             if options.get("do_sample") else Sampling()
         store = self.store_for(job.namespace)
-        sources = (self.pool.source(job.namespace), *(() if store is None else (store,)))
+        marks = self._marks(job)
+        sources = (self.pool.source(job.namespace, marks), *(() if store is None else (store,)))
         return BatchRequest(torch.tensor(job.prompt.ids), max_new_tokens=options["max_new_tokens"],
-                            sampling=sampling, inputs=job.inputs, sources=sources,
+                            sampling=sampling, inputs=job.inputs, sources=sources, marks=marks,
                             top_logprobs=job.request.logprobs or 0, processors=_processors(options))
 
     def _dispatch(self, event: Token | Done | Failed) -> None:
@@ -194,12 +203,13 @@ class BatchRunner(Runner):
 
     def _finish(self, active: _Active, completion: Completion) -> None:
         job = active.job
-        if completion.finish_reason == "cancelled":
-            active.future.set_exception(Cancelled())
+        if completion.finish_reason == "cancelled":  # a halted request still waiting for its prompt: not started
+            active.future.set_exception(shutting_down() if active.halted else Cancelled())
             return
         tokens = list(completion.tokens)
         text, stopped = active.streamer.final(tokens)
-        finish = "stop" if stopped else completion.finish_reason
+        # the halt stops a request at a step boundary, before that step's tokens: no end id came with it
+        finish = "stop" if stopped else "length" if active.halted else completion.finish_reason
         if completion.state is not None:
             self.pool.put(job.namespace, completion.state)
             self._defer_settle(job, completion.state, text)

@@ -12,7 +12,9 @@ with ``"\\nUser:"`` as its default stop sequence. The assistant content follows 
 colon with nothing added, so the text an answer was generated as is the text the
 next turn renders: the next request's tokens then continue the stored state.
 Templates render text, which is tokenized without adding special tokens (the
-template writes its own BOS), as ``transformers serve`` does.
+template writes its own BOS), as ``transformers serve`` does, by ``kvstate.text.chat_ids``:
+message contents are text, never control tokens (a user's ``"<eos>"`` is those five
+characters), and the template's own special tokens stay special.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Prompt:
     image_digests: tuple[str, ...] = ()
     default_stop: tuple[str, ...] = ()
     messages: tuple[dict[str, str], ...] = ()  # a text-only chat's rendered messages (``Renderer.following``)
+    plain: bool = False  # a completions prompt given as text: its continuation is its text plus more
 
 
 class Renderer:
@@ -75,7 +78,8 @@ class Renderer:
         plain = [self._message(i, m, images, digests) for i, m in enumerate(messages)]
         text = self.tokenizer.apply_chat_template(plain, chat_template=self.template, tokenize=False,
                                                   add_generation_prompt=True)
-        return Prompt(text, self._encode(text), tuple(images), tuple(digests), self.default_stop,
+        keep = (self.image_placeholder,) if images and self.image_placeholder else ()  # the server's own groups
+        return Prompt(text, self._ids(plain, True, keep), tuple(images), tuple(digests), self.default_stop,
                       () if images else tuple(plain))
 
     @functools.cached_property
@@ -91,12 +95,16 @@ class Renderer:
             return ()
 
     def following(self, prompt: Prompt, answer: str) -> list[int] | None:
-        """The ids the next turn's history begins with after ``answer`` to the text-only chat ``prompt``:
-        its messages plus the answer, rendered without a generation prompt (None for other prompts)."""
+        """The ids the next turn's history begins with after ``answer`` to ``prompt``: a text-only chat's
+        messages plus the answer, rendered without a generation prompt; a text completion's prompt plus the
+        answer, tokenized as one string (a client that continues it sends that text and more). None for
+        other prompts."""
+        if prompt.plain:
+            return list(self.tokenizer(prompt.text + answer).input_ids)
         if not prompt.messages:
             return None
         plain = [*prompt.messages, {"role": "assistant", "content": answer}]
-        return self._encode(self.tokenizer.apply_chat_template(plain, chat_template=self.template, tokenize=False))
+        return self._ids(plain, False)
 
     def completion(self, prompt: Any) -> Prompt:
         """``prompt``: a string (tokenized with the tokenizer's special tokens, as a fresh run would) or a
@@ -104,7 +112,7 @@ class Renderer:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # OpenAI accepts a batch; n=1 and one prompt are what kvstate serves
         if isinstance(prompt, str) and prompt:
-            return Prompt(prompt, self.tokenizer(prompt).input_ids)
+            return Prompt(prompt, self.tokenizer(prompt).input_ids, plain=True)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                        for t in prompt):
             if self.vocab is not None and not all(0 <= t < self.vocab for t in prompt):
@@ -114,8 +122,15 @@ class Renderer:
         raise BadRequest("'prompt' must be one non-empty string or one non-empty array of token ids",
                          param="prompt")
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+    def _ids(self, messages: list[dict[str, str]], prompt: bool, keep: tuple[str, ...] = ()) -> list[int]:
+        """``kvstate.text.chat_ids``: contents are text, the template's special tokens stay special."""
+        from ..errors import InputError
+        from ..text import chat_ids
+
+        try:
+            return chat_ids(self.tokenizer, messages, self.template, add_generation_prompt=prompt, keep=keep)
+        except InputError as exc:
+            raise BadRequest(str(exc), param="messages") from exc
 
     def _message(self, index: int, message: Any, images: list[Any], digests: list[str]) -> dict[str, str]:
         if not isinstance(message, dict) or message.get("role") not in ROLES:

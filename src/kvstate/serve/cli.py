@@ -31,16 +31,16 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
                    "the longest prefix, exact to float32 rounding only)")
     s.add_argument("--no-turn-marks", action="store_true",
                    help="cut canonical chunks at multiples of C only. By default they also start where the chat "
-                   "template starts a user turn, so once an answer is settled the next turn feeds only its own "
-                   "tokens (docs/exactness.md)")
+                   "template starts a user turn (chats) or where a line starts (completions prompts), so once an "
+                   "answer is settled the next turn feeds only its own tokens (docs/exactness.md)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append", default=[], help=f"accepted key (repeatable; or ${API_KEY_ENV}, "
                    "comma-separated). Each key has its own pool and store namespace")
     s.add_argument("--max-queue", type=positive, default=16, help="requests queued or running before a 429")
-    s.add_argument("--max-batch", type=positive, default=1, metavar="N",
+    s.add_argument("--max-batch", type=positive, default=None, metavar="N",
                    help="requests that decode together in one forward, each answer bit for bit what it gets alone "
-                   "(default 1: one request at a time, as before)")
+                   "(default: 16 on a GPU, 1 on a CPU: one request at a time)")
     s.add_argument("--prefill-per-step", type=positive, default=512, metavar="TOKENS",
                    help="with --max-batch: prompt tokens a step feeds between decode steps, about (one canonical "
                    "chunk at least). A burst of prompts and a long history are spread over steps, so running "
@@ -69,6 +69,10 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
     s.add_argument("--pool-bytes", type=positive, default=2 << 30, help="memory for recent conversation states")
     s.add_argument("--no-reuse", action="store_true", help="no pool and no store: every request runs cold and "
                    "reports cached_tokens 0 (the cold twin for `kvstate verify --against URL --cold URL2`)")
+    s.add_argument("--shutdown-timeout", type=non_negative, default=20, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: stop accepting (new requests get a 503), let running requests "
+                   "finish for SECONDS, then end each running answer at its next token (finish_reason 'length', "
+                   "its state kept in the store), and exit 0 (default 20)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -98,7 +102,7 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
                         prefill_per_step=args.prefill_per_step,
                         batch_invariant=args.batch_invariance == "on", batch_prepack=args.batch_prepack == "on",
                         batch_prefill_rows=args.batch_prefill_rows, batch_gather_ms=args.batch_gather_ms,
-                        reuse=not args.no_reuse)
+                        reuse=not args.no_reuse, shutdown_timeout=args.shutdown_timeout)
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     server = Server(model, tokenizer, args.model_name or model_id_for(args.model), settings,
                     image_processor=image_processor(args.model))

@@ -26,11 +26,12 @@ class ImageEncoder:
         self.placeholder = self.start + self.pad + self.end
         self.merge = int(getattr(image_processor, "merge_size", 1) or 1)
 
-    def encode(self, text: str, images: Sequence[Any]) -> tuple[list[int], dict[str, Any]]:
-        """Ids of ``text`` with each image's placeholder expanded, and the image inputs ``pixel_values``
-        ``[patches, D]`` and ``image_grid_thw`` ``[n_images, 3]``."""
-        pieces = text.split(self.placeholder)
-        if len(pieces) - 1 != len(images):
+    def encode(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], dict[str, Any]]:
+        """The rendered chat's ``ids`` (one ``start, pad, end`` group per image) with each image's pad repeated
+        once per image token, as tokenizing the expanded text would give (the pads are special tokens), and
+        the image inputs ``pixel_values`` ``[patches, D]`` and ``image_grid_thw`` ``[n_images, 3]``."""
+        pad = self.tokenizer.convert_tokens_to_ids(self.pad)
+        if list(ids).count(pad) != len(images):
             raise BadRequest("the messages' text contains image placeholder tokens", param="messages",
                              fix="send images as image_url parts, not as placeholder text")
         try:
@@ -39,14 +40,9 @@ class ImageEncoder:
             raise BadRequest(f"the image cannot be processed: {str(exc)[:200]}", param="messages",
                              fix="send an image closer to square and of a usual size") from exc
         grid = out["image_grid_thw"]
-        counts = (grid.prod(-1) // self.merge**2).tolist()
-        expanded = pieces[0] + "".join(self.start + self.pad * n + self.end + piece
-                                       for n, piece in zip(counts, pieces[1:], strict=True))
-        ids = list(self.tokenizer(expanded, add_special_tokens=False).input_ids)
-        if sum(t == self.tokenizer.convert_tokens_to_ids(self.pad) for t in ids) != sum(counts):
-            raise BadRequest("the messages' text contains image placeholder tokens", param="messages",
-                             fix="send images as image_url parts, not as placeholder text")
-        return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
+        counts = iter((grid.prod(-1) // self.merge**2).tolist())
+        expanded = [t for token in ids for t in ([pad] * next(counts) if token == pad else [token])]
+        return expanded, {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
 
     def check_text_only(self, ids: Sequence[int]) -> None:
         """A prompt without images must not smuggle in image tokens (the model would read missing pixels)."""

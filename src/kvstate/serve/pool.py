@@ -30,13 +30,16 @@ class StatePool:
         self._next = 0
         self._lock = Lock()  # the worker writes, /metrics reads
 
-    def source(self, namespace: str) -> PoolSource:
-        """The pool as one namespace's ``PrefixCache`` (``Session(sources=[...])``)."""
-        return PoolSource(self, namespace)
+    def source(self, namespace: str, marks: tuple[int, ...] | None = None) -> PoolSource:
+        """The pool as one namespace's ``PrefixCache`` (``Session(sources=[...])``) for sessions whose canonical
+        schedule has ``marks`` (None: any)."""
+        return PoolSource(self, namespace, marks)
 
-    def longest(self, namespace: str, query: PrefixQuery, at_most: int) -> tuple[State | None, int]:
+    def longest(self, namespace: str, query: PrefixQuery, at_most: int,
+                marks: tuple[int, ...] | None = None) -> tuple[State | None, int]:
         """The state of ``namespace`` made by ``query.fingerprint`` sharing the longest prefix (at most
-        ``at_most`` slots) with ``query``, and that length."""
+        ``at_most`` slots) with ``query``, and that length. Under the canonical schedule, states fed with
+        ``marks`` (when given) come first: a resume keeps none of another schedule's slots."""
         with self._lock:
             candidates = [(key, s) for key, s in self._states.items() if key[0] == namespace
                           and s.fingerprint == query.fingerprint]
@@ -47,6 +50,8 @@ class StatePool:
             # under the canonical schedule a resume keeps at most the state's canonical slots: a settled state
             # (kvstate.Session.settle) beats a longer one whose answer was decoded one token per forward
             usable = min(n, state.canonical) if state.canonical_chunk else n
+            if state.canonical_chunk and marks is not None and state.canonical_marks != marks:
+                usable = 0
             if (usable, n) > best_rank:
                 best, best_rank = (key, state, n), (usable, n)
         if best[0] is not None:
@@ -86,11 +91,11 @@ class PoolSource:
 
     name = "pool"
 
-    def __init__(self, pool: StatePool, namespace: str) -> None:
-        self.pool, self.namespace = pool, namespace
+    def __init__(self, pool: StatePool, namespace: str, marks: tuple[int, ...] | None = None) -> None:
+        self.pool, self.namespace, self.marks = pool, namespace, marks
 
     def lookup(self, query: PrefixQuery, *, longer_than: int, at_most: int) -> State | None:
-        state, n = self.pool.longest(self.namespace, query, at_most)
+        state, n = self.pool.longest(self.namespace, query, at_most, self.marks)
         return state if n > longer_than else None
 
     def offer(self, states: Sequence[State], query: PrefixQuery, seconds_per_token: float = 0.0) -> int:
@@ -103,8 +108,9 @@ class PoolSource:
 
 def _covers(new: State, old: State) -> bool:
     """``new`` serves every request ``old`` could: it starts with ``old``'s tokens and media, can roll
-    back to ``old``'s length, and holds at least as many canonical slots."""
+    back to ``old``'s length, and holds at least as many canonical slots, of the same schedule."""
     n = old.tokens_seen
     same = n <= new.tokens_seen and shared_prefix(new, old.tokens, tuple((m.start, m.digest) for m in old.media)) == n
     return (same and not new.rollback_limit(n) and new.canonical_chunk == old.canonical_chunk
-            and new.canonical >= min(old.canonical, n) and new.fingerprint == old.fingerprint)
+            and new.canonical_marks == old.canonical_marks and new.canonical >= min(old.canonical, n)
+            and new.fingerprint == old.fingerprint)

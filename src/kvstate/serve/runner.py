@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..schedule import Canonical
 from ..session import Session
 from .chat import Prompt
 from .errors import BadRequest, HTTPError
@@ -41,6 +42,12 @@ from .pool import StatePool
 
 class Cancelled(Exception):
     """The client disconnected; the job stops without committing anything."""
+
+
+def shutting_down() -> HTTPError:
+    """The 503 of a request that a draining server will not start (``Runner.stop_accepting``)."""
+    return HTTPError("the server is shutting down", status=503, code="server_shutting_down",
+                     fix="retry on another replica, or once this one is back", headers={"Retry-After": "5"})
 
 
 # How long an idle model waits before settling a reply: a client that sends its next request as soon as
@@ -60,6 +67,37 @@ class Job:
     # with logprobs: receives each token's piece of the answer and its logprobs as the piece is final
     on_token: Callable[[str, TokenLogprob], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # the canonical schedule's marks for this prompt (None: the runner's): a chat's turn marks, a raw prompt's
+    # line marks (``kvstate.schedule``)
+    marks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: the deque removes this entry, not an equal one
+class Unsettled:
+    """A reply waiting for its settle: its conversation's ``namespace``, the ``state`` after it, and the ids the
+    next turn begins with (``through``, None: settle the decoded tokens up to the last cut)."""
+
+    namespace: str
+    state: Any
+    through: list[int] | None = None
+    marks: tuple[int, ...] = ()  # the schedule the reply was fed with, and is settled with
+
+    def continued_by(self, ids: list[int]) -> bool:
+        """Whether a prompt of ``ids`` continues this reply: it begins with ``through`` (or the state's tokens)
+        and goes on past them."""
+        known = self._known()
+        return len(ids) > len(known) and ids[:len(known)] == known
+
+    def settles_for(self, ids: list[int], chunk: int) -> bool:
+        """Whether, for a prompt of ``ids`` that continues this reply, settling first moves where its resume
+        restarts: to the settle's end (a cut of the prompt's history), past the last cut before the reply's
+        decoded tokens. Not when the prompt goes on inside the reply's last segment (a raw prompt that
+        continues the answer's line): the settled slots would be fed again."""
+        schedule, known = Canonical(chunk, marks=self.marks), len(self._known())
+        return schedule.last_cut(known, ids=ids) > schedule.last_cut(min(self.state.canonical, known), ids=ids)
+
+    def _known(self) -> list[int]:
+        return list(self.through) if self.through is not None else self.state.tokens[0].tolist()
 
 
 @dataclass(frozen=True)
@@ -90,10 +128,13 @@ class Runner:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstate-model")
         self._pending = 0
         self._jobs: set[Job] = set()  # queued or running, so close() can cancel them
-        # replies whose settle waits for an idle model (``_settle_idle``); past 16 the oldest is dropped
-        self._unsettled: deque[tuple[str, Any, Any]] = deque(maxlen=16)
+        # replies whose settle waits for an idle model (``_settle_idle``) or their conversation's next request
+        # (``_settle_for``); past 16 the oldest is dropped. Read and written on the model thread only
+        self._unsettled: deque[Unsettled] = deque(maxlen=16)
         self._arrived = threading.Event()  # set by every submit: a settle waiting for its grace yields
         self._closing = False
+        self._draining = False  # a graceful stop began: no new job is accepted (``stop_accepting``)
+        self._halted = threading.Event()  # its deadline passed: running answers end at their next token (``halt``)
         self._lock = threading.Lock()
         self._stops: dict[tuple[str, ...], Any] = {}  # StopStringCriteria by stop strings (``_stop_criterion``)
 
@@ -113,6 +154,8 @@ class Runner:
 
     def _count(self, job: Job) -> None:
         """Count ``job`` as waiting or running, or raise the 429 of a full queue (holds ``_lock``)."""
+        if self._draining:
+            raise shutting_down()
         if self._pending >= self.max_queue:
             raise HTTPError(f"the server is busy: {self._pending} requests are queued or running "
                             f"(limit {self.max_queue})", status=429, code="rate_limit_exceeded",
@@ -123,6 +166,19 @@ class Runner:
     def drain(self) -> None:
         """Wait until the work queued so far, replies and their settling included, has run."""
         self._executor.submit(lambda: None).result()
+
+    def stop_accepting(self) -> None:
+        """Begin a graceful stop: new jobs get a 503, queued and running ones go on, and no reply is settled
+        any more (the pool goes with the process)."""
+        with self._lock:
+            self._draining = True
+        self._arrived.set()  # a settle waiting for its grace returns
+
+    def halt(self) -> None:
+        """End every running answer at its next token, as a length limit would (``finish_reason`` ``length``,
+        its state kept and offered to the pool and the store); jobs not started yet get a 503."""
+        self._halted.set()
+        self._arrived.set()
 
     def _stop_criterion(self, stops: tuple[str, ...]) -> Any:
         """transformers' ``StopStringCriteria`` for ``stops``, built once: ``generate(stop_strings=...)`` builds
@@ -138,9 +194,13 @@ class Runner:
                 self._stops.pop(next(iter(self._stops)))
         return found
 
+    def _marks(self, job: Job) -> tuple[int, ...]:
+        return self.canonical_marks if job.marks is None else job.marks
+
     def _through(self, job: Job, text: str) -> Any:
-        """The ids the next turn begins with (``settle(through=...)``), when turn marks make that useful."""
-        if not self.canonical_marks or self.follow is None:
+        """The ids the next turn begins with (``settle(through=...)``), when marks make that useful: a turn or
+        a line starts right after them."""
+        if not self._marks(job) or self.follow is None:
             return None
         try:
             return self.follow(job, text)
@@ -149,25 +209,39 @@ class Runner:
             return None
 
     def _defer_settle(self, job: Job, state: Any, text: str) -> None:
-        """Queue the settle of ``job``'s reply ``text`` (its state ``state``) for when the model is idle."""
+        """Queue the settle of ``job``'s reply ``text`` (its state ``state``) for when the model is idle, or for
+        the conversation's next request, whichever comes first."""
         if self.canonical_chunk and self.pool.max_bytes:  # a pool of 0 bytes: no reuse, nothing to settle for
-            self._unsettled.append((job.namespace, state, self._through(job, text)))
+            self._unsettled.append(Unsettled(job.namespace, state, self._through(job, text), self._marks(job)))
 
     def _settle_idle(self) -> None:
         """Settle the waiting replies, newest first, while no request waits. Each first waits ``SETTLE_GRACE``
-        for a request: one sent as soon as a reply ends (the chat's next turn, or another chat) runs first
-        instead of waiting for a settle, which is one forward. It then re-feeds those tokens itself, in the
-        same canonical chunks, so only who pays for them changes; the settle is retried after the next job."""
+        for a request: one sent as soon as a reply ends runs first instead of waiting for a settle, which is
+        one forward. If it continues a waiting reply (the chat's next turn), ``_settle_for`` settles that one
+        before it; another chat's request does not wait for a settle it does not need."""
         while True:
             self._forget_unpooled()
             if not self._unsettled or not self._idle_for(SETTLE_GRACE):
                 return
-            self._settle(*self._unsettled.pop())
+            self._settle(self._unsettled.pop())
+
+    def _settle_for(self, job: Job) -> None:
+        """Before ``job`` runs: settle the waiting reply that its prompt continues (same namespace; the ids the
+        settle feeds through, or the reply's own tokens, begin the prompt), and pool the settled state. The
+        conversation's next request then resumes from it whatever the client's timing: an agent that asks again
+        as soon as a reply arrives reuses as much as one that pauses, and the same forwards run, in this
+        request's time instead of the idle model's."""
+        for entry in reversed(self._unsettled):  # the newest first: it is the longest of its conversation
+            if entry.namespace == job.namespace and entry.continued_by(job.prompt.ids):
+                self._unsettled.remove(entry)  # its conversation went on: the idle model need not settle it
+                if entry.settles_for(job.prompt.ids, self.canonical_chunk):
+                    self._settle(entry)
+                return
 
     def _forget_unpooled(self) -> None:
         """Drop the waiting settles of states the pool no longer holds: their chat went on (a newer state covers
         them) or the pool evicted them, and holding them here would keep their K/V past the pool's budget."""
-        held = [entry for entry in self._unsettled if self.pool.holds(entry[0], entry[1])]
+        held = [entry for entry in self._unsettled if self.pool.holds(entry.namespace, entry.state)]
         self._unsettled.clear()
         self._unsettled.extend(held)
 
@@ -177,24 +251,25 @@ class Runner:
         return not (self._busy() or self._arrived.wait(seconds) or self._busy())
 
     def _busy(self) -> bool:
-        return bool(self._pending) or self._closing
+        return bool(self._pending) or self._closing or self._draining
 
-    def _settle(self, namespace: str, state: Any, through: Any = None) -> None:
+    def _settle(self, entry: Unsettled) -> None:
         """After a reply: recompute its decoded tokens in canonical chunks, so the next turn's pool hit
-        re-feeds only the tail since the last cut (issue 23). Runs on the model thread between jobs; a
+        re-feeds only the tail since the last cut (the canonical schedule). Runs on the model thread between jobs; a
         failure here costs the next turn that re-feed, never an answer."""
         try:
-            session = Session(self.model, state=state, **self._session_settings())
-            if session.settle(through):
-                self.pool.put(namespace, session.state)
+            session = Session(self.model, state=entry.state, **self._session_settings(entry.marks))
+            if session.settle(entry.through):
+                self.pool.put(entry.namespace, session.state)
         except Exception:  # an optimisation: the unsettled state is in the pool already; say why it failed
             logging.getLogger("kvstate.serve").warning("settling a reply failed", exc_info=True)
 
-    def _session_settings(self) -> dict[str, Any]:
-        """What every ``Session`` of this runner is built with: its states are one another's (and the
-        scheduler's, for ``BatchRunner``), so each resumes from the others' canonical slots."""
-        return dict(chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
-                    canonical_marks=self.canonical_marks, fingerprint=self.fingerprint, **self.kernels)
+    def _session_settings(self, marks: tuple[int, ...]) -> dict[str, Any]:
+        """What every ``Session`` of this runner is built with, for a history fed with ``marks``: its states are
+        one another's (and the scheduler's, for ``BatchRunner``), so each resumes from the others' canonical
+        slots."""
+        return dict(chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk, canonical_marks=marks,
+                    fingerprint=self.fingerprint, **self.kernels)
 
     def _done(self, job: Job) -> None:
         with self._lock:
@@ -213,18 +288,24 @@ class Runner:
     def _run(self, job: Job) -> Result:
         if job.cancelled.is_set():
             raise Cancelled
+        if self._halted.is_set():
+            raise shutting_down()
+        self._settle_for(job)
         started = time.perf_counter()
         ids = torch.tensor([job.prompt.ids], dtype=torch.long)
         store = self.store_for(job.namespace)
-        sources = [self.pool.source(job.namespace), *(() if store is None else (store,))]
-        session = Session(self.model, sources=sources, **self._session_settings())
+        marks = self._marks(job)
+        sources = [self.pool.source(job.namespace, marks), *(() if store is None else (store,))]
+        session = Session(self.model, sources=sources, **self._session_settings(marks))
         streamer = _Streamer(self.tokenizer, job)
         options = dict(job.request.options)
         if job.request.seed is not None:
             torch.manual_seed(job.request.seed)
+        halt = _Halt(self._halted)
+        options["stopping_criteria"] = [*options.get("stopping_criteria", ()), halt]
         try:
             if "stop_strings" in options:  # refused as generate(stop_strings=...) would: no token spells one
-                options["stopping_criteria"] = [self._stop_criterion(tuple(options.pop("stop_strings")))]
+                options["stopping_criteria"].append(self._stop_criterion(tuple(options.pop("stop_strings"))))
             outcome = session.run(ids, streamer=streamer, **options, **job.inputs)
         except (ValueError, TypeError) as exc:
             if streamer.tokens:  # a failure mid-answer is the server's, not the request's
@@ -237,7 +318,7 @@ class Runner:
         self._defer_settle(job, outcome.state, text)
         with contextlib.suppress(RuntimeError):  # the executor is shutting down: nothing to settle for
             self._executor.submit(self._settle_idle)
-        finish = "stop" if stopped else outcome.finish_reason[0]
+        finish = "stop" if stopped else "length" if halt.fired else outcome.finish_reason[0]
         k = job.request.logprobs
         logprobs = streamer.logprobs if k is None or streamer.complete else \
             compute(outcome.output.logits, tokens, k, self.tokenizer, text)
@@ -245,6 +326,21 @@ class Runner:
                         time.perf_counter() - started, logprobs)
         self.metrics.record(result)
         return result
+
+
+class _Halt:
+    """A stopping criterion that ends the answer once the server's shutdown deadline passed (``Runner.halt``);
+    ``fired`` says whether it did."""
+
+    def __init__(self, halted: threading.Event) -> None:
+        self.halted, self.fired = halted, False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Halt:  # a copy must watch the same deadline and report here
+        return self
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self.fired = self.fired or self.halted.is_set()
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
 
 
 class _Streamer:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..schedule import default_chunk
 from ..store import PrefixStore
+from ..text import line_marks
 from .chat import Prompt, Renderer
 from .errors import BadRequest
 from .media import ImageEncoder
@@ -31,13 +33,15 @@ class Settings:
     chunk_size: int = 512
     canonical_chunk: int | None = None  # the schedule's C (kvstate.schedule.default_chunk); 0 turns it off
     turn_marks: bool = True  # cut the schedule where the chat template starts a user turn (kvstate.schedule)
-    max_batch: int = 1  # > 1: requests decode together (kvstate.serve.batching, issue 25)
+    # > 1: requests decode together (kvstate.serve.batching); None: the device's (``default_batch``)
+    max_batch: int | None = None
     prefill_per_step: int = 512  # batched: prompt tokens a step feeds, about (kvstate.batch.Scheduler.prefill_tokens)
     batch_invariant: bool = True  # False: plain kernels in the batched forward (measures the invariance tax)
     batch_prepack: bool = True  # the tiles on prepacked weights (kvstate.batch.Scheduler.prepack)
     batch_prefill_rows: int = 32  # the prefill's tile; 0: each prompt in plain forwards (Scheduler.prefill_rows)
     batch_gather_ms: int = 20  # an idle batched server admits a burst together (BatchRunner._gather); 0: off
     reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
+    shutdown_timeout: float = 20.0  # a graceful stop's seconds for running answers, then they end (``Server.stop``)
 
 
 class Server:
@@ -63,16 +67,20 @@ class Server:
         self._stores: dict[str, PrefixStore] = {}
         if settings.store is not None and settings.reuse:
             self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
-        self.marks = self.renderer.marks if settings.canonical_chunk != 0 and settings.turn_marks else ()
+        marked = settings.canonical_chunk != 0 and settings.turn_marks
+        self.marks = self.renderer.marks if marked else ()  # a chat's cuts: where its template starts a user turn
+        self.lines = line_marks(tokenizer) if marked else ()  # a raw prompt's: where a line starts
         chunk = settings.canonical_chunk
-        self.canonical_chunk = default_chunk(self.marks) if chunk is None else chunk
+        device = next(model.parameters()).device.type
+        self.canonical_chunk = default_chunk(self.marks, device) if chunk is None else chunk
+        self.max_batch = default_batch(device) if settings.max_batch is None else settings.max_batch
         args = (model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue, settings.chunk_size,
                 self.canonical_chunk)
         turns = dict(canonical_marks=self.marks, follow=lambda job, text: self.renderer.following(job.prompt, text))
-        if settings.max_batch > 1:
+        if self.max_batch > 1:
             from .batching import BatchRunner
 
-            self.runner: Runner = BatchRunner(*args, max_batch=settings.max_batch,
+            self.runner: Runner = BatchRunner(*args, max_batch=self.max_batch,
                                               invariant=settings.batch_invariant, prepack=settings.batch_prepack,
                                               prefill_rows=settings.batch_prefill_rows,
                                               prefill_tokens=settings.prefill_per_step,
@@ -80,6 +88,11 @@ class Server:
         else:
             self.runner = Runner(*args, **turns)
         self.started = int(time.time())
+        self.stopping = threading.Event()  # a graceful stop began (``stop``): new requests get a 503
+
+    def marks_for(self, chat: bool) -> tuple[int, ...]:
+        """The canonical schedule's marks for a chat's prompt (turn marks) or a completions prompt (line marks)."""
+        return self.marks if chat else self.lines
 
     def store_for(self, namespace: str) -> PrefixStore | None:
         """The namespace's view of the store (same backend, keys salted by the namespace)."""
@@ -98,7 +111,7 @@ class Server:
         if not prompt.images:
             self.images.check_text_only(prompt.ids)
             return prompt, {}
-        ids, inputs = self.images.encode(prompt.text, prompt.images)
+        ids, inputs = self.images.encode(prompt.ids, prompt.images)
         return replace(prompt, ids=ids), inputs
 
     def check_prompt(self, prompt: Prompt) -> None:
@@ -113,10 +126,24 @@ class Server:
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "kvstate"}
 
+    def stop(self) -> None:
+        """Begin a graceful stop (``kvstate serve`` on SIGTERM or Ctrl-C): new requests get a 503 and ``/health``
+        says ``draining``; queued and running requests go on for ``shutdown_timeout`` seconds, then each running
+        answer ends at its next token (``finish_reason`` ``length``, its state kept in the pool and the store).
+        Call it from a thread, not from a signal handler (it takes locks); more than once is fine."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        self.runner.stop_accepting()
+        timer = threading.Timer(self.settings.shutdown_timeout, self.runner.halt)
+        timer.daemon = True  # a process that finished draining early does not wait for it
+        timer.start()
+
     def health(self) -> dict[str, Any]:
         store = self.store_for("default")
-        weight = next(self.model.parameters())  # what the answers are computed in (issue 23)
-        return {"status": "ok", "model": self.model_id, "dtype": str(weight.dtype).removeprefix("torch."),
+        weight = next(self.model.parameters())  # what the answers are computed in (the canonical schedule)
+        return {"status": "draining" if self.stopping.is_set() else "ok", "model": self.model_id,
+                "dtype": str(weight.dtype).removeprefix("torch."),
                 "device": str(weight.device), "queue": self.runner.pending, "max_queue": self.settings.max_queue,
                 "store": None if store is None else store.health()}
 
@@ -131,6 +158,17 @@ class Server:
 
     def close(self) -> None:
         self.runner.close()
+
+
+# Requests a server decodes together when ``--max-batch`` is not given: on a GPU a decode step reads every
+# weight once whatever its rows, so batching is nearly free; on a CPU one request at a time stays the default
+# (the batched decoder's tiles cost a lone request, measured in docs/batching.md).
+DEVICE_BATCH = {"cuda": 16}
+
+
+def default_batch(device: str) -> int:
+    """``max_batch`` on a ``device`` type (``DEVICE_BATCH``, else 1)."""
+    return DEVICE_BATCH.get(device, 1)
 
 
 def model_id_for(spec: str) -> str:
