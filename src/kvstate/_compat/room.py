@@ -24,18 +24,20 @@ from .core import _RecordingSlidingLayer
 
 
 class _Room:
-    """One layer's keys and values ``[B, H, n, D]``, in buffers with room for more slots (doubled when full)."""
+    """One layer's keys and values ``[B, H, n, D]``, in buffers with room for more slots. The room is made by the
+    first append (``extra`` slots, so a call that appends nothing copies nothing) and doubled when full."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
-        self.n = keys.shape[-2]
-        self.keys, self.values = _with_room(keys, extra), _with_room(values, extra)
+        self.n, self.extra, self.grown = keys.shape[-2], extra, False
+        self.keys, self.values = keys, values
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``keys``/``values`` ``[B, H, q, D]`` after the slots so far; every slot, as views."""
         n, q = self.n, keys.shape[-2]
         if n + q > self.keys.shape[-2]:
-            self.keys = _with_room(self.keys[..., :n, :], max(q, n))
-            self.values = _with_room(self.values[..., :n, :], max(q, n))
+            room, self.extra, self.grown = max(q, self.extra or n), 0, True
+            self.keys = _with_room(self.keys[..., :n, :], room)
+            self.values = _with_room(self.values[..., :n, :], room)
         self.keys.narrow(-2, n, q).copy_(keys)  # narrow, not indexing: this runs per stream, layer and step
         self.values.narrow(-2, n, q).copy_(values)
         self.n = n + q
@@ -66,7 +68,7 @@ def reserve(cache: Any, extra: int) -> None:
         if type(layer) not in (DynamicLayer, _RecordingSlidingLayer) or not layer.is_initialized \
                 or layer.keys is None or layer.keys.dim() != 4:
             continue
-        room = _Room(layer.keys, layer.values, extra)
+        room = layer.room = _Room(layer.keys, layer.values, extra)
         if type(layer) is _RecordingSlidingLayer:
             layer.store = room.append
         else:
@@ -74,10 +76,14 @@ def reserve(cache: Any, extra: int) -> None:
 
 
 def compact(cache: Any) -> None:
-    """Copy each layer's slots out of its room (contiguous, as concatenation leaves them) and end the growth."""
+    """Copy the slots of each layer that grew into its room out of it (contiguous, as concatenation leaves them),
+    so no state keeps the room alive, and end the growth; a layer that appended nothing is left as it was."""
     if not isinstance(cache, DynamicCache):
         return
     for layer in cache.layers:
-        if layer.__dict__.pop("store", None) is not None or layer.__dict__.pop("update", None) is not None:
+        room = layer.__dict__.pop("room", None)
+        layer.__dict__.pop("store", None)
+        layer.__dict__.pop("update", None)
+        if room is not None and room.grown:
             layer.keys = layer.keys.clone(memory_format=torch.contiguous_format)
             layer.values = layer.values.clone(memory_format=torch.contiguous_format)
