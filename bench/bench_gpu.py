@@ -6,8 +6,10 @@ weights change neither the times nor the bits), tried on the CPU at a small shap
 * **one stream**: a 300-token prompt, 32 greedy tokens: plain ``model.generate`` against ``Session.generate``, time to
   first token and decode tokens per second (``(N - 1) / (t_N - t_1)``, from two runs of 1 and N tokens);
 * **streams** 1, 8 and 16 (prompts of 64-460 tokens, 32 tokens each): kvstate's ``generate_many`` with batch
-  invariance (every answer checked bitwise against the same request alone), without it (the invariance tax), and
-  transformers' ``generate_batch`` (continuous batching; a persistent manager, measured on its second call);
+  invariance (every answer checked bitwise against the same request alone), without it (the invariance tax), with
+  ``static_shapes`` (the capture-ready step a CUDA graph would replay, run eagerly: its cost, and its bits checked
+  against the invariant answers), and transformers' ``generate_batch`` (continuous batching; a persistent manager,
+  measured on its second call);
 * **the bound**: decode reads every weight once per step, so one stream cannot beat bandwidth / weight bytes; the
   bandwidth is measured here (a large device-to-device copy), and ``bandwidth_fraction`` is kvstate's one-stream
   decode rate over that bound;
@@ -83,15 +85,18 @@ def streams(model, n: int, device: str) -> dict[str, object]:
 
     batch = requests(n, model.config.vocab_size, device)
     out: dict[str, object] = {"streams": n}
-    for name, invariant in (("kvstate", True), ("kvstate_no_invariance", False)):
+    answers = {}
+    for name, invariant, static in (("kvstate", True, False), ("kvstate_no_invariance", False, False),
+                                    ("kvstate_static_shapes", True, True)):
         begin = _now(device)
-        done = generate_many(model, batch, max_batch=n, invariant=invariant)
+        done = answers[name] = generate_many(model, batch, max_batch=n, invariant=invariant, static_shapes=static)
         seconds = _now(device) - begin
         out[f"{name}_tok_s"] = round(sum(len(c.tokens) for c in done) / seconds, 2)
-        if invariant:
-            alone = [generate_many(model, [r], max_batch=1)[0] for r in batch]
-            out["alone_equals_batched"] = all(a.tokens == b.tokens and a.logprobs == b.logprobs
-                                              for a, b in zip(alone, done, strict=True))
+    same = [(c.tokens, c.logprobs) for c in answers["kvstate"]]
+    alone = [generate_many(model, [r], max_batch=1)[0] for r in batch]
+    out["alone_equals_batched"] = [(c.tokens, c.logprobs) for c in alone] == same
+    # the capture-ready step (each pool's whole capacity, one shape between growths) run eagerly: the same bits
+    out["static_shapes_bitwise"] = [(c.tokens, c.logprobs) for c in answers["kvstate_static_shapes"]] == same
     config = GenerationConfig(max_new_tokens=N, min_new_tokens=N, do_sample=False, eos_token_id=None, pad_token_id=0)
     prompts = [r.ids.tolist() for r in batch]
     try:
@@ -130,6 +135,7 @@ def summary(report: dict, weight_bytes: int) -> dict[str, object]:
         "streams16_vs_transformers": most and most.get("transformers_tok_s") and
         round(most["kvstate_tok_s"] / most["transformers_tok_s"], 3),
         "alone_equals_batched": bool(rows) and all(r.get("alone_equals_batched") for r in rows),
+        "static_shapes_bitwise": bool(rows) and all(r.get("static_shapes_bitwise") for r in rows),
         "invariance_tax": most and round(1 - most["kvstate_tok_s"] / most["kvstate_no_invariance_tok_s"], 3),
         "bandwidth_fraction": one and bound and round(one["kvstate_decode_tok_s"] / bound, 3),
         "cold_prefill_4k_vs_plain": chosen[0]["cold_vs_plain"] if chosen else None,

@@ -103,9 +103,13 @@ def test_the_probe_refuses_an_attention_kernel_whose_bits_follow_the_padding(mon
         out = real(q, k, v, attn_mask=attn_mask, scale=scale)
         return out + out * torch.finfo(out.dtype).eps * (k.shape[2] // BUCKET % 2)
 
-    assert pool_module._probe(torch.float32, 2, 2, 8, torch.device("cpu"))  # the real kernel, this CPU
+    cpu = torch.device("cpu")
+    assert pool_module._probe(torch.float32, 2, 2, 8, cpu, 1600)  # the real kernel, this CPU
+    assert attention_free(torch.float32, 2, 2, 8, cpu, widest=3000)  # a pool of 3,000 slots: probed to 4,096
+    assert any(key[-1] == 4096 for key in pool_module._FREE)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", padded_sum)
-    assert not pool_module._probe(torch.float32, 2, 2, 8, torch.device("cpu"))
+    assert not pool_module._probe(torch.float32, 2, 2, 8, cpu, 1600)
+    assert not pool_module._probe(torch.float32, 2, 2, 8, cpu, 4096)
 
 
 def test_the_pooled_call_is_transformers_sdpa_per_stream_head_for_head():
@@ -201,3 +205,30 @@ def test_rows_with_their_own_caches_and_pooled_rows_share_a_step_with_the_answer
     assert any(pooled) and not all(pooled), pooled
     done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
     assert [(c.tokens, c.logprobs, c.top_logprobs) for c in (done[h] for h in handles)] == alone(model, batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_static_shapes_attend_over_the_whole_capacity_with_the_bits_of_the_bucketed_call(monkeypatch, arch, dtype):
+    # what a captured CUDA graph replays: one shape per pool buffer, whatever the streams' lengths
+    seen: dict[bool, list[tuple]] = {True: [], False: []}
+    real = pool_module.Step.attend
+
+    def watched(self, layer, query, scaling):
+        _, mask, L = self._group(layer)
+        seen[self.pool.fixed].append((self.pool.keys[layer].data_ptr(), tuple(self.pool.keys[layer].shape),
+                                      tuple(mask.shape), L))
+        return real(self, layer, query, scaling)
+
+    monkeypatch.setattr(pool_module.Step, "attend", watched)
+    model = model_in(arch, dtype)
+    batch = requests(6, new=9)  # lengths from 3 to 67 tokens: bucketed calls span 64 and 128 slots
+    fixed = answers(model, batch, static_shapes=True)
+    assert fixed == answers(model, batch) == alone(model, batch)
+    assert seen[True] and seen[False]  # the pooled call ran both ways (the padding probe holds here)
+    shapes: dict[int, set] = {}
+    for pointer, buffer, mask, L in seen[True]:
+        assert buffer[2] == L and mask == (buffer[0], 1, 1, buffer[2])  # every slot, the whole capacity
+        shapes.setdefault(pointer, set()).add((mask, L))
+    assert all(len(one) == 1 for one in shapes.values())  # between growths: one shape
+    assert len({L for *_, L in seen[False]}) > 1  # the bucketed call's length follows the longest stream

@@ -132,6 +132,15 @@ def test_malformed_urls_fail_at_construction(location):
         PrefixStore(location)
 
 
+@pytest.mark.parametrize("location", ["ftp://x", "s3://bucket/prefix", "http://localhost:6379/0"])
+def test_other_urls_are_refused_not_made_folders(location, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the old behaviour made a folder named after the scheme here
+    with pytest.raises(StoreError, match="unsupported prefix-store URL") as info:
+        PrefixStore(location)
+    assert location in str(info.value) and "redis://" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_unusable_folder_fails_at_construction(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreError, match="folder"):

@@ -131,7 +131,8 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                          fix="decode one conversation per forward")
     attend = _own_attention(module, _LOCAL.backend)
     group = cache.grouped and _groupable(attend, query, key, kwargs)
-    steps = cache.steps if cache.grouped and cache.steps and _poolable(attend, query, key, kwargs) else []
+    steps = cache.steps if cache.grouped and cache.steps and _poolable(attend, query, key, kwargs, cache.steps) \
+        else []
     one = len(steps) == 1 and len(steps[0].rows) == len(cache.segments)  # every row in one pooled call
     pairs = cache.pairs(layer) if cache.verify or not one else None
     if cache.verify:  # before any attention: a model attending with other K/V than its cache's is refused
@@ -176,17 +177,19 @@ def _each(module: Any, attend: Callable[..., Any], query: torch.Tensor, cache: P
     return [outs[i] for i in range(len(pairs))]
 
 
-def _poolable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+def _poolable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any],
+              steps: Sequence[Step]) -> bool:
     """Whether the pooled call (``kvstate._compat.pool``) computes what ``attend`` would for decode rows:
     transformers' sdpa function, no bias, dropout or softcap, query heads a multiple of K/V heads, and the
-    kernel measured free of the padding (``attention_free``)."""
+    kernel measured free of the padding up to the pools' capacity (``attention_free``)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     heads, kv_heads = query.shape[1], key.shape[1]
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not kwargs.get("dropout")
     return (attend is sdpa_attention_forward and plain and not kwargs.get("output_attentions")
             and heads % kv_heads == 0 and query.shape[3] == key.shape[3]
-            and attention_free(query.dtype, kv_heads, heads // kv_heads, query.shape[3], query.device))
+            and attention_free(query.dtype, kv_heads, heads // kv_heads, query.shape[3], query.device,
+                               max(step.pool.keys[0].shape[2] for step in steps)))
 
 
 def _groupable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> bool:

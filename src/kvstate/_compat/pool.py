@@ -40,7 +40,8 @@ _FREE: dict[tuple[Any, ...], bool] = {}  # attention_free's verdicts by dtype, h
 class Pool:
     """The K/V of the streams of packed decode steps (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fixed: bool = False) -> None:
+        self.fixed = fixed  # every step attends over all S slots and the whole capacity (one shape between growths)
         self.keys: list[torch.Tensor] = []  # per layer [S, Hkv, cap, D]
         self.values: list[torch.Tensor] = []  # per layer [S, Hkv, cap, Dv]
         self.windows: list[int | None] = []  # per layer: a sliding layer's window (None: every slot)
@@ -139,8 +140,9 @@ class Step:
         self.dense = self.rows == list(range(len(self.rows)))  # pooled rows first: read by narrowing
         self.row_index = torch.tensor(self.rows, dtype=torch.long, device=device)
         self.index = torch.tensor(self.slots, dtype=torch.long, device=device)
-        self.identity = self.slots == list(range(len(self.slots)))  # rows in slot order: no scatter or gather
-        self.span = max(self.slots) + 1  # the batch of a pooled attention call: slots 0 .. span - 1
+        # the batch of a pooled attention call: slots 0 .. span - 1 (fixed: every slot the buffers have)
+        self.span = pool.keys[0].shape[0] if pool.fixed else max(self.slots) + 1
+        self.identity = self.slots == list(range(self.span))  # rows in slot order: no scatter or gather
         self._groups: dict[tuple[tuple[int, ...], int | None], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -196,7 +198,7 @@ class Step:
         after = [0] * self.span
         for slot, n in zip(self.slots, before, strict=True):
             after[slot] = n + 1
-        L = BUCKET * -(-max(after) // BUCKET)
+        L = self.pool.keys[0].shape[2] if self.pool.fixed else BUCKET * -(-max(after) // BUCKET)
         mask = visible(after, L, window, device)
         mask[torch.tensor(after, device=device) == 0, ..., 0] = True  # a slot no row uses: one finite key, unused
         return torch.tensor(before, device=device), mask, L
@@ -213,20 +215,22 @@ def visible(ends: Sequence[int], L: int, window: int | None, device: torch.devic
     return seen[:, None, None]
 
 
-def attention_free(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device) -> bool:
+def attention_free(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device,
+                   widest: int = 0) -> bool:
     """Whether the grouped SDPA call of one row over its slots, padded to a multiple of ``BUCKET`` and masked,
-    gives the row the same bits whatever further masked padding and other rows share the call: probed once
-    per dtype, heads, width, device and thread count on seeded random values (lengths across the kernels'
-    vector and block widths, windows, batches of 1 and 3). Measured on this project's CPU (``docs/batching.md``)."""
-    key = (dtype, kv_heads, groups, dim, str(device), torch.get_num_threads())
+    gives the row the same bits whatever further masked padding (up to ``widest`` slots, a pool's capacity)
+    and other rows share the call: probed once per dtype, heads, width, device, thread count and power of two
+    of ``widest`` past 1,600, on seeded random values (lengths across the kernels' vector and block widths,
+    windows, batches of 1 and 3). Measured on this project's CPU (``docs/batching.md``)."""
+    cap = 1600 if widest <= 1600 else 1 << (widest - 1).bit_length()  # room for every padded length probed
+    key = (dtype, kv_heads, groups, dim, str(device), torch.get_num_threads(), cap)
     if key not in _FREE:
-        _FREE[key] = _probe(dtype, kv_heads, groups, dim, device)
+        _FREE[key] = _probe(dtype, kv_heads, groups, dim, device, cap)
     return _FREE[key]
 
 
-def _probe(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device) -> bool:
+def _probe(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device, cap: int) -> bool:
     generator = torch.Generator().manual_seed(25)
-    cap = 1600  # room for every padded length below
     keys, values = (torch.randn(3, kv_heads, cap, dim, generator=generator).to(dtype=dtype, device=device)
                     for _ in range(2))
     q = torch.randn(3, kv_heads, groups, dim, generator=generator).to(dtype=dtype, device=device)

@@ -93,6 +93,10 @@ class Scheduler:
         share_prefixes: a prompt resumes from the longest prefix it shares with the last ``max_batch``
             admitted prompts (``kvstate.batch.prefixes``; bitwise the cold answer). A server whose
             requests belong to different keys turns it off and uses one pool namespace per key.
+        static_shapes: every packed decode step attends over its pool's whole capacity and all of its
+            slots, so the steps between two growths of a pool have one set of shapes on buffers that do not
+            move (what a captured CUDA graph replays). The same bits (the pooled call is used only where
+            the padding probe holds up to that capacity); eagerly it reads the unused room too.
         canonical_chunk, canonical_marks, chunk_size, sources, tokenizer: as for ``Session``.
     """
 
@@ -100,7 +104,8 @@ class Scheduler:
                  prepack: bool = True, prefill_rows: int = 32, prefill_tokens: int | None = None,
                  share_prefixes: bool = True,
                  canonical_chunk: int | None = None, chunk_size: int = 512, canonical_marks: Sequence[int] = (),
-                 sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None) -> None:
+                 sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None,
+                 static_shapes: bool = False) -> None:
         from ..adapters.fingerprinting import fingerprint as digest
         from ..selfcheck import bind
 
@@ -119,7 +124,7 @@ class Scheduler:
         self.sources = (*sources, *((RecentPrompts(max_batch),) if share_prefixes else ()))
         self.fingerprint = fingerprint or digest(model, tokenizer)
         self.engine = Engine(bind(model))
-        self._packed = Packed(self.engine, rows, invariant, prepack)
+        self._packed = Packed(self.engine, rows, invariant, prepack, fixed=static_shapes)
         self.prefill_rows, self._kernels = prefill_rows, (prepack, invariant)
         self._single = Single(self.engine, FeedSettings(chunk_size, canonical=self.canonical_chunk,
                                                         marks=self.canonical_marks, tile=prefill_rows,

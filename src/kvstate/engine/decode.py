@@ -96,8 +96,9 @@ def packable(engine: Engine, state: State) -> bool:
 class Packed:
     """Decode steps of attention-only streams in one forward (see the module docstring)."""
 
-    def __init__(self, engine: Engine, rows: int, invariant: bool = True, prepack: bool = True) -> None:
-        self.engine, self.rows, self.invariant = engine, rows, invariant
+    def __init__(self, engine: Engine, rows: int, invariant: bool = True, prepack: bool = True,
+                 fixed: bool = False) -> None:
+        self.engine, self.rows, self.invariant, self.fixed = engine, rows, invariant, fixed
         # the tile's products on prepacked weights (kvstate._compat.kernels); never for one-row tiles
         self.linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear] \
             if invariant and prepack and rows > 1 and available() else []
@@ -181,7 +182,7 @@ class Packed:
         if stream.live is None:
             stream.live = stream.hold.enter_context(self.engine.runtime.attached(stream.state))
             if self.pooling and Pool.poolable(stream.live.cache):
-                stream.pool = self.pools.setdefault(Pool.length_class(stream.live.cache, stream.room), Pool())
+                stream.pool = self.pools.setdefault(Pool.length_class(stream.live.cache, stream.room), Pool(self.fixed))
                 stream.slot = stream.pool.join(stream.live.cache, stream.room)
             else:
                 reserve(stream.live.cache, stream.room)

@@ -27,6 +27,7 @@ values (``kvstate.protocols``), never a session.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,23 @@ from .keys import chain, salt
 __all__ = ["FolderBackend", "PrefixStore", "RedisBackend", "StoreWarning"]
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def backend_for(location: str | os.PathLike[str]) -> FolderBackend | RedisBackend:
+    """A Redis backend for a Redis URL, a folder backend for a path; any other URL (``ftp://x``, ``s3://b``) is
+    refused rather than taken for a folder named ``ftp:``."""
+    text = str(location)
+    if text.startswith(REDIS_SCHEMES):
+        return RedisBackend(text)
+    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", text)
+    if scheme:
+        raise StoreError("unsupported prefix-store URL", expected="a folder path or redis://host:port/db "
+                         "(rediss://..., unix://...)", found=text,
+                         fix=f"use a folder or a Redis server; {scheme.group(1)}:// stores are not supported")
+    return FolderBackend(Path(text))
+
+
 class PrefixStore:
     """A prefix cache of state files in a folder (default) or Redis (``redis://...``)."""
 
@@ -57,9 +75,7 @@ class PrefixStore:
                              found={"chunk_tokens": chunk_tokens, "capacity_bytes": capacity_bytes})
         if write not in ("turns", "all") and not (isinstance(write, int) and write > 0):
             raise InputError("invalid write policy", expected="'turns', 'all' or a positive int", found=write)
-        text = str(location)
-        self.backend = RedisBackend(text) if text.startswith(("redis://", "rediss://", "unix://")) \
-            else FolderBackend(Path(text))
+        self.backend = backend_for(location)
         self.chunk_tokens, self.namespace = chunk_tokens, namespace
         self.capacity_bytes, self.write = capacity_bytes, write
         self.failures = 0  # backend failures in this process (reads answered as misses, writes skipped)
