@@ -56,8 +56,9 @@ def plain(model, ids, n):
                          do_sample=False, eos_token_id=None)
     return out[:, ids.shape[1]:]
 
-def mine(session, ids, n):
-    return session.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+def mine(session, ids, n):  # the mask plain gets: a random id equal to pad_token_id is a token in both
+    return session.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, eos_token_id=None)
 
 def phase1(t, folder):
     try:
@@ -74,7 +75,7 @@ def phase1(t, folder):
     try:
         with torch.no_grad():
             s = Session(model)
-            s.extend(ids[:, :16])
+            s.extend(ids[:, :16], torch.ones_like(ids[:, :16]))
             if not torch.equal(mine(s, ids, 4), plain(model, ids, 4)): failed.append("split resume")
             fork = s.fork()
             branch = torch.cat([ids[:, :20], other], 1)
@@ -86,10 +87,12 @@ def phase1(t, folder):
             schedules = {}  # each state saved under canonical_chunk C, and what its own session reuses continuing it
             for chunk in (0, 4):
                 saved = Session(model, canonical_chunk=chunk)
-                saved.extend(ids[:, :18])
+                saved.extend(ids[:, :18], torch.ones_like(ids[:, :18]))
                 saved.save(os.path.join(folder, f"{t}.c{chunk}.kvs"))
                 tokens = mine(saved.fork(), ids, 3)
-                schedules[chunk] = {"reused": saved.fork().run(ids, max_new_tokens=1).reused, "tokens": tokens.tolist()}
+                ones = torch.ones_like(ids)
+                schedules[chunk] = {"reused": saved.fork().run(ids, ones, max_new_tokens=1).reused,
+                                    "tokens": tokens.tolist()}
                 if not torch.equal(tokens, plain(model, ids, 3)): failed.append(f"canonical_chunk={chunk}")
             s.reset()
             fresh = Session(model)
