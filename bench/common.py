@@ -64,7 +64,18 @@ def _git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
                               cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return ""
+
+
+def commit() -> str:
+    """HEAD's commit; where the tree has no git (a device run copies it without .git), ``KVSTATE_COMMIT``, which
+    ``scripts/gpu_session.sh``'s caller sets."""
+    return _git("rev-parse", "HEAD") or os.environ.get("KVSTATE_COMMIT", "unknown")
+
+
+def dirty() -> bool:
+    """Uncommitted changes to tracked files other than results (which a run rewrites); False without git."""
+    return bool(_git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)bench/results"))
 
 
 def environment() -> dict[str, object]:
@@ -75,10 +86,8 @@ def environment() -> dict[str, object]:
     import kvstate
 
     return {
-        "commit": _git("rev-parse", "HEAD"),
-        # uncommitted changes to tracked files other than results (which a run rewrites)
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", ":(top)",
-                           ":(top,exclude)bench/results")),
+        "commit": commit(),
+        "dirty": dirty(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "kvstate": kvstate.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "machine": platform.machine(),

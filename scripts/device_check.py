@@ -27,13 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from common import commit, dirty
 
 N = 8  # greedy tokens per run
 TINY_CHUNK = 16  # the tiny histories are short: small chunks so they resume from several cuts
@@ -59,7 +61,7 @@ class Run:
 
         self.args, self.began = args, time.perf_counter()
         self.report: dict = {"device": args.device, "device_name": _device_name(args.device), "dtype": args.dtype,
-                             "commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain")),
+                             "commit": commit(), "dirty": dirty(),
                              "kvstate": kvstate.__version__, "torch": torch.__version__,
                              "transformers": transformers.__version__, "new_tokens": N, "kernels": [],
                              "tiny": [], "big": [], "costs": [], "incomplete": None}
@@ -329,8 +331,6 @@ def _with(context, call):
         return call()
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
 
 
 def _device_name(device: str) -> str:
