@@ -232,3 +232,37 @@ def test_static_shapes_attend_over_the_whole_capacity_with_the_bits_of_the_bucke
         shapes.setdefault(pointer, set()).add((mask, L))
     assert all(len(one) == 1 for one in shapes.values())  # between growths: one shape
     assert len({L for *_, L in seen[False]}) > 1  # the bucketed call's length follows the longest stream
+
+
+def test_the_math_kernel_of_the_pooled_call_is_sdpa_to_rounding():
+    # on CUDA the pooled call runs aten's math kernel (never PyTorch's pick); its additive mask is the boolean one
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 2, 4, 8, generator=gen, dtype=torch.float64)
+    keys, values = (torch.randn(3, 2, 128, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = pool_module.visible([5, 128, 70], 128, None, "cpu")
+    mask[0, ..., 0] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=0.3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pool_module, "MATH_DEVICES", {"cpu"})
+        got = pool_module.pooled_sdpa(q, keys, values, mask, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_with_the_math_kernel_the_pooled_call_keeps_batched_equal_alone(monkeypatch, dtype):
+    # CUDA's pooled path run on the CPU: the padding probe is run on the math kernel, and the answers stay alone's
+    monkeypatch.setattr(pool_module, "MATH_DEVICES", {"cpu"})
+    monkeypatch.setattr(pool_module, "_FREE", {})
+    calls, real = [], pool_module.pooled_sdpa
+    monkeypatch.setattr(pool_module, "pooled_sdpa", lambda *a: calls.append(1) or real(*a))
+    model = model_in("gemma3_text", dtype)  # sliding and full layers
+    attention = model.model.layers[0].self_attn
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    batch = requests(5)
+    assert answers(model, batch) == alone(model, batch)
+    free = attention_free(dtype, kv_heads, heads // kv_heads, attention.head_dim, torch.device("cpu"))
+    probed = len(calls)
+    assert probed > 0  # the probe itself ran on the math kernel
+    calls.clear()
+    answers(model, batch, static_shapes=True)
+    assert bool(calls) is free  # the pooled call ran exactly where the math kernel passed the probe

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedError
+from .attention import deterministic_attention
 from .core import attention_backend, attention_implementation
 from .pool import Step, attention_free
 
@@ -180,13 +181,15 @@ def _each(module: Any, attend: Callable[..., Any], query: torch.Tensor, cache: P
 def _poolable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any],
               steps: Sequence[Step]) -> bool:
     """Whether the pooled call (``kvstate._compat.pool``) computes what ``attend`` would for decode rows:
-    transformers' sdpa function, no bias, dropout or softcap, query heads a multiple of K/V heads, and the
-    kernel measured free of the padding up to the pools' capacity (``attention_free``)."""
+    transformers' sdpa function (on CUDA kvstate's deterministic one, whose pooled call runs the math kernel),
+    no bias, dropout or softcap, query heads a multiple of K/V heads, and the kernel measured free of the
+    padding up to the pools' capacity (``attention_free``)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     heads, kv_heads = query.shape[1], key.shape[1]
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not kwargs.get("dropout")
-    return (attend is sdpa_attention_forward and plain and not kwargs.get("output_attentions")
+    return (attend in (sdpa_attention_forward, deterministic_attention) and plain
+            and not kwargs.get("output_attentions")
             and heads % kv_heads == 0 and query.shape[3] == key.shape[3]
             and attention_free(query.dtype, kv_heads, heads // kv_heads, query.shape[3], query.device,
                                max(step.pool.keys[0].shape[2] for step in steps)))

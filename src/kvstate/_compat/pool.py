@@ -14,7 +14,9 @@ computed independently (CPU SDPA splits work by batch entry, head and query bloc
 a stream alone and in a batch is ``L`` (the longest stream's bucket), so the call is used only where
 ``attention_free`` measured that padding further with masked slots changes no bit of a row, for the
 layer's dtype, heads and width and the thread count. Elsewhere each stream attends alone over views of
-its slots (the per-stream form of ``kvstate._compat.packed``, the same views a room gave).
+its slots (the per-stream form of ``kvstate._compat.packed``, the same views a room gave). On CUDA the call
+runs the math kernel (``pooled_sdpa``: PyTorch's own pick for a masked call can be cuDNN, whose runs differ),
+and the probe runs on that kernel there.
 
 The pool's buffers start zeroed (a masked slot must hold a finite value: ``-inf`` plus NaN is NaN), so
 a slot past a stream's length is 0 or an earlier stream's value, never uninitialised memory. Lengths
@@ -34,6 +36,7 @@ from transformers.cache_utils import DynamicLayer
 from .core import _RecordingSlidingLayer
 
 BUCKET = 64  # a step's padded length is a multiple of this (any SIMD width of the kernels' exp loops)
+MATH_DEVICES = {"cuda"}  # device types whose pooled call runs the math kernel (``pooled_sdpa``)
 _FREE: dict[tuple[Any, ...], bool] = {}  # attention_free's verdicts by dtype, heads, width, device and threads
 
 
@@ -168,8 +171,7 @@ class Step:
         if not self.identity:
             rows = rows.new_zeros(self.span, heads, dim).index_copy_(0, self.index, rows)
         q = rows.view(-1, kv_heads, heads // kv_heads, dim)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, keys[:self.span, :, :L], values[:self.span, :, :L], attn_mask=mask, scale=scaling)  # [span, Hkv, G, Dv]
+        out = pooled_sdpa(q, keys[:self.span, :, :L], values[:self.span, :, :L], mask, scaling)  # [span, Hkv, G, Dv]
         out = out.reshape(self.span, heads, out.shape[-1])
         return out if self.identity else out.index_select(0, self.index)
 
@@ -215,6 +217,17 @@ def visible(ends: Sequence[int], L: int, window: int | None, device: torch.devic
     return seen[:, None, None]
 
 
+def pooled_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                scale: float | None) -> torch.Tensor:
+    """The pooled call's kernel, ``[S, Hkv, G, D]`` over ``[S, Hkv, L, D]`` with a boolean ``mask`` ``[S, 1, 1, L]``:
+    SDPA on the CPU; on a device in ``MATH_DEVICES`` (CUDA) the math kernel with the mask made additive, since there
+    PyTorch's own pick for a masked call can be cuDNN, whose runs differ (``kvstate._compat.attention``)."""
+    if q.device.type not in MATH_DEVICES:
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_attention_math(q, keys, values, additive, scale=scale)[0]
+
+
 def attention_free(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device,
                    widest: int = 0) -> bool:
     """Whether the grouped SDPA call of one row over its slots, padded to a multiple of ``BUCKET`` and masked,
@@ -234,7 +247,8 @@ def _probe(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: tor
     keys, values = (torch.randn(3, kv_heads, cap, dim, generator=generator).to(dtype=dtype, device=device)
                     for _ in range(2))
     q = torch.randn(3, kv_heads, groups, dim, generator=generator).to(dtype=dtype, device=device)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float) -> torch.Tensor:
+        return pooled_sdpa(q, k, v, attn_mask, scale)
 
     with torch.no_grad():
         for n, window in ((1, None), (15, None), (63, None), (64, None), (65, 16), (200, None), (511, None),
