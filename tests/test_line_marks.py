@@ -198,3 +198,24 @@ def test_a_settle_runs_no_output_head():
     assert rows and set(rows) == {0} and s.state.last_logits is None, rows
     more = torch.cat([through, line(5, seed=3)], 1)
     assert_bitwise(run(s, more), run(Session(model, canonical_chunk=C, canonical_marks=MARKS), more), "after")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_history_that_leaves_the_state_where_a_line_starts_reuses_no_slot_of_the_states_running_chunk(arch):
+    # a cut is decided by the token at it: a history that shares 5 tokens with the state and then starts a line
+    # cuts at 5, where the state's own chunk [0, 8) ran on (found through kvstate serve: a completions prompt
+    # after another that shared its first tokens answered with other logprobs than a fresh server)
+    model = model_in(arch)
+    head = torch.cat([prompt(1, seed=0), prompt(4, seed=1) % 100 + 10], 1)  # BOS and 4 text tokens
+    first = torch.cat([head, prompt(10, seed=2) % 100 + 10], 1)  # no line break: one segment, cut at 8
+    second = torch.cat([head, line(6, seed=3)], 1)  # a line starts at 5
+    warm = Session(model, canonical_chunk=C, canonical_marks=MARKS)
+    warm.extend(first)
+    assert warm.state.canonical == first.shape[1]
+    got = run(warm, second)
+    assert warm.last_plan.reused == 0  # 5 is a cut of `second` only
+    assert_bitwise(got, run(Session(model, canonical_chunk=C, canonical_marks=MARKS), second), arch)
+    again = Session(model, canonical_chunk=C, canonical_marks=MARKS)
+    again.extend(torch.cat([head, line(9, seed=4)], 1))  # this state did cut at 5: its slots before are reused
+    assert_bitwise(run(again, second), run(Session(model, canonical_chunk=C, canonical_marks=MARKS), second), arch)
+    assert again.last_plan.reused == 5

@@ -134,7 +134,7 @@ def plan(state: State, ids: torch.Tensor, mask: torch.Tensor,
     note = ""
     if canonical:  # a cut of the schedule, within the slots the cold run computed the same way
         kept = state.canonical_for(schedule.chunk, schedule.device, schedule.marks)
-        cut = schedule.last_cut(min(target, kept), spans, history)
+        cut = shared_cut(schedule, state, min(target, kept), kept, spans, history)
         if media is None and any(cut <= a < T for a, _ in spans):
             # re-feeding a processed image needs its pixels, which this request did not pass (and a cold
             # run would need): trust the placeholders and continue, exact to float32 rounding only
@@ -207,6 +207,21 @@ def start_state(state: State, resume: ResumePlan, empty: State) -> State:
     return state.truncated(resume.reused)
 
 
+def shared_cut(schedule: Canonical, state: State, limit: int, kept: int, spans: Sequence[tuple[int, int]],
+               history: torch.Tensor | None) -> int:
+    """The largest cut ``<= limit`` of ``history`` (``[L]``, the new history) at which ``state``'s canonical feed
+    also ended a chunk: a cut of the state's own history, or ``kept``, where its canonical feed ended. Under marks
+    a cut is decided by the token at it (a line) or after it (a turn mark), so a history that leaves the state's
+    right there can cut where the state's chunk ran on: those slots are not the new cold run's."""
+    cut = schedule.last_cut(limit, spans, history)
+    if history is None or not schedule.marks:  # cuts at multiples of C: the same for every history
+        return cut
+    own = state.tokens[0]
+    while cut and cut != kept and schedule.last_cut(cut, spans, own) != cut:
+        cut = schedule.last_cut(cut - 1, spans, history)
+    return cut
+
+
 def settle_span(state: State, schedule: Canonical, through: torch.Tensor | None = None) -> tuple[int, int] | None:
     """The slots ``[start, end)`` that ``Session.settle`` feeds in canonical chunks (the canonical schedule): from the
     end of the state's canonical prefix to its last cut, or, given ``through`` (text ids ``[L]`` the next
@@ -218,8 +233,8 @@ def settle_span(state: State, schedule: Canonical, through: torch.Tensor | None 
     spans = tuple((m.start, m.end) for m in state.media)
     history = state.tokens[0] if through is None else through
     shared = common_prefix(state, history[None], torch.ones_like(history[None], dtype=torch.bool))
-    kept = min(state.canonical_for(schedule.chunk, schedule.device, schedule.marks), shared)
-    start = schedule.last_cut(kept, spans, history)
+    canonical = state.canonical_for(schedule.chunk, schedule.device, schedule.marks)
+    start = shared_cut(schedule, state, min(canonical, shared), canonical, spans, history)
     end = schedule.last_cut(history.shape[0], spans, history) if through is None else history.shape[0]
     if end <= start or any(start <= a < end for a, _ in spans) or state.rollback_limit(start):
         return None

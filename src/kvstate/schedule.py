@@ -33,8 +33,10 @@ starts a segment at every token among ``ids``, the tokens whose text begins with
 ``LINE_SEGMENT`` tokens after the previous start. An answer that stops at the end of its line (a stop
 string ``"\n"``) then ends where the next line's segment starts, so once settled through the prompt and
 the answer, the continued prompt feeds only its new tokens. A cut is decided by the token at it (no
-look-ahead), so these cuts are prefix-stable without exception. ``LINES`` is negative, never a token
-id, so a turn-mark sequence and line marks cannot be mistaken for each other, and a reader that
+look-ahead): a history's cuts before any point depend only on its ids up to that point. The cut *at* a point
+depends on the token there, so a history that leaves a state exactly where a line starts reuses the state's
+slots before it only if the state's feed cut there too (``kvstate.resume.shared_cut``). ``LINES`` is negative,
+never a token id, so a turn-mark sequence and line marks cannot be mistaken for each other, and a reader that
 predates line marks refuses a state file that records them (``valid_marks``).
 
 Everything here is pure: positions are slot indices, ``spans`` are ``[start, end)`` media
