@@ -27,9 +27,16 @@ from .identity import Fingerprint
 from .state import State
 
 
-def check_session_args(tokenizer: object = None, state: object = None) -> None:
-    """``Session(model, tokenizer=, state=)`` takes a tokenizer (or None) and a ``State`` (or None);
-    anything else is a typed error here, not an AttributeError later."""
+def check_session_args(tokenizer: object = None, state: object = None, caches: tuple[object, ...] = ()) -> None:
+    """``Session(model, tokenizer=, state=, store=, sources=)`` takes a tokenizer (or None), a ``State`` (or None)
+    and prefix caches (``lookup`` and ``offer``: a ``PrefixStore``, a pool); anything else is a typed error here,
+    not an AttributeError later (or, for a cache, a warning on every call)."""
+    for cache in caches:
+        if not (callable(getattr(cache, "lookup", None)) and callable(getattr(cache, "offer", None))):
+            raise InputError("store and sources must be prefix caches", expected="a PrefixStore (or an object with "
+                             "lookup and offer)", found=type(cache).__name__,
+                             fix=f"pass store=PrefixStore({cache!r})" if isinstance(cache, str) else
+                             "pass store=kvstate.PrefixStore(folder or redis URL)")
     if tokenizer is not None and not callable(getattr(tokenizer, "get_vocab", None)):
         raise InputError("tokenizer must be the model's tokenizer", expected="a transformers tokenizer or None",
                          found=type(tokenizer).__name__, fix="pass AutoTokenizer.from_pretrained(...), or omit it")

@@ -382,6 +382,13 @@ def _open_store(location: str) -> Any:
 
 
 def _store(args: argparse.Namespace) -> int:
+    if args.action == "prune" and (args.max_bytes is None or args.max_bytes < 0):
+        raise UserError(f"store prune needs --max-bytes N with N >= 0 (found {args.max_bytes}); fix: pass "
+                        "--max-bytes 1000000000, say")
+    if "://" not in args.store and not (Path(args.store).expanduser() / "entries").is_dir():
+        # these actions only read or shrink a store: a mistyped folder is an error, not a new empty store
+        raise UserError(f"no prefix store at {args.store}; fix: pass the folder kvstate serve or generate --store "
+                        "wrote (it holds an entries/ folder)")
     store = _open_store(args.store)
     if args.action == "health":
         health = store.health()
@@ -389,8 +396,6 @@ def _store(args: argparse.Namespace) -> int:
               f"{health['backend']}: {'ok' if health['ok'] else 'FAILING: ' + str(health['problem'])}")
         return 0 if health["ok"] else 1
     if args.action == "prune":
-        if args.max_bytes is None:
-            raise UserError("store prune needs --max-bytes N")
         print(f"evicted {store.prune(args.max_bytes)} entries; {store.stats()['bytes']:,} bytes remain")
         return 0
     data = store.stats() if args.action == "stats" else store.ls()

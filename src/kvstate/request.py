@@ -272,10 +272,16 @@ def as_ids(input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], de
                          fix="pass tokenizer(..., return_tensors='pt').input_ids") from exc
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
-    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8) or ids.is_meta:
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         raise InputError("input_ids must be token ids", expected="int tensor [B, L]",
                          found=f"{ids.dtype} tensor of shape {tuple(ids.shape)} on {ids.device}",
                          fix="pass tokenizer(..., return_tensors='pt').input_ids")
+    if ids.is_meta:
+        raise InputError("input_ids hold no data", expected="token ids on a real device", found="a meta tensor",
+                         fix="pass ids on the CPU or the model's device")
+    if ids.shape[0] == 0:
+        raise InputError("input_ids hold no row", expected="[B, L] with B >= 1", found=f"shape {tuple(ids.shape)}",
+                         fix="pass at least one sequence")
     ids = ids.to(device=device, dtype=torch.long, copy=True)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise InputError("token id out of the vocabulary", expected=f"0 <= id < {vocab_size}",

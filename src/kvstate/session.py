@@ -56,7 +56,7 @@ class Session:
                  canonical_marks: Sequence[int] | None = None, prefill_rows: int | None = None, prepack: bool = True,
                  invariant: bool = True, fingerprint: Fingerprint | None = None) -> None:
         checks.check_model_object(model)
-        check_session_args(tokenizer, state)
+        check_session_args(tokenizer, state, (*([] if store is None else [store]), *sources))
         self.model = model
         self._binding = bind(model)
         self._engine = Engine(self._binding)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..errors import StateFileError
+from ..errors import DeviceUnavailableError, InputError, StateFileError
 from ..state import State
 from . import container, schema
 
@@ -24,12 +24,14 @@ def save_state(state: State, path: str | os.PathLike[str], *, metadata: Mapping[
     Only a regular file or a new name is replaced (a symlink to a regular file is written
     through); a device, FIFO, socket, folder or dangling link raises ``SaveTargetError`` first.
     """
+    _check_state(state)
     header, tensors = schema.encode(state, metadata, compact)
     return container.write(_path(path), tensors, header)
 
 
 def state_to_bytes(state: State, *, metadata: Mapping[str, str] | None = None) -> bytes:
     """The state file of ``state`` as bytes."""
+    _check_state(state)
     header, tensors = schema.encode(state, metadata)
     return container.to_bytes(tensors, header)
 
@@ -48,11 +50,36 @@ def load_state(path: str | os.PathLike[str], *, map_location: torch.device | str
         dtype: cast K/V, logits and floating extras to this dtype (explicit opt-in; the
             cast is recorded in ``state.metadata["kvstate.cast"]``).
     """
+    device = _device(map_location)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InputError("load_state's dtype must be a floating torch dtype", expected="torch.float32, "
+                         "torch.bfloat16, torch.float16 or None", found=repr(dtype), fix="pass dtype=torch.bfloat16")
     state = schema.decode(*container.read(_path(path)))
     if dtype is not None and state.kv_dtype not in (None, dtype):
         state = _cast(state, dtype)
     # files load onto the CPU; moving there again would only rebuild every layer
-    return state if map_location is None or torch.device(map_location).type == "cpu" else state.to(map_location)
+    return state if device is None or device.type == "cpu" else state.to(device)
+
+
+def _check_state(state: object) -> None:
+    if not isinstance(state, State):
+        raise InputError("only a kvstate State can be saved", expected="a State (session.state)",
+                         found=type(state).__name__, fix="save session.state, or session.save(path)")
+
+
+def _device(map_location: object) -> torch.device | None:
+    """``map_location`` as a device this machine has (None: the CPU, where files load), or a typed error."""
+    if map_location is None:
+        return None
+    try:
+        device = torch.device(map_location)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as exc:
+        raise InputError("map_location must be a device", expected="'cpu', 'cuda', 'cuda:1', a torch.device or None",
+                         found=repr(map_location), fix="pass map_location='cpu'") from exc
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():  # 0 without CUDA
+        raise DeviceUnavailableError("this machine has no such device", expected="a device it has",
+                                     found=str(device), fix="load onto map_location='cpu'")
+    return device
 
 
 def _path(path: object) -> str | os.PathLike[str]:
