@@ -207,7 +207,7 @@ async def _complete(server: Server, request: Request, namespace: str, body: dict
         None, server.render, body.get("messages") if chat else body.get("prompt"), chat)
     fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
     req = parse(body, fields, server.limits, prompt.default_stop, None if chat else 16)
-    server.check_prompt(prompt)
+    server.check_prompt(prompt, req.options["max_new_tokens"])
     job = Job(namespace, prompt, req, inputs, marks=server.marks_for(chat))
     kind = "chat.completion" if chat else "text_completion"
     reply = _Reply(server.model_id, kind, chat)

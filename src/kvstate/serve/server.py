@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from ..schedule import default_chunk
 from ..store import PrefixStore
 from ..text import line_marks
@@ -44,6 +46,20 @@ class Settings:
     shutdown_timeout: float = 20.0  # a graceful stop's seconds for running answers, then they end (``Server.stop``)
 
 
+def context_length(model: Any) -> int | None:
+    """The positions a model has where it cannot go past them: a learned position table (an embedding other than
+    the input one with as many rows as its config's ``max_position_embeddings`` / ``n_positions`` / ``n_ctx``;
+    GPT-2 and its kin), past whose rows a forward fails. None otherwise: rotary models run past their trained
+    length, as plain ``generate`` lets them (transformers warns)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    sizes = {v for v in (getattr(config, n, None) for n in ("max_position_embeddings", "n_positions", "n_ctx"))
+             if isinstance(v, int) and v > 0}
+    tokens = model.get_input_embeddings()
+    tables = [m.num_embeddings for m in model.modules()
+              if isinstance(m, torch.nn.Embedding) and m is not tokens and m.num_embeddings in sizes]
+    return min(tables) if tables else None
+
+
 class Server:
     """Everything a request needs; the app (``kvstate.serve.app``) only speaks HTTP."""
 
@@ -60,6 +76,7 @@ class Server:
         self.images = None if tokens is None or image_processor is None else \
             ImageEncoder(image_processor, tokenizer, tokens)
         self.vocab = vocab_size(model)  # the one rule Session validates ids with
+        self.context = context_length(model)
         self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None,
                                  vocab=self.vocab)
         self.metrics = Metrics()
@@ -114,12 +131,19 @@ class Server:
         ids, inputs = self.images.encode(prompt.ids, prompt.images)
         return replace(prompt, ids=ids), inputs
 
-    def check_prompt(self, prompt: Prompt) -> None:
+    def check_prompt(self, prompt: Prompt, new_tokens: int = 0) -> None:
+        """A prompt within ``--max-prompt-tokens`` and, with ``new_tokens`` more, the model's positions (its
+        config's ``max_position_embeddings`` or ``n_positions``: past them a learned position table has no row)."""
         limit = self.limits.max_prompt_tokens
         if len(prompt.ids) > limit:
             raise BadRequest(f"This model's maximum context length for a request is {limit} tokens; the request has "
                              f"{len(prompt.ids)}.", param="messages", code="context_length_exceeded",
                              fix="shorten the conversation, or start the server with a larger --max-prompt-tokens")
+        if self.context is not None and len(prompt.ids) + new_tokens > self.context:
+            raise BadRequest(f"This model's maximum context length is {self.context} tokens; the request asks for "
+                             f"{len(prompt.ids) + new_tokens} ({len(prompt.ids)} in the prompt, {new_tokens} new).",
+                             param="max_tokens", code="context_length_exceeded",
+                             fix="shorten the prompt or lower max_tokens")
         if any(not 0 <= t < self.vocab for t in prompt.ids):
             raise BadRequest(f"token ids must be in [0, {self.vocab})", param="prompt", code="invalid_value")
 
