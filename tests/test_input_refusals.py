@@ -69,3 +69,8 @@ def test_read_only_store_commands_do_not_create_a_store_at_a_mistyped_path(tmp_p
 def test_prune_takes_no_negative_size(tmp_path, capsys):
     assert main(["store", "prune", "--store", str(tmp_path), "--max-bytes", "-5"]) == 2
     assert "N >= 0" in capsys.readouterr().err
+
+
+def test_session_load_takes_a_bool_cast_dtype(saved):
+    with pytest.raises(InputError, match="cast_dtype must be True or False"):
+        Session.load(saved, tiny_model("llama"), cast_dtype="yes")

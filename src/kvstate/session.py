@@ -24,6 +24,7 @@ from . import resume
 from .adapters.fingerprinting import fingerprint as fingerprint_of
 from .adopt import adopt, check_session_args, check_weights
 from .engine import Engine, Outcome
+from .errors import InputError
 from .identity import Fingerprint
 from .protocols import PrefixCache, StateSource
 from .request import Extension, IdsLike, Request
@@ -142,6 +143,8 @@ class Session:
         from .io import load_state
 
         checks.check_model_object(model)
+        if not isinstance(cast_dtype, bool):
+            raise InputError("cast_dtype must be True or False", found=repr(cast_dtype), fix="pass cast_dtype=True")
         param = next(model.parameters())
         state = load_state(path, map_location=param.device, dtype=param.dtype if cast_dtype else None)
         return cls(model, state=state, **settings)

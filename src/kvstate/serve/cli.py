@@ -37,7 +37,8 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append", default=[], help=f"accepted key (repeatable; or ${API_KEY_ENV}, "
                    "comma-separated). Each key has its own pool and store namespace")
-    s.add_argument("--max-queue", type=positive, default=16, help="requests queued or running before a 429")
+    s.add_argument("--max-queue", type=positive, default=16,
+                   help="requests queued or running before a 429 (default: 16)")
     s.add_argument("--max-batch", type=positive, default=None, metavar="N",
                    help="requests that decode together in one forward, each answer bit for bit what it gets alone "
                    "(default: 16 on a GPU, 1 on a CPU: one request at a time)")
@@ -61,12 +62,16 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
                    help="with --max-batch: an idle server waits while requests keep arriving less than MS apart "
                    "(at most 10 such gaps, never past a full batch), so a burst is prefilled in one step instead "
                    "of the first request alone; a lone request waits MS once (default 20; 0: off)")
-    s.add_argument("--max-request-bytes", type=positive, default=16 << 20, help="larger bodies get a 413")
-    s.add_argument("--max-prompt-tokens", type=positive, default=8192, help="longer prompts get a 400")
-    s.add_argument("--max-new-tokens", type=positive, default=2048, help="bound on a request's max_tokens")
+    s.add_argument("--max-request-bytes", type=positive, default=16 << 20,
+                   help="larger bodies get a 413 (default: 16 MiB)")
+    s.add_argument("--max-prompt-tokens", type=positive, default=8192,
+                   help="longer prompts get a 400 (default: 8192)")
+    s.add_argument("--max-new-tokens", type=positive, default=2048,
+                   help="bound on a request's max_tokens (default: 2048)")
     s.add_argument("--default-max-tokens", type=positive, default=256,
                    help="max_tokens of a chat request that names none (completions: 16, as OpenAI)")
-    s.add_argument("--pool-bytes", type=positive, default=2 << 30, help="memory for recent conversation states")
+    s.add_argument("--pool-bytes", type=positive, default=2 << 30,
+                   help="memory for recent conversation states (default: 2 GiB)")
     s.add_argument("--no-reuse", action="store_true", help="no pool and no store: every request runs cold and "
                    "reports cached_tokens 0 (the cold twin for `kvstate verify --against URL --cold URL2`)")
     s.add_argument("--shutdown-timeout", type=non_negative, default=20, metavar="SECONDS",
