@@ -66,6 +66,17 @@ def test_read_only_store_commands_do_not_create_a_store_at_a_mistyped_path(tmp_p
     assert "no prefix store" in capsys.readouterr().err and not typo.exists()
 
 
+def test_a_store_opened_without_create_must_exist(tmp_path):
+    from kvstate import PrefixStore
+    from kvstate.errors import StoreError
+
+    with pytest.raises(StoreError, match="no prefix store"):
+        PrefixStore(tmp_path / "typo", create=False)
+    assert not (tmp_path / "typo").exists()
+    PrefixStore(tmp_path / "made")
+    PrefixStore(tmp_path / "made", create=False)  # the folder a store wrote
+
+
 def test_prune_takes_no_negative_size(tmp_path, capsys):
     assert main(["store", "prune", "--store", str(tmp_path), "--max-bytes", "-5"]) == 2
     assert "N >= 0" in capsys.readouterr().err

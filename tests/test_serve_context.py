@@ -7,8 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from kvstate.adopt import context_length
 from kvstate.serve.cli import load
-from kvstate.serve.server import context_length
 from serving import client, live, make_server
 
 

@@ -45,6 +45,20 @@ def check_session_args(tokenizer: object = None, state: object = None, caches: t
                          fix="pass session.state, or kvstate.load_state(path)")
 
 
+def context_length(model: torch.nn.Module) -> int | None:
+    """The positions a model has where it cannot go past them: a learned position table (an embedding other than
+    the input one with as many rows as its config's ``max_position_embeddings`` / ``n_positions`` / ``n_ctx``;
+    GPT-2 and its kin), past whose rows a forward fails. None otherwise: rotary models run past their trained
+    length, as plain ``generate`` lets them (transformers warns)."""
+    config = model.config.get_text_config(decoder=True)
+    sizes = {v for v in (getattr(config, n, None) for n in ("max_position_embeddings", "n_positions", "n_ctx"))
+             if isinstance(v, int) and v > 0}
+    tokens = model.get_input_embeddings()
+    tables = [m.num_embeddings for m in model.modules()
+              if isinstance(m, torch.nn.Embedding) and m is not tokens and m.num_embeddings in sizes]
+    return min(tables) if tables else None
+
+
 def logits_width(model: torch.nn.Module) -> int:
     """The model's output size ``V`` (the LM head's rows; the config's vocab size without one)."""
     head = model.get_output_embeddings()  # type: ignore[operator]

@@ -375,21 +375,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_store(location: str) -> Any:
+def _open_store(location: str, create: bool = True) -> Any:
     from .store import PrefixStore
 
-    return PrefixStore(location)
+    return PrefixStore(location, create=create)
 
 
 def _store(args: argparse.Namespace) -> int:
     if args.action == "prune" and (args.max_bytes is None or args.max_bytes < 0):
         raise UserError(f"store prune needs --max-bytes N with N >= 0 (found {args.max_bytes}); fix: pass "
                         "--max-bytes 1000000000, say")
-    if "://" not in args.store and not (Path(args.store).expanduser() / "entries").is_dir():
-        # these actions only read or shrink a store: a mistyped folder is an error, not a new empty store
-        raise UserError(f"no prefix store at {args.store}; fix: pass the folder kvstate serve or generate --store "
-                        "wrote (it holds an entries/ folder)")
-    store = _open_store(args.store)
+    store = _open_store(args.store, create=False)  # these only read or shrink one: a mistyped folder is an error
     if args.action == "health":
         health = store.health()
         print(json.dumps(health, indent=2) if args.json else

@@ -247,19 +247,16 @@ def _probe(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: tor
     keys, values = (torch.randn(3, kv_heads, cap, dim, generator=generator).to(dtype=dtype, device=device)
                     for _ in range(2))
     q = torch.randn(3, kv_heads, groups, dim, generator=generator).to(dtype=dtype, device=device)
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float) -> torch.Tensor:
-        return pooled_sdpa(q, k, v, attn_mask, scale)
 
     with torch.no_grad():
         for n, window in ((1, None), (15, None), (63, None), (64, None), (65, 16), (200, None), (511, None),
                           (512, 100), (513, None), (700, None), (1000, 300)):
             L = BUCKET * -(-n // BUCKET)
-            alone = sdpa(q[:1], keys[:1, :, :L], values[:1, :, :L], attn_mask=visible([n], L, window, device),
-                         scale=0.125)
+            alone = pooled_sdpa(q[:1], keys[:1, :, :L], values[:1, :, :L], visible([n], L, window, device), 0.125)
             for wide in (L + BUCKET, BUCKET * -(-(n + 512) // BUCKET), cap):
                 ends = [n, max(1, wide - 5), max(1, n // 2)]
-                batch = sdpa(q, keys[:, :, :wide], values[:, :, :wide], attn_mask=visible(ends, wide, window, device),
-                             scale=0.125)
+                mask = visible(ends, wide, window, device)
+                batch = pooled_sdpa(q, keys[:, :, :wide], values[:, :, :wide], mask, 0.125)
                 if not torch.equal(batch[:1], alone):
                     return False
     return True

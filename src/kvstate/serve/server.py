@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
 from ..schedule import default_chunk
 from ..store import PrefixStore
 from ..text import line_marks
@@ -46,26 +44,13 @@ class Settings:
     shutdown_timeout: float = 20.0  # a graceful stop's seconds for running answers, then they end (``Server.stop``)
 
 
-def context_length(model: Any) -> int | None:
-    """The positions a model has where it cannot go past them: a learned position table (an embedding other than
-    the input one with as many rows as its config's ``max_position_embeddings`` / ``n_positions`` / ``n_ctx``;
-    GPT-2 and its kin), past whose rows a forward fails. None otherwise: rotary models run past their trained
-    length, as plain ``generate`` lets them (transformers warns)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    sizes = {v for v in (getattr(config, n, None) for n in ("max_position_embeddings", "n_positions", "n_ctx"))
-             if isinstance(v, int) and v > 0}
-    tokens = model.get_input_embeddings()
-    tables = [m.num_embeddings for m in model.modules()
-              if isinstance(m, torch.nn.Embedding) and m is not tokens and m.num_embeddings in sizes]
-    return min(tables) if tables else None
-
-
 class Server:
     """Everything a request needs; the app (``kvstate.serve.app``) only speaks HTTP."""
 
     def __init__(self, model: Any, tokenizer: Any, model_id: str, settings: Settings | None = None, *,
                  image_processor: Any = None) -> None:
         from .._version import __version__
+        from ..adopt import context_length
         from ..selfcheck import bind, vocab_size
 
         self.settings = settings = settings or Settings()

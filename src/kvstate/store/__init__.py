@@ -49,9 +49,10 @@ __all__ = ["FolderBackend", "PrefixStore", "RedisBackend", "StoreWarning"]
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
-def backend_for(location: str | os.PathLike[str]) -> FolderBackend | RedisBackend:
-    """A Redis backend for a Redis URL, a folder backend for a path; any other URL (``ftp://x``, ``s3://b``) is
-    refused rather than taken for a folder named ``ftp:``."""
+def backend_for(location: str | os.PathLike[str], create: bool = True) -> FolderBackend | RedisBackend:
+    """A Redis backend for a Redis URL, a folder backend for a path (``create=False``: only a folder a store
+    already wrote); any other URL (``ftp://x``, ``s3://b``) is refused rather than taken for a folder named
+    ``ftp:``."""
     text = str(location)
     if text.startswith(REDIS_SCHEMES):
         return RedisBackend(text)
@@ -60,22 +61,23 @@ def backend_for(location: str | os.PathLike[str]) -> FolderBackend | RedisBacken
         raise StoreError("unsupported prefix-store URL", expected="a folder path or redis://host:port/db "
                          "(rediss://..., unix://...)", found=text,
                          fix=f"use a folder or a Redis server; {scheme.group(1)}:// stores are not supported")
-    return FolderBackend(Path(text))
+    return FolderBackend(Path(text), create)
 
 
 class PrefixStore:
-    """A prefix cache of state files in a folder (default) or Redis (``redis://...``)."""
+    """A prefix cache of state files in a folder (default) or Redis (``redis://...``). ``create=False`` opens only
+    a folder a store already wrote (``StoreError`` otherwise), for tools that only read or prune one."""
 
     name = "store"  # what ResumePlan.source calls a hit
 
     def __init__(self, location: str | os.PathLike[str], *, chunk_tokens: int = 64, namespace: str = "default",
-                 capacity_bytes: int | None = None, write: str | int = "turns") -> None:
+                 capacity_bytes: int | None = None, write: str | int = "turns", create: bool = True) -> None:
         if chunk_tokens < 1 or (capacity_bytes is not None and capacity_bytes < 0):
             raise InputError("invalid store settings", expected="chunk_tokens >= 1, capacity_bytes >= 0",
                              found={"chunk_tokens": chunk_tokens, "capacity_bytes": capacity_bytes})
         if write not in ("turns", "all") and not (isinstance(write, int) and write > 0):
             raise InputError("invalid write policy", expected="'turns', 'all' or a positive int", found=write)
-        self.backend = backend_for(location)
+        self.backend = backend_for(location, create)
         self.chunk_tokens, self.namespace = chunk_tokens, namespace
         self.capacity_bytes, self.write = capacity_bytes, write
         self.failures = 0  # backend failures in this process (reads answered as misses, writes skipped)

@@ -36,8 +36,11 @@ _ENTRY_LIMIT = 1 << 40  # far above any state file; a bound, so no entry is read
 class FolderBackend:
     """Entries as files in a local folder."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], create: bool = True) -> None:
         self.root = Path(root).expanduser()
+        if not create and not (self.root / "entries").is_dir():
+            raise StoreError("no prefix store at this folder", expected="a folder a store wrote (it holds entries/)",
+                             found=str(self.root), fix="pass the folder kvstate serve or generate --store wrote")
         try:
             (self.root / "entries").mkdir(parents=True, exist_ok=True)
             probe = self.root / f".probe.{os.getpid()}"
