@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import warnings
 
 import pytest
 import torch
@@ -222,6 +223,9 @@ def test_planted_nondeterministic_attention_is_diagnosed_as_the_kernels_alone():
 
 
 # ----- the CUDA path's plumbing, on the CPU ------------------------------------------------------------------------
+GPU = "NVIDIA H100 80GB HBM3|132sm|cuda13.0|torch2.11.0"  # a faked device identity (``attention.identity``)
+
+
 @pytest.fixture
 def cuda_rules(monkeypatch):
     """kvstate's CUDA attention path run on the CPU: the model reads as on CUDA, the rule is CUDA's (float32 may take
@@ -236,6 +240,7 @@ def cuda_rules(monkeypatch):
 
     rule = attention.choose
     monkeypatch.setattr(attention, "_device", lambda model: "cuda")
+    monkeypatch.setattr(attention, "identity", lambda model: GPU)
     monkeypatch.setattr(attention, "FLASH_DTYPES", (*attention.FLASH_DTYPES, torch.float32))
     monkeypatch.setattr(attention, "choose", lambda device, *args: rule("cuda", *args))
     monkeypatch.setattr(attention, "flash", flash_on_cpu)
@@ -253,9 +258,153 @@ def test_every_forward_runs_through_the_cuda_path_and_answers_as_plain_generate(
     session = Session(model, canonical_chunk=16)
     session.extend(ids[:, :30])
     out = session.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
-    assert session.state.canonical_device.endswith("@det") and model.config._attn_implementation == "sdpa"
+    assert session.state.canonical_device == f"cuda[{GPU}]@det" and model.config._attn_implementation == "sdpa"
     ran = attention.counts()
     assert ran.get("flash", 0) > 0 and (ran.get("math", 0) > 0) == (arch == "gemma3_text"), ran
+    assert torch.equal(out.sequences, plain.sequences[:, ids.shape[1]:])
+    for ours, theirs in zip(out.logits, plain.logits, strict=True):
+        assert_logits_close(ours, theirs)
+
+
+# ----- warm paths after a cold generate reuse their slots on the CUDA path -------------------------------------------
+def test_after_a_cold_generate_every_warm_path_reuses_its_slots_on_the_cuda_path(cuda_rules, tmp_path):
+    """The cold run's states are made inside the deterministic path (the model then runs ``kvstate_deterministic``);
+    they are labelled as the sdpa model that made them, so the next turn, a fork, a state file, a store hit and a
+    truncate each reuse their slots, with the bits of a cold run on the whole history."""
+    from kvstate.store import PrefixStore
+
+    model = tiny_model("llama")
+    options = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    history = prompt(40)
+    store = PrefixStore(tmp_path / "store", chunk_tokens=16)
+    session = Session(model, canonical_chunk=16, store=store)
+    reply = session.generate(history, max_new_tokens=3, do_sample=False)  # generate first: no extend before it
+    assert session.state.canonical_device == f"cuda[{GPU}]@det"
+    longer = torch.cat([history, reply, prompt(6, seed=5)], 1)
+
+    def cold(ids):
+        return Session(model, canonical_chunk=16).generate(ids, **options)
+
+    def check(name, warm_session, ids, at_least):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ScheduleWarning)  # nothing is silently fed again
+            out = warm_session.generate(ids, **options)
+        plan = warm_session.last_plan
+        ref = cold(ids)
+        assert plan.reused >= at_least, (name, plan)
+        assert torch.equal(out.sequences, ref.sequences), name
+        assert torch.equal(torch.cat(out.logits), torch.cat(ref.logits)), name
+        return plan
+
+    fork = session.fork()
+    session.save(tmp_path / "turn.kvs")
+    loaded = Session.load(tmp_path / "turn.kvs", model)
+    cut = session.fork()
+    cut.truncate(35)
+    assert check("next turn", session, longer, 32).source == "state"
+    check("fork", fork, longer, 32)
+    check("state file", loaded, longer, 32)
+    check("truncate", cut, longer, 32)
+    hit = check("store hit", Session(model, canonical_chunk=16, store=store), longer, 32)
+    assert hit.source == "store"
+
+
+def test_a_state_made_on_another_gpu_is_fed_again_with_a_warning_that_says_why(cuda_rules, monkeypatch, tmp_path):
+    model = tiny_model("llama")
+    history = prompt(40)
+    made = Session(model, canonical_chunk=16)
+    made.extend(history[:, :36])
+    made.save(tmp_path / "h100.kvs")
+    assert made.state.canonical_device == f"cuda[{GPU}]@det"
+    other = "NVIDIA H200|132sm|cuda13.0|torch2.11.0"
+    monkeypatch.setattr(attention, "identity", lambda model: other)
+    with pytest.warns(ScheduleWarning, match="fed again") as caught:
+        loaded = Session.load(tmp_path / "h100.kvs", model)
+    assert GPU in str(caught[0].message) and other in str(caught[0].message)
+    options = dict(max_new_tokens=2, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    out = loaded.generate(history, **options)
+    assert loaded.last_plan.reused == 0 and GPU in loaded.last_plan.note
+    ref = Session(model, canonical_chunk=16).generate(history, **options)
+    assert torch.equal(torch.cat(out.logits), torch.cat(ref.logits))
+    assert Session(model).state.canonical_device == ""  # an empty state names no kernels yet
+
+
+def test_the_device_identity_names_the_gpu_its_multiprocessors_and_versions():
+    class Props:
+        name, multi_processor_count = "NVIDIA A100-SXM4-40GB MIG 3g.20gb", 42
+
+    attention._cuda_identity.cache_clear()
+    original = torch.cuda.get_device_properties
+    torch.cuda.get_device_properties = lambda index: Props()
+    try:
+        found = attention._cuda_identity(0)
+    finally:
+        torch.cuda.get_device_properties = original
+        attention._cuda_identity.cache_clear()
+    assert found == f"NVIDIA A100-SXM4-40GB MIG 3g.20gb|42sm|cuda{torch.version.cuda}|torch{torch.__version__}"
+
+
+# ----- bidirectional attention stays bidirectional --------------------------------------------------------------------
+def test_a_call_that_is_not_causal_sees_every_key():
+    assert attention.classify(5, 5, None, causal=False) == "none"
+    assert attention.classify(5, 9, None, causal=False) == "none"
+    assert attention.classify(5, 5, None) == "causal"
+
+
+def _media(arch):
+    """A media prompt for the tiny ``arch``: ``(ids [1, L], model inputs, the vision tower's call)``."""
+    from kvstate.testing.tiny import gemma3_image, tiny_video, video_span
+
+    if arch == "gemma3":
+        span, pixels = gemma3_image(seed=1)
+        ids = torch.cat([prompt(5), span, prompt(4, seed=2)], 1)
+        return ids, {"pixel_values": pixels}, lambda m, dtype: m.model.vision_tower(
+            pixel_values=pixels.to(dtype)).last_hidden_state
+    pixels, grid = tiny_video(seed=1)
+    ids = torch.cat([prompt(5), video_span(arch, grid), prompt(4, seed=3)], 1)
+    return ids, {"pixel_values_videos": pixels, "video_grid_thw": grid}, lambda m, dtype: m.model.visual(
+        pixels.to(dtype), grid_thw=grid).last_hidden_state
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+@pytest.mark.parametrize("arch", ["qwen3_vl", "gemma3"])
+def test_vision_attention_stays_bidirectional_on_the_cuda_path(arch, dtype, cuda_rules):
+    """transformers hands the backend's name to the vision config too, so the vision blocks run kvstate's path;
+    their calls say ``is_causal=False`` (the call's or the module's) and must see every key, as plain sdpa does."""
+    model = tiny_model(arch).to(dtype)
+    _, _, tower = _media(arch)
+    with torch.no_grad():
+        reference = tower(model, dtype)  # plain sdpa: kvstate's path is not entered
+        attention.reset_counts()
+        with attention.deterministic(model):
+            ours = tower(model, dtype)
+    assert attention.counts().get("flash", 0) > 0  # the vision calls ran through the path, on the unmasked kernel
+    # the same call in the same shape: bitwise in float32; in bfloat16 the stand-in runs the same kernel too, so the
+    # difference must stay within one bfloat16 rounding of the features' scale (causal attention was 6% of it)
+    if dtype == FP32:
+        assert torch.equal(ours, reference)
+    else:
+        bound = reference.abs().max().item() * 2 ** -8
+        assert (ours.float() - reference.float()).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "gemma3"])
+def test_a_media_prompt_answers_as_plain_generate_on_the_cuda_path(arch, cuda_rules):
+    from kvstate.testing import assert_logits_close
+
+    model = tiny_model(arch)
+    ids, inputs, _ = _media(arch)
+    if arch == "gemma3":  # the processor's token types: the image block attends both ways
+        kinds = {"token_type_ids": (ids == model.config.image_token_id).long()}
+    else:
+        config = model.config
+        kinds = {"mm_token_type_ids": (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()}
+    options = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        plain = model.generate(ids, attention_mask=torch.ones_like(ids), **kinds, **inputs, **options)
+    attention.reset_counts()
+    out = Session(model, canonical_chunk=8).generate(ids, **inputs, **options)
+    assert attention.counts().get("flash", 0) > 0
     assert torch.equal(out.sequences, plain.sequences[:, ids.shape[1]:])
     for ours, theirs in zip(out.logits, plain.logits, strict=True):
         assert_logits_close(ours, theirs)

@@ -18,7 +18,12 @@ and mask alone:
   restricted to the math kernel.
 
 Which kernel a forward took is a function of its shape, so a cold run and a warm one take the same.
-The path is part of a state's canonical identity (``label``: ``State.canonical_device`` records it).
+The path is part of a state's canonical identity (``kernels``: ``State.canonical_device`` records it), read
+from the backend the model was configured with (``configured_implementation``), never from the name swapped in
+while it runs. On CUDA that identity also names the GPU (``identity``): flash's split of the keys depends on
+the number of multiprocessors and cuBLAS's algorithms on the GPU, so bits made on one GPU model or MIG slice
+are not another's. Calls that are not causal (a vision tower's bidirectional attention: ``is_causal=False``
+on the call or the module) are classified as such, never as the causal pattern of a text chunk.
 ``known_deterministic`` says which paths kvstate trusts to repeat: CPU kernels, and on CUDA ``sdpa``
 (through this module) and ``eager``; other backends (flash-attn 2/3, flex, custom kernels) have not been
 measured, so a ``Session`` does not promise bitwise resumes on them.
@@ -40,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .core import attention_backend, attention_implementation
+from .core import attention_backend, attention_implementation, configured_implementation
 
 NAME = "kvstate_deterministic"
 NOISY = "kvstate_noisy"  # NOISY + ":" + the implementation it wraps
@@ -74,13 +79,14 @@ def choose(device: str, dtype: torch.dtype, head_dim: int, mask: str, extras: bo
     return Path("math", "none" if mask == "none" else "dense")
 
 
-def classify(q: int, kv: int, mask: torch.Tensor | None) -> str:
+def classify(q: int, kv: int, mask: torch.Tensor | None, causal: bool = True) -> str:
     """``none``, ``causal`` or ``dense`` for a call of ``q`` queries over ``kv`` keys whose mask is ``mask``
     (transformers' sdpa mask: boolean, True = visible, or additive with 0 = visible; ``[B, 1 | H, q, kv]``).
-    None means what transformers' sdpa does without a mask: every key for one query, causal when ``q == kv``,
-    and otherwise causal from the first key (``is_causal``'s upper-left alignment), which is ``dense`` here."""
+    None means what transformers' sdpa does without a mask: every key when the call is not ``causal`` (its
+    ``is_causal``, else the module's: a vision tower's bidirectional attention) or has one query; causal when
+    ``q == kv``; otherwise causal from the first key (``is_causal``'s upper-left alignment), ``dense`` here."""
     if mask is None:
-        return "none" if q == 1 else "causal" if q == kv else "dense"
+        return "none" if q == 1 or not causal else "causal" if q == kv else "dense"
     cache = getattr(_LOCAL, "kinds", None)
     key = id(mask)
     if cache is not None and key in cache and cache[key][0] is mask:
@@ -121,7 +127,7 @@ def mask_format(name: str) -> str:
 
 def known_deterministic(model: Any) -> bool:
     """Whether kvstate trusts ``model``'s attention path to give the same bits run after run (module docstring)."""
-    return trusted(_device(model), attention_implementation(model))
+    return trusted(_device(model), configured_implementation(model))
 
 
 def trusted(device: str, name: str) -> bool:
@@ -134,20 +140,44 @@ def trusted(device: str, name: str) -> bool:
 
 def label(model: Any) -> str:
     """The attention part of a state's kernels label: empty for ``sdpa`` on the CPU (what every state of
-    kvstate 0.2 on a CPU ran), ``det`` for ``sdpa`` through this module on CUDA, else the backend's name."""
-    device, name = _device(model), attention_implementation(model)
+    kvstate 0.2 on a CPU ran), ``det`` for ``sdpa`` through this module on CUDA, else the configured backend's
+    name (inside ``deterministic`` or a compression watch too: ``configured_implementation``)."""
+    device, name = _device(model), configured_implementation(model)
     if name == "sdpa":
         return "" if device != "cuda" else "det"
     return name
 
 
+def kernels(model: Any) -> str:
+    """A state's kernels label without the prefill tile: the device (on CUDA with the GPU's ``identity``) and
+    the attention path (``label``), e.g. ``cpu``, ``cpu@eager``, ``cuda[NVIDIA H100 80GB HBM3|132sm|...]@det``."""
+    device = _device(model)
+    path = label(model)
+    where = f"cuda[{identity(model)}]" if device == "cuda" else device
+    return where + (f"@{path}" if path else "")
+
+
+def identity(model: Any) -> str:
+    """The CUDA device ``model`` runs on, as far as its kernels' bits go: the GPU's name, its multiprocessors (a
+    MIG slice has fewer), CUDA's version and torch's (each picks kernels and splits)."""
+    index = next(model.parameters()).device.index
+    return _cuda_identity(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _cuda_identity(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    return f"{props.name}|{props.multi_processor_count}sm|cuda{torch.version.cuda}|torch{torch.__version__}"
+
+
 def describe(model: Any) -> str:
     """What attention ``model``'s forwards under kvstate run, in words (``kvstate verify``'s report)."""
-    device, name = _device(model), attention_implementation(model)
+    device, name = _device(model), configured_implementation(model)
     if name.startswith(NOISY):
         return f"{name.partition(':')[2]} with run-dependent noise planted (--inject nondeterministic-attention)"
     if device == "cuda" and name == "sdpa":
-        return "sdpa through kvstate's deterministic kernels (flash for causal chunks, math for other masks)"
+        return (f"sdpa through kvstate's deterministic kernels (flash for causal chunks, math for other masks) on "
+                f"{identity(model)}")
     return f"{name} ({device} kernels)"
 
 
@@ -162,7 +192,7 @@ def deterministic(model: Any) -> Iterator[None]:
     outer = getattr(_LOCAL, "kinds", None)
     _LOCAL.kinds = {} if outer is None else outer
     try:
-        with attention_backend(model, NAME):
+        with attention_backend(model, NAME, internal=True):
             yield
     finally:
         _LOCAL.kinds = outer
@@ -193,8 +223,10 @@ def deterministic_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
     ``[B, Hkv, kv, D]`` -> ``[B, q, H, Dv]``; one named kernel (``choose``), never PyTorch's pick."""
     extras = bool(dropout) or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks"))
     q, kv = query.shape[2], key.shape[2]
+    causal = kwargs.get("is_causal")  # as transformers' sdpa function reads it: the call's, else the module's
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     path = choose(query.device.type, query.dtype, max(query.shape[3], value.shape[3]),
-                  classify(q, kv, attention_mask), extras)
+                  classify(q, kv, attention_mask, causal), extras)
     _LOCAL.counts = getattr(_LOCAL, "counts", {})
     _LOCAL.counts[path.kernel] = _LOCAL.counts.get(path.kernel, 0) + 1
     return attend(path, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

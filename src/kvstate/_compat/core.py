@@ -395,11 +395,20 @@ def decoder_layers(model: Any) -> list[Any]:
     return list(model.get_decoder().layers)
 
 
+# id(text config) -> [(config, the backend before, whether the swap was kvstate's own engine detail), ...]
+_SWAPS: dict[int, list[tuple[Any, str, bool]]] = {}
+
+
 @contextmanager
-def attention_backend(model: Any, name: str) -> Iterator[None]:
-    """Temporarily run ``model`` with another attention implementation (e.g. eager for weights)."""
+def attention_backend(model: Any, name: str, *, internal: bool = False) -> Iterator[None]:
+    """Temporarily run ``model`` with another attention implementation (e.g. eager for weights).
+
+    ``internal``: the swap is how kvstate runs the configured backend (its deterministic kernels, the
+    compression watch, the packed decode), not another backend: ``configured_implementation`` sees through it."""
     configs = list({id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values())
     before = [c._attn_implementation for c in configs]
+    text = configs[-1]
+    _SWAPS.setdefault(id(text), []).append((text, str(before[-1]), internal))
     try:
         for c in configs:
             c._attn_implementation = name
@@ -407,6 +416,23 @@ def attention_backend(model: Any, name: str) -> Iterator[None]:
     finally:
         for c, value in zip(configs, before, strict=True):
             c._attn_implementation = value
+        swaps = _SWAPS[id(text)]
+        swaps.pop()
+        if not swaps:
+            del _SWAPS[id(text)]
+
+
+def configured_implementation(model: Any) -> str:
+    """The attention backend ``model`` was configured with: ``attention_implementation`` with kvstate's own
+    internal swaps (``attention_backend(internal=True)``) peeled off. A state's kernels label is read from it, so
+    a state made inside the deterministic path is labelled as the sdpa model that made it."""
+    text = model.config.get_text_config(decoder=True)
+    name = attention_implementation(model)
+    for config, before, internal in reversed(_SWAPS.get(id(text), [])):
+        if config is not text or not internal:
+            break
+        name = before
+    return name
 
 
 def rope_inv_freq(model: Any) -> torch.Tensor:

@@ -255,7 +255,7 @@ def packed(model: Any, cache: PackedCache) -> Iterator[None]:
     backend = attention_implementation(model)
     _LOCAL.cache, _LOCAL.backend = cache, backend
     try:
-        with attention_backend(model, NAME):
+        with attention_backend(model, NAME, internal=True):
             yield
     finally:
         _LOCAL.cache = None

@@ -72,7 +72,7 @@ def watching(model: Any, listener: Listener) -> Iterator[None]:
                for i, layer in enumerate(decoder_layers(model))]
     _LOCAL.listener, _LOCAL.layer, _LOCAL.rope = listener, -1, None
     try:
-        with attention_backend(model, NAME):
+        with attention_backend(model, NAME, internal=True):
             yield
     finally:
         _LOCAL.listener = None

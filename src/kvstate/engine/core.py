@@ -246,10 +246,9 @@ class Engine:
 
     def kernels(self, batch_size: int, settings: FeedSettings) -> str:
         """The label of the kernels a feed of ``batch_size`` rows runs its chunks on under ``settings``, as
-        canonical states record it: the device type and attention path (``kvstate._compat.attention.label``:
-        none for sdpa on a CPU), plus the prefill tile where the family runs one."""
-        path = attention.label(self.model)
-        device = next(self.model.parameters()).device.type + (f"@{path}" if path else "")
+        canonical states record it: the device (the GPU's identity on CUDA) and attention path
+        (``kvstate._compat.attention.kernels``), plus the prefill tile where the family runs one."""
+        device = attention.kernels(self.model)
         tiles = self.tiles(settings) if batch_size == 1 else None
         return device if tiles is None or not tiles.usable(self) else tiles.label(device)
 

@@ -39,6 +39,7 @@ from .container import dtype_of
 FORMAT = "kvstate.state"
 VERSION = 2  # 2: XXH3-64 tensor checksums (``checksum`` field); 1: CRC-32, still read
 READABLE = (1, 2)
+KERNELS_MAX = 160  # a kernels label: on CUDA it names the GPU (``kvstate._compat.attention.kernels``)
 COMPACT = ("bfloat16", "float16", "int8")
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float64": torch.float64}
@@ -164,7 +165,7 @@ def _canonical(header: dict[str, Any], T: int) -> dict[str, Any]:
     marks = value[3] if isinstance(value, list) and len(value) == 4 else []
     if (not isinstance(value, list) or len(value) not in (3, 4) or not all(type(v) is int for v in value[:2])
             or not 0 <= value[0] <= T or not 0 <= value[1] <= 1 << 20 or not isinstance(value[2], str)
-            or len(value[2]) > 32 or not isinstance(marks, list) or not valid_marks(marks)
+            or len(value[2]) > KERNELS_MAX or not isinstance(marks, list) or not valid_marks(marks)
             or (len(value) == 4 and not marks)):
         raise StateFileError("canonical is malformed",
                              expected=f"[slots 0..{T}, chunk 0..2**20, kernels label(, 1-64 turn-mark ids, or "
