@@ -1,43 +1,34 @@
-"""kvstate against plain transformers on one device, in one run: one stream, many streams, and the hardware's bound.
+"""The speed steps of a device run (``scripts/device_run.py`` runs them, each under a hard timeout): kvstate against
+plain transformers on one device, one stream, many streams, and the hardware's bound.
 
 Built for one GPU (a Qwen3-8B shape with random weights, built on the device from its config: no download; the
 weights change neither the times nor the bits), tried on the CPU at a small shape first. Measured side by side:
 
 * **one stream**: a 300-token prompt, 32 greedy tokens: plain ``model.generate`` against ``Session.generate``, time to
   first token and decode tokens per second (``(N - 1) / (t_N - t_1)``, from two runs of 1 and N tokens);
-* **streams** 1, 8 and 16 (prompts of 64-460 tokens, 32 tokens each): kvstate's ``generate_many`` with batch
+* **streams** (16, then 8; prompts of 64-460 tokens, 32 tokens each): kvstate's ``generate_many`` with batch
   invariance (every answer checked bitwise against the same request alone), without it (the invariance tax), with
   ``static_shapes`` (the capture-ready step a CUDA graph would replay, run eagerly: its cost, and its bits checked
   against the invariant answers), and transformers' ``generate_batch`` (continuous batching; a persistent manager,
   measured on its second call);
 * **the bound**: decode reads every weight once per step, so one stream cannot beat bandwidth / weight bytes; the
   bandwidth is measured here (a large device-to-device copy), and ``bandwidth_fraction`` is kvstate's one-stream
-  decode rate over that bound;
-* **the canonical schedule's cost** (``scripts/device_check.py``'s rows): cold prefill of 4k tokens against plain
-  ``generate``'s time to first token, a 16-token warm turn after 4k against plain ``generate`` continuing a cache.
+  decode rate over that bound.
 
-JSON in ``bench/results/gpu_speed.json`` (commit, versions, device name) with a top-level ``summary`` (speed
-ratios kvstate / other, TTFT and turn costs as time ratios), written after every step; a PNG of tokens per second
-against streams beside it when matplotlib is installed.
+``summary`` gives the speed ratios kvstate / other; a PNG of tokens per second against streams goes beside the JSON.
 
-    python bench/bench_gpu.py                                          # one H200: under 8 minutes
-    python bench/bench_gpu.py --device cpu --shape small --streams 1 4 --cost-length 100 --out /tmp/gpu_speed.json
+    python bench/bench_gpu.py --cpu-trial --budget 200 --out /tmp/speed   # the speed steps alone
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from device_check import SHAPES, Deadline, _device_name, _median, _now, big, costs
-
-from common import RESULTS, environment
+from device_check import _median, _now
 
 N = 32
 PROMPT = 300
@@ -57,7 +48,7 @@ def one_stream(model, device: str) -> dict[str, float]:
     def ours(n: int):
         return Session(model).generate(ids, max_new_tokens=n, min_new_tokens=n, **greedy)
 
-    out = {}
+    out = {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     for name, call in (("plain", plain), ("kvstate", ours)):
         first = _median(device, lambda call=call: call(1))
         whole = _median(device, lambda call=call: call(N))
@@ -124,11 +115,14 @@ def bandwidth(device: str) -> float:
     return 2 * size / seconds
 
 
-def summary(report: dict, weight_bytes: int) -> dict[str, object]:
-    one, rows, chosen = report.get("one_stream"), report.get("streams", []), report.get("costs", [])
+def summary(report: dict, chunk: int) -> dict[str, object]:
+    """Speed ratios kvstate / other, and whether every batched answer was its alone answer bit for bit."""
+    one = report["one_stream"][0] if report["one_stream"] else None
+    rows = report["streams"]
     by = {r["streams"]: r for r in rows}
     most = by.get(max(by)) if by else None
-    bound = report["bandwidth_bytes_s"] / weight_bytes if "bandwidth_bytes_s" in report else None
+    bandwidth = report["bandwidth_bytes_s"][0] if report["bandwidth_bytes_s"] else None
+    bound = bandwidth / one["weight_bytes"] if one and bandwidth else None
     return {
         "one_stream_decode_vs_plain": one and round(one["kvstate_decode_tok_s"] / one["plain_decode_tok_s"], 3),
         "ttft_300_vs_plain": one and round(one["kvstate_ttft_ms"] / one["plain_ttft_ms"], 3),
@@ -137,9 +131,7 @@ def summary(report: dict, weight_bytes: int) -> dict[str, object]:
         "alone_equals_batched": bool(rows) and all(r.get("alone_equals_batched") for r in rows),
         "static_shapes_bitwise": bool(rows) and all(r.get("static_shapes_bitwise") for r in rows),
         "invariance_tax": most and round(1 - most["kvstate_tok_s"] / most["kvstate_no_invariance_tok_s"], 3),
-        "bandwidth_fraction": one and bound and round(one["kvstate_decode_tok_s"] / bound, 3),
-        "cold_prefill_4k_vs_plain": chosen[0]["cold_vs_plain"] if chosen else None,
-        "warm_turn_vs_plain_cache": chosen[0]["warm_vs_plain_cache"] if chosen else None,
+        "bandwidth_fraction": bound and round(one["kvstate_decode_tok_s"] / bound, 3),
         "streams_measured": sorted(by)}
 
 
@@ -167,54 +159,9 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main() -> int:
-    from kvstate.schedule import default_chunk
+    import device_run
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
-    parser.add_argument("--streams", nargs="*", type=int, default=[1, 8, 16])
-    parser.add_argument("--cost-length", type=int, default=4000)
-    parser.add_argument("--deadline", type=float, default=450.0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "gpu_speed.json")
-    args = parser.parse_args()
-    began = time.perf_counter()
-    model = big(args.shape, args.device, getattr(torch, args.dtype), args.cost_length + 64)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    report: dict = {"env": environment(), "device": args.device, "device_name": _device_name(args.device),
-                    "dtype": args.dtype, "shape": args.shape, "weight_bytes": weight_bytes, "new_tokens": N,
-                    "streams": [], "costs": [], "incomplete": None}
-
-    def save() -> None:
-        report["seconds"] = round(time.perf_counter() - began, 1)
-        report["summary"] = summary(report, weight_bytes)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-
-    def step(name: str) -> None:
-        if time.perf_counter() - began > args.deadline:
-            raise Deadline(f"deadline of {args.deadline} s reached before {name}")
-        print(f"[{time.perf_counter() - began:6.1f} s] {name}", flush=True)
-
-    try:
-        step("bandwidth")
-        report["bandwidth_bytes_s"] = bandwidth(args.device)
-        step("one stream")
-        report["one_stream"] = one_stream(model, args.device)
-        save()
-        for n in args.streams:
-            step(f"{n} streams")
-            report["streams"].append(streams(model, n, args.device))
-            save()
-        step("canonical schedule costs")
-        report["costs"].append(costs(model, args.cost_length, default_chunk((), args.device), args.device))
-    except Deadline as exc:
-        report["incomplete"] = str(exc)
-    save()
-    if report["streams"]:
-        plot(report, args.out.with_suffix(".png"))
-    print(json.dumps(report["summary"], indent=2))
-    return 0 if report["summary"]["alone_equals_batched"] and report["incomplete"] is None else 1
+    return device_run.main(["--only", "speed", *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def _git(*args: str) -> str:
 
 def commit() -> str:
     """HEAD's commit; where the tree has no git (a device run copies it without .git), ``KVSTATE_COMMIT``, which
-    ``scripts/gpu_session.sh``'s caller sets."""
+    the device run's caller sets (``scripts/device_run.py``)."""
     return _git("rev-parse", "HEAD") or os.environ.get("KVSTATE_COMMIT", "unknown")
 
 

@@ -1,31 +1,24 @@
-"""Bitwise cold = warm on one device at real sizes, and what the canonical schedule costs there, as one prepared
-script (one GPU run; tried on the CPU first at small shapes).
+"""The exactness steps of a device run (``scripts/device_run.py`` runs them, each under a hard timeout): bitwise
+cold = warm on one device at real sizes, with the slots each warm path reused, and what the canonical schedule costs.
 
-1. **Kernels**: one attention call of the big shape (a 512-token chunk after a cache of 1k, 4k, 16k keys) on every
-   backend (PyTorch's default pick with transformers' dense mask, flash with the causal bias aligned to the last
-   key, the math kernel, memory-efficient), three times each: run-to-run bitwise or not, and the time.
-2. **Tiny families**, as the suite has them (llama, gemma3_text, qwen3_vl with a video, lfm2): every warm path
-   (next turn, fork, state file, prefix store, truncate) against a cold run (a new ``Session`` on the whole
-   history), and three cold runs against each other.
-3. **The big model** (a Qwen3-8B shape with random weights, built on the device from its config; no download):
-   the same matrix at each ``--lengths`` (4k and 16k tokens), the default attention, the device's canonical chunk.
-4. **Costs** on the big model, for each ``--chunks`` C: the cold prefill of 4k tokens against plain
-   ``model.generate``'s time to first token on the same ids, and a 16-token warm turn after 4k against plain
-   ``generate`` continuing a ``DynamicCache`` (median of 5 after a warm-up, synchronized).
+* **kernels** (``kernels_row``): one attention call of the big shape (a 512-token chunk after 1k..16k cached keys) on
+  every backend, three times each: run-to-run bitwise or not, and the time;
+* **matrix** (``big_row``, ``tiny_row``): every warm path (next turn, fork, state file, prefix store, truncate)
+  against a cold run (a new ``Session`` on the whole history), cold runs against each other, and the slots each
+  warm path reused: a warm row that reused nothing tested nothing, and the summary says so. The tiny Qwen3-VL's
+  row also compares its vision tower on kvstate's path with plain sdpa (bidirectional attention stays so);
+* **costs**: the cold prefill of 4k tokens against plain ``model.generate``'s time to first token, and a 16-token
+  warm turn after 4k against plain ``generate`` continuing a ``DynamicCache`` (median of 5 after a warm-up).
 
-JSON goes to ``--out`` after every step (a deadline or a crash keeps what was measured), with the commit, versions
-and device name, and a top-level ``summary``: ``bitwise_all``, ``repeat_bitwise``, ``max_history``,
-``cold_prefill_vs_plain`` and ``warm_turn_vs_plain_cache`` (time ratios kvstate / plain at the device's chunk).
+``summary`` is the report's verdict: ``bitwise_all`` holds only if every row is bitwise and every warm row reused
+slots; ``reuse`` lists the slots reused per row.
 
-    python scripts/device_check.py --out bench/results/device_check_cuda.json           # on a GPU, ~6 min (H200)
-    python scripts/device_check.py --device cpu --shape small --lengths 96 160 --chunks 16 32 --cost-length 100 \\
-        --tiny tiny:llama --out /tmp/device_check.json                                   # the CPU trial, ~1 min
+    python scripts/device_check.py --cpu-trial --budget 200 --out /tmp/check   # the exactness steps alone
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -35,7 +28,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from common import commit, dirty
 
 N = 8  # greedy tokens per run
 TINY_CHUNK = 16  # the tiny histories are short: small chunks so they resume from several cuts
@@ -45,38 +37,6 @@ SHAPES = {  # the big model: Qwen3-8B's shape, and a small stand-in for the CPU 
     "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=512),
 }
-
-
-class Deadline(Exception):
-    """The script's own time limit: what was measured so far is kept."""
-
-
-class Run:
-    """The report being built: written to ``out`` after every step, and a deadline checked before each."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        import transformers
-
-        import kvstate
-
-        self.args, self.began = args, time.perf_counter()
-        self.report: dict = {"device": args.device, "device_name": _device_name(args.device), "dtype": args.dtype,
-                             "commit": commit(), "dirty": dirty(),
-                             "kvstate": kvstate.__version__, "torch": torch.__version__,
-                             "transformers": transformers.__version__, "new_tokens": N, "kernels": [],
-                             "tiny": [], "big": [], "costs": [], "incomplete": None}
-
-    def step(self, name: str) -> None:
-        if time.perf_counter() - self.began > self.args.deadline:
-            raise Deadline(f"deadline of {self.args.deadline} s reached before {name}")
-        print(f"[{time.perf_counter() - self.began:6.1f} s] {name}", flush=True)
-
-    def save(self) -> None:
-        self.report["seconds"] = round(time.perf_counter() - self.began, 1)
-        self.report["summary"] = summary(self.report, self.args)
-        if self.args.out is not None:
-            self.args.out.parent.mkdir(parents=True, exist_ok=True)
-            self.args.out.write_text(json.dumps(self.report, indent=2) + "\n")
 
 
 # ----- 1. kernels ---------------------------------------------------------------------------------------------------
@@ -134,8 +94,8 @@ def generate(session, ids: torch.Tensor, inputs: dict) -> tuple[torch.Tensor, to
     return out.sequences, torch.cat(out.logits)
 
 
-def matrix(model, ids: torch.Tensor, inputs: dict, folder: Path, chunk: int) -> dict[str, dict]:
-    """Every warm path and two more cold runs against the cold run: ``{path: {bitwise, max_abs, reused}}``."""
+def matrix(model, ids: torch.Tensor, inputs: dict, folder: Path, chunk: int, repeats: int = 2) -> dict[str, dict]:
+    """Every warm path and ``repeats`` more cold runs against the cold run: ``{path: {bitwise, max_abs, reused}}``."""
     from kvstate import PrefixStore, Session
 
     colds: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -154,7 +114,7 @@ def matrix(model, ids: torch.Tensor, inputs: dict, folder: Path, chunk: int) -> 
 
     out: dict[str, dict] = {}
     first = cold(ids)
-    for i in (2, 3):  # the same cold run again, twice
+    for i in range(2, 2 + repeats):  # the same cold run again
         compare(f"cold run #{i}", generate(Session(model, canonical_chunk=chunk), ids, inputs), first, 0)
     s = Session(model, canonical_chunk=chunk, store=PrefixStore(folder / "store", chunk_tokens=chunk))
     answer = generate(s, ids, inputs)[0]
@@ -235,78 +195,86 @@ def costs(model, length: int, chunk: int, device: str) -> dict[str, float]:
             "plain_cache_turn_ms": plain_warm, "warm_vs_plain_cache": round(ours_warm / plain_warm, 3)}
 
 
-def summary(report: dict, args: argparse.Namespace) -> dict:
-    matrices = [r["paths"] for r in report["tiny"] + report["big"]]
-    chosen = [c for c in report["costs"] if c["chunk"] == args.chunk]
-    return {"bitwise_all": bool(matrices) and all(p["bitwise"] for m in matrices for p in m.values()),
-            "repeat_bitwise": bool(matrices) and all(p["bitwise"] for m in matrices for name, p in m.items()
-                                                     if name.startswith("cold run")),
-            "max_history": max((r["length"] for r in report["big"] if all(p["bitwise"] for p in r["paths"].values())),
-                               default=0),
-            "cold_prefill_vs_plain": chosen[0]["cold_vs_plain"] if chosen else None,
-            "warm_turn_vs_plain_cache": chosen[0]["warm_vs_plain_cache"] if chosen else None,
-            "chunk": args.chunk}
+# ----- the rows a device run records ---------------------------------------------------------------------------------
+def big_row(model, shape: str, length: int, chunk: int, device: str) -> dict:
+    """The matrix on the big model at a random history of ``length`` tokens, at the device's chunk."""
+    ids = torch.randint(100, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+    with tempfile.TemporaryDirectory() as tmp:
+        found = matrix(model, ids.to(device), {}, Path(tmp), chunk, repeats=1)
+    _print(f"{shape}@{length}", found)
+    return {"model": shape, "length": length, "chunk": chunk, "paths": found}
 
 
-# ----- the run ------------------------------------------------------------------------------------------------------
-def main() -> int:
-    from kvstate.schedule import default_chunk
+def tiny_row(spec: str, device: str, dtype: str) -> dict:
+    """The matrix on a tiny family; Qwen3-VL's also checks its vision tower against plain sdpa (``vision``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model, ids, inputs = tiny(spec, device, dtype)
+        found = matrix(model, ids, inputs, Path(tmp), TINY_CHUNK)
+    _print(spec, found)
+    row = {"model": spec, "dtype": dtype, "chunk": TINY_CHUNK, "paths": found}
+    if "pixel_values_videos" in inputs:
+        row["vision"] = vision(model, inputs)
+    return row
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", help="cuda or cpu (default cuda)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--tiny", nargs="*", default=["tiny:llama", "tiny:gemma3_text", "tiny:qwen3_vl", "tiny:lfm2"])
-    parser.add_argument("--tiny-dtypes", nargs="*", default=None, help="the tiny matrix's dtypes (default: --dtype)")
-    parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
-    parser.add_argument("--lengths", nargs="*", type=int, default=[4096, 16384], help="big-model histories")
-    parser.add_argument("--chunks", nargs="*", type=int, default=[256, 512, 1024], help="C values to cost")
-    parser.add_argument("--cost-length", type=int, default=4000, help="history of the cost rows (4k, off the cuts)")
-    parser.add_argument("--deadline", type=float, default=420.0, help="seconds before the remaining steps are skipped")
-    parser.add_argument("--out", type=Path, help="write the JSON here after every step")
-    args = parser.parse_args()
-    args.chunk = default_chunk((), args.device)
+
+def vision(model, inputs: dict) -> dict:
+    """The video features on kvstate's path against plain sdpa's: the same bidirectional attention, so within the
+    dtype's rounding (PyTorch's pick of kernel rounds differently on a GPU); a causal tower is off by far more."""
+    from kvstate._compat.attention import deterministic
+
+    pixels, grid = inputs["pixel_values_videos"], inputs["video_grid_thw"]
+    tower = model.model.visual
+    with torch.no_grad():
+        plain = tower(pixels, grid_thw=grid).last_hidden_state.float()
+        with deterministic(model):
+            ours = tower(pixels, grid_thw=grid).last_hidden_state.float()
+    return {"max_abs_vs_sdpa": (ours - plain).abs().max().item(), "scale": plain.abs().max().item(),
+            "dtype": str(next(tower.parameters()).dtype)}
+
+
+ROUNDING = {"torch.bfloat16": 2 ** -7, "torch.float16": 2 ** -10, "torch.float32": 1e-5}  # relative to the scale
+
+
+def kernels_row(args: argparse.Namespace, longest: int) -> list[dict]:
+    """``kernel_probe`` at 1k keys and every history length up to ``longest``."""
     dtype = getattr(torch, args.dtype)
-    run = Run(args)
-    try:
-        for keys in sorted({1024, *args.lengths}):
-            run.step(f"kernels at {keys} keys")
-            run.report["kernels"].append({"keys": keys, "backends": kernel_probe(args.device, dtype,
-                                                                                 SHAPES[args.shape], keys)})
-            run.save()
-        for tiny_dtype in args.tiny_dtypes or [args.dtype]:
-            for spec in args.tiny:
-                run.step(f"{spec} in {tiny_dtype}")
-                with tempfile.TemporaryDirectory() as tmp:
-                    model, ids, inputs = tiny(spec, args.device, tiny_dtype)
-                    found = matrix(model, ids, inputs, Path(tmp), TINY_CHUNK)
-                run.report["tiny"].append({"model": spec, "dtype": tiny_dtype, "chunk": TINY_CHUNK, "paths": found})
-                _print(spec, found)
-                run.save()
-        model = big(args.shape, args.device, dtype, max(args.lengths, default=0))
-        for length in args.lengths:
-            run.step(f"{args.shape} model at {length} tokens")
-            ids = torch.randint(100, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
-            with tempfile.TemporaryDirectory() as tmp:
-                found = matrix(model, ids.to(args.device), {}, Path(tmp), args.chunk)
-            run.report["big"].append({"model": args.shape, "length": length, "chunk": args.chunk, "paths": found})
-            _print(f"{args.shape}@{length}", found)
-            run.save()
-        for chunk in args.chunks:
-            run.step(f"costs at C={chunk}")
-            run.report["costs"].append(costs(model, args.cost_length, chunk, args.device))
-            print(json.dumps(run.report["costs"][-1]), flush=True)
-            run.save()
-    except Deadline as exc:
-        run.report["incomplete"] = str(exc)
-    run.save()
-    verdict = run.report["summary"]
-    print(json.dumps(verdict))
-    return 0 if verdict["bitwise_all"] and run.report["incomplete"] is None else 1
+    return [{"keys": keys, "backends": kernel_probe(args.device, dtype, SHAPES[args.shape], keys)}
+            for keys in sorted({1024, *args.lengths}) if keys <= max(longest, 1024)]
+
+
+def summary(report: dict, chunk: int) -> dict:
+    """The verdict: every row bitwise, every warm row reusing slots (a row that reused none tested nothing)."""
+    rows = report["tiny"] + report["big"]
+    named = {f"{r['model']}@{r.get('length', r.get('dtype'))}": r["paths"] for r in rows}
+    warm = [(name, p) for paths in named.values() for name, p in paths.items() if not name.startswith("cold run")]
+    costs_at = [c for c in report["costs"] if c["chunk"] == chunk]
+    visions = [r["vision"] for r in rows if "vision" in r]
+    return {"bitwise_all": bool(rows) and all(p["bitwise"] for m in named.values() for p in m.values())
+            and all(p["reused"] > 0 for _, p in warm),
+            "repeat_bitwise": bool(rows) and all(p["bitwise"] for m in named.values() for n, p in m.items()
+                                                 if n.startswith("cold run")),
+            "warm_rows_without_reuse": [f"{m}: {n}" for m, paths in named.items() for n, p in paths.items()
+                                        if not n.startswith("cold run") and p["reused"] == 0],
+            "reuse": {m: {n: p["reused"] for n, p in paths.items() if not n.startswith("cold run")}
+                      for m, paths in named.items()},
+            "max_history": max((r["length"] for r in report["big"] if all(p["bitwise"] and (p["reused"] > 0 or
+                                n.startswith("cold run")) for n, p in r["paths"].items())), default=0),
+            "vision_within_rounding": all(v["max_abs_vs_sdpa"] <= ROUNDING[v["dtype"]] * v["scale"] for v in visions)
+            if visions else None,
+            "cold_prefill_vs_plain": costs_at[0]["cold_vs_plain"] if costs_at else None,
+            "warm_turn_vs_plain_cache": costs_at[0]["warm_vs_plain_cache"] if costs_at else None,
+            "chunk": chunk}
+
+
+def main() -> int:
+    import device_run
+
+    return device_run.main(["--only", "check", *sys.argv[1:]])
 
 
 def _print(name: str, found: dict) -> None:
-    print(f"{name:20} " + ", ".join(f"{k}: {'=' if v['bitwise'] else 'DIFFERS'}" for k, v in found.items()),
-          flush=True)
+    print(f"{name:20} " + ", ".join(f"{k}: {'=' if v['bitwise'] else 'DIFFERS'} (reused {v['reused']})"
+                                    for k, v in found.items()), flush=True)
 
 
 def _median(device: str, call, repeats: int = 5) -> float:
@@ -331,12 +299,6 @@ def _with(context, call):
         return call()
 
 
-
-
-def _device_name(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return device
 
 
 if __name__ == "__main__":

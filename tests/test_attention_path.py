@@ -25,6 +25,7 @@ from kvstate._compat.core import attention_backend
 from kvstate.cli import main
 from kvstate.compress import KNorm
 from kvstate.errors import ScheduleWarning
+from kvstate.testing.cuda_stand_in import GPU, cuda_stand_in
 from tiny import WINDOW, prompt, tiny_model
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -223,27 +224,12 @@ def test_planted_nondeterministic_attention_is_diagnosed_as_the_kernels_alone():
 
 
 # ----- the CUDA path's plumbing, on the CPU ------------------------------------------------------------------------
-GPU = "NVIDIA H100 80GB HBM3|132sm|cuda13.0|torch2.11.0"  # a faked device identity (``attention.identity``)
-
-
 @pytest.fixture
-def cuda_rules(monkeypatch):
-    """kvstate's CUDA attention path run on the CPU: the model reads as on CUDA, the rule is CUDA's (float32 may take
-    flash too, so it is exercised here), and flash, a CUDA kernel, is stood in by SDPA with the same lower-right
-    causal bias. What this checks is the plumbing and the mask semantics, not the CUDA kernels' bits."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    def flash_on_cpu(query, key, value, scale, causal):
-        bias = causal_lower_right(query.shape[2], key.shape[2]) if causal else None
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale,
-                                                                enable_gqa=query.shape[1] != key.shape[1])
-
-    rule = attention.choose
-    monkeypatch.setattr(attention, "_device", lambda model: "cuda")
-    monkeypatch.setattr(attention, "identity", lambda model: GPU)
-    monkeypatch.setattr(attention, "FLASH_DTYPES", (*attention.FLASH_DTYPES, torch.float32))
-    monkeypatch.setattr(attention, "choose", lambda device, *args: rule("cuda", *args))
-    monkeypatch.setattr(attention, "flash", flash_on_cpu)
+def cuda_rules():
+    """kvstate's CUDA attention path run on the CPU (``kvstate.testing.cuda_stand_in``): the plumbing and the mask
+    semantics, not the CUDA kernels' bits."""
+    with cuda_stand_in():
+        yield
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "lfm2", "qwen3_vl"])
@@ -309,7 +295,7 @@ def test_after_a_cold_generate_every_warm_path_reuses_its_slots_on_the_cuda_path
     assert hit.source == "store"
 
 
-def test_a_state_made_on_another_gpu_is_fed_again_with_a_warning_that_says_why(cuda_rules, monkeypatch, tmp_path):
+def test_a_state_made_on_another_gpu_is_fed_again_with_a_warning_that_says_why(cuda_rules, tmp_path):
     model = tiny_model("llama")
     history = prompt(40)
     made = Session(model, canonical_chunk=16)
@@ -317,14 +303,15 @@ def test_a_state_made_on_another_gpu_is_fed_again_with_a_warning_that_says_why(c
     made.save(tmp_path / "h100.kvs")
     assert made.state.canonical_device == f"cuda[{GPU}]@det"
     other = "NVIDIA H200|132sm|cuda13.0|torch2.11.0"
-    monkeypatch.setattr(attention, "identity", lambda model: other)
-    with pytest.warns(ScheduleWarning, match="fed again") as caught:
-        loaded = Session.load(tmp_path / "h100.kvs", model)
-    assert GPU in str(caught[0].message) and other in str(caught[0].message)
     options = dict(max_new_tokens=2, do_sample=False, return_dict_in_generate=True, output_logits=True)
-    out = loaded.generate(history, **options)
+    with cuda_stand_in(other):  # the same file, loaded on another GPU
+        with pytest.warns(ScheduleWarning, match="fed again") as caught:
+            loaded = Session.load(tmp_path / "h100.kvs", model)
+        out = loaded.generate(history, **options)
+        ref = Session(model, canonical_chunk=16).generate(history, **options)
+    assert GPU in str(caught[0].message) and other in str(caught[0].message)
     assert loaded.last_plan.reused == 0 and GPU in loaded.last_plan.note
-    ref = Session(model, canonical_chunk=16).generate(history, **options)
+    assert loaded.state.canonical_device == f"cuda[{other}]@det"
     assert torch.equal(torch.cat(out.logits), torch.cat(ref.logits))
     assert Session(model).state.canonical_device == ""  # an empty state names no kernels yet
 

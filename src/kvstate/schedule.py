@@ -63,7 +63,7 @@ MIN_SEGMENT = 8  # a mark closer than this to the previous segment start (a BOS 
 #   with turn marks.
 # * cuda (one H200, an 8B shape in bf16, 4k-token history): an eager forward costs 30-60 ms of kernel launches
 #   whatever its length, so the forward count decides: C = 512 made the cold prefill 7x cheaper than C = 64
-#   (579 vs 3,987 ms) for +6 ms on a 16-token warm turn (92 vs 86 ms). ``scripts/device_check.py`` measures it again.
+#   (579 vs 3,987 ms) for +6 ms on a 16-token warm turn (92 vs 86 ms). ``scripts/device_run.py`` measures it again.
 # Other devices take the CPU's values until they are measured.
 POSITION_CHUNK = 64
 MARKED_CHUNK = 256
