@@ -39,6 +39,16 @@ def test_api_keys_are_enforced(tiny):
         assert status == 401 and body["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("keys", [("",), (" ",), ("alpha", ""), (" alpha",)])
+def test_an_empty_or_padded_key_is_refused(keys):
+    """An empty key equals the empty token of a request without ``Authorization``: such a server would be open."""
+    from kvstate.errors import InputError
+    from kvstate.serve import Settings
+
+    with pytest.raises(InputError, match="API keys"):
+        Settings(api_keys=keys)
+
+
 def test_key_namespaces_are_isolated_in_pool_and_store(tiny, tmp_path):
     settings = {"api_keys": ("alpha", "beta"), "store": str(tmp_path / "s"), "store_chunk_tokens": 4}
     with live(make_server(*tiny, **settings)) as url:

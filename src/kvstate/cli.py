@@ -48,12 +48,15 @@ BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_atten
 
 
 class UserError(Exception):
-    """A mistake on the command line: printed as one line, exit code 2."""
+    """A mistake on the command line: printed as one line with its ``fix``, exit code 2."""
+
+    def __init__(self, message: str, *, fix: str) -> None:
+        super().__init__(f"{message}; fix: {fix}")
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
-        sys.stderr.write(f"kvstate: error: {one_line(message)} (see `{self.prog} --help`)\n")
+        sys.stderr.write(f"kvstate: error: {one_line(message)}; fix: see `{self.prog} --help`\n")
         raise SystemExit(2)
 
 
@@ -213,7 +216,7 @@ def _read_text(path: Path, limit: int | None) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(f"cannot read prompt file {str(path)!r}: {exc}; pass a UTF-8 text file") from exc
+        raise UserError(f"cannot read prompt file {str(path)!r}: {exc}", fix="pass a UTF-8 text file") from exc
 
 
 def _check_save_path(path: Path) -> Path:
@@ -234,11 +237,13 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Any, text: str | None) -> A
 
     if tokenizer is None:
         if text:
-            raise UserError(f"{args.model!r} has no tokenizer to encode --prompt; omit it (a random prompt is used)")
+            raise UserError(f"{args.model!r} has no tokenizer to encode --prompt",
+                            fix="omit --prompt (a random prompt is used)")
         return tiny_prompt(40)
     ids = tokenizer(text or DEFAULT_PROMPT, return_tensors="pt").input_ids
     if ids.shape[1] < 4:
-        raise UserError(f"the prompt is {ids.shape[1]} tokens long; verify needs at least 4")
+        raise UserError(f"the prompt is {ids.shape[1]} tokens long; verify needs at least 4",
+                        fix="pass a longer --prompt")
     return ids
 
 
@@ -249,7 +254,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.against is not None:
         return against.command(args, UserError, _check_save_path)
     if args.cold is not None:
-        raise UserError("--cold names the cold twin of a server: pass it with --against URL")
+        raise UserError("--cold names the cold twin of a server", fix="pass it with --against URL")
     if args.list:
         print("\n".join(supported_model_types()))
         print("# any other causal LM: structural adapter after a self-check (docs/coverage.md)", file=sys.stderr)
@@ -344,11 +349,12 @@ def _generate(args: argparse.Namespace) -> int:
     from .text import continue_text
 
     if (args.state is None) == (args.store is None):
-        raise UserError("generate needs exactly one of --state FILE or --store LOCATION")
+        raise UserError("generate needs exactly one of --state FILE or --store LOCATION",
+                        fix="pass --state FILE (from `kvstate prefill`) or --store LOCATION")
     if args.store is not None and not args.prompt:
-        raise UserError("generate --store needs --prompt: the text to answer")
+        raise UserError("generate --store needs --prompt: the text to answer", fix="pass --prompt TEXT")
     if args.cast_state and args.state is None:
-        raise UserError("--cast-state casts a state file: pass it with --state FILE")
+        raise UserError("--cast-state casts a state file", fix="pass it with --state FILE, or drop it")
     if args.save:
         _check_save_path(args.save)
     if args.state is not None:
@@ -383,8 +389,8 @@ def _open_store(location: str, create: bool = True) -> Any:
 
 def _store(args: argparse.Namespace) -> int:
     if args.action == "prune" and (args.max_bytes is None or args.max_bytes < 0):
-        raise UserError(f"store prune needs --max-bytes N with N >= 0 (found {args.max_bytes}); fix: pass "
-                        "--max-bytes 1000000000, say")
+        raise UserError(f"store prune needs --max-bytes N with N >= 0 (found {args.max_bytes})",
+                        fix="pass --max-bytes 1000000000, say")
     store = _open_store(args.store, create=False)  # these only read or shrink one: a mistyped folder is an error
     if args.action == "health":
         health = store.health()
@@ -392,7 +398,11 @@ def _store(args: argparse.Namespace) -> int:
               f"{health['backend']}: {'ok' if health['ok'] else 'FAILING: ' + str(health['problem'])}")
         return 0 if health["ok"] else 1
     if args.action == "prune":
-        print(f"evicted {store.prune(args.max_bytes)} entries; {store.stats()['bytes']:,} bytes remain")
+        evicted = store.prune(args.max_bytes)
+        stats = store.stats()
+        print(f"evicted {evicted} entries; {stats['bytes']:,} bytes remain"
+              + (f"; {stats['temp_files']} temporary files of writes in progress ({stats['temp_bytes']:,} bytes)"
+                 if stats["temp_files"] else ""))
         return 0
     data = store.stats() if args.action == "stats" else store.ls()
     if args.json:
@@ -423,8 +433,8 @@ def _check_port(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             probe.bind((host, port))
     except OSError as exc:
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what uses the port, or "
-                        "pass another --port (or --host)") from exc
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                        fix="stop what uses the port, or pass another --port (or --host)") from exc
 
 
 def time_text(stamp: float) -> str:
@@ -440,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import KVStateError
 
     try:
-        return commands[args.command](args)
+        with _warnings_in_one_line():
+            return commands[args.command](args)
     except (KVStateError, UserError) as exc:
         if args.debug:
             raise
@@ -458,6 +469,28 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(error_text(exc, args.verbose), file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def _warnings_in_one_line() -> Any:
+    """kvstate's own warnings (``ScheduleWarning``, ``StoreWarning``) as one line each, ``kvstate: warning: ...``,
+    like errors; others as Python prints them. Restored on the way out."""
+    import warnings
+
+    from .errors import ScheduleWarning, StoreWarning
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+            if issubclass(category, (ScheduleWarning, StoreWarning)):
+                text = one_line(str(message)).removeprefix("kvstate: ")
+                print(f"kvstate: warning: {text}", file=sys.stderr)
+            else:
+                shown(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
+        yield
 
 
 LINE = 400  # characters of an error's one line before details are left out (all of them are behind --verbose)

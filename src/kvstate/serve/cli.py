@@ -86,15 +86,15 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise user_error(f"kvstate serve needs FastAPI and uvicorn ({exc.name} is missing): "
-                         "pip install 'kvstate[serve]'") from exc
+        raise user_error(f"kvstate serve needs FastAPI and uvicorn ({exc.name} is missing)",
+                         fix="pip install 'kvstate[serve]'") from exc
     from . import Server, Settings, run
     from .params import Limits
     from .server import model_id_for
 
-    keys = tuple(args.api_key) + tuple(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
+    keys = api_keys(args.api_key, os.environ.get(API_KEY_ENV), user_error)
     if args.no_reuse and args.store is not None:
-        raise user_error("--no-reuse runs every request cold: drop --store (or --no-reuse)")
+        raise user_error("--no-reuse runs every request cold, so it has no store", fix="drop --store (or --no-reuse)")
     if args.store is not None:
         from ..store import PrefixStore
 
@@ -115,6 +115,24 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
         print(f"kvstate serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     run(server, args.host, args.port, args.log_level)
     return 0
+
+
+def api_keys(flags: list[str], env: str | None, user_error: type[Exception]) -> tuple[str, ...]:
+    """The keys of ``--api-key`` and ``$KVSTATE_API_KEY`` (comma-separated). An empty or blank key is refused, as is
+    a variable that is set and holds none: ``--api-key "$KEY"`` with ``KEY`` unset would otherwise serve an open
+    server that looks protected (a request without a key matched the empty one)."""
+    for key in flags:
+        if not key.strip():
+            raise user_error("--api-key is empty (a shell variable that is not set?): a request without any key "
+                             "would match it", fix="pass the key itself, or drop --api-key to serve without keys")
+        if key != key.strip():
+            raise user_error("--api-key has spaces around it; a client's Bearer token is read without them, so it "
+                             "could never match", fix="pass the key without the spaces")
+    found = tuple(k.strip() for k in (env or "").split(",") if k.strip())
+    if env is not None and not found:
+        raise user_error(f"${API_KEY_ENV} is set but holds no key",
+                         fix="set it to the keys (comma-separated), or unset it to serve without keys")
+    return (*flags, *found)
 
 
 def load(spec: str, *, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..errors import InputError
 from ..schedule import default_chunk
 from ..store import PrefixStore
 from ..text import line_marks
@@ -42,6 +43,13 @@ class Settings:
     batch_gather_ms: int = 20  # an idle batched server admits a burst together (BatchRunner._gather); 0: off
     reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
     shutdown_timeout: float = 20.0  # a graceful stop's seconds for running answers, then they end (``Server.stop``)
+
+    def __post_init__(self) -> None:
+        bad = [key for key in self.api_keys if not isinstance(key, str) or not key.strip() or key != key.strip()]
+        if bad:  # an empty key matches a request that sends none: a server that looks protected would be open
+            raise InputError("API keys must be non-empty strings without surrounding spaces",
+                             found=f"{len(bad)} such key(s) among {len(self.api_keys)}",
+                             fix="pass the keys themselves, or no api_keys to serve without keys")
 
 
 class Server:
