@@ -68,6 +68,12 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
                    help="longer prompts get a 400 (default: 8192)")
     s.add_argument("--max-new-tokens", type=positive, default=2048,
                    help="bound on a request's max_tokens (default: 2048)")
+    s.add_argument("--max-stop-strings", type=non_negative, default=4, metavar="N",
+                   help="stop strings a request may send (default: 4, as OpenAI)")
+    s.add_argument("--max-stop-length", type=positive, default=32, metavar="CHARS",
+                   help="characters of each stop string (default: 32). transformers matches stop strings with a "
+                   "table of vocabulary x length: each character costs 4 bytes per vocabulary entry (1 MiB for "
+                   "Gemma's 262k tokens), built once per stop set and held while it is in use")
     s.add_argument("--default-max-tokens", type=positive, default=256,
                    help="max_tokens of a chat request that names none (completions: 16, as OpenAI)")
     s.add_argument("--pool-bytes", type=positive, default=2 << 30,
@@ -99,7 +105,8 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
         from ..store import PrefixStore
 
         PrefixStore(args.store).health()  # an unusable folder or a malformed URL fails now, not per request
-    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, min(args.default_max_tokens, args.max_new_tokens))
+    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, min(args.default_max_tokens, args.max_new_tokens),
+                    max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length)
     settings = Settings(store=args.store, api_keys=keys, limits=limits, max_request_bytes=args.max_request_bytes,
                         max_queue=args.max_queue, pool_bytes=args.pool_bytes,
                         store_chunk_tokens=args.store_chunk_tokens, canonical_chunk=args.canonical_chunk,

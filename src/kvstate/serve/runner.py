@@ -50,6 +50,10 @@ def shutting_down() -> HTTPError:
                      fix="retry on another replica, or once this one is back", headers={"Retry-After": "5"})
 
 
+# The stop-string tables kept for reuse: each is vocabulary x stop length int32 (129 MiB for 4 stops of 32
+# characters on a 262k vocabulary), so they are bounded in bytes as well as in number
+STOP_TABLES_BYTES = 512 << 20
+
 # How long an idle model waits before settling a reply: a client that sends its next request as soon as
 # a reply ends gets it to the runner within a few ms here (rendering and tokenizing included)
 SETTLE_GRACE = 0.05
@@ -189,8 +193,9 @@ class Runner:
 
         with self._lock:
             found = self._stops.pop(stops, None) or StopStringCriteria(self.tokenizer, list(stops))
-            self._stops[stops] = found  # the newest last; the oldest evicted past 16 stop sets
-            while len(self._stops) > 16:
+            self._stops[stops] = found  # the newest last; the oldest evicted past 16 sets or STOP_TABLES_BYTES
+            while len(self._stops) > 16 or (len(self._stops) > 1 and sum(
+                    getattr(c.embedding_vec, "nbytes", 0) for c in self._stops.values()) > STOP_TABLES_BYTES):
                 self._stops.pop(next(iter(self._stops)))
         return found
 
