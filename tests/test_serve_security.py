@@ -130,7 +130,9 @@ def test_path_like_inputs_never_touch_the_filesystem(tiny, tmp_path):
          "user": path},
         {"model": MODEL, "prompt": path, "max_tokens": 2},
     ]
-    with live(make_server(*tiny)) as url:
+    from kvstate.serve.params import Limits
+
+    with live(make_server(*tiny, limits=Limits(max_stop_length=len(path)))) as url:  # the path as a stop, too
         statuses = [_post(url, "/v1/chat/completions" if "messages" in r else "/v1/completions",
                           json.dumps(r).encode())[0] for r in requests]
     assert statuses == [404, 400, 400, 200, 200]
