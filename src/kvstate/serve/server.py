@@ -72,7 +72,8 @@ class Server:
         self.context = context_length(model)
         self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None,
                                  vocab=self.vocab)
-        self.metrics = Metrics()
+        limits = settings.limits
+        self.metrics = Metrics(model_id, self._gauges, max_tokens=limits.max_prompt_tokens + limits.max_new_tokens)
         self.pool = StatePool(settings.pool_bytes if settings.reuse else 0)  # a zero budget keeps nothing
         self._stores: dict[str, PrefixStore] = {}
         if settings.store is not None and settings.reuse:
@@ -164,16 +165,32 @@ class Server:
                 "device": str(weight.device), "queue": self.runner.pending, "max_queue": self.settings.max_queue,
                 "store": None if store is None else store.health()}
 
-    def render_metrics(self) -> str:
-        failures = sum(s.failures for s in self._stores.values())
-        return self.metrics.render({
-            "queue_depth": ("Requests waiting or running.", self.runner.pending),
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        """What ``/metrics`` reads at each scrape (``Metrics``): the queue, the pool, the store."""
+        gauges = {
+            "queue_depth": ("Requests waiting or running (at --max-queue, the next gets a 429).", self.runner.pending),
             "pool_states": ("Conversation states in the in-memory pool.", len(self.pool)),
             "pool_bytes": ("Bytes of K/V and other state in the in-memory pool.", self.pool.nbytes),
-            "store_failures": ("Prefix store reads or writes that failed in this process.", failures),
-        })
+            "store_failures": ("Prefix store reads or writes that failed in this process.",
+                               sum(s.failures for s in self._stores.values())),
+        }
+        store = self.store_for("default")
+        try:
+            counters = {} if store is None else store.backend.counters()
+        except Exception:  # an unreachable store: /health says why, and its failures are counted above
+            return gauges
+        if store is not None:
+            gauges["store_hits"] = ("Prefix store lookups that found a prefix, by every server sharing the store.",
+                                    counters.get("hits", 0))
+            gauges["store_misses"] = ("Prefix store lookups that found none, by every server sharing the store.",
+                                      counters.get("misses", 0))
+        return gauges
 
     def close(self) -> None:
+        """Stop the runner; after a graceful stop (``stop``), first settle the replies still waiting for it into the
+        store (``Runner.settle_pending``)."""
+        if self.stopping.is_set():
+            self.runner.settle_pending()
         self.runner.close()
 
 
