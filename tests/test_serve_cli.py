@@ -164,6 +164,7 @@ def test_sigterm_drains_a_stream_in_flight_and_exits_0_with_its_state_stored(tmp
         assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
     finally:
         proc.kill()
+        proc.wait(timeout=30)  # reaped before its folder goes (the zygote writes its status there)
     chunks += [json.loads(e) for e in rest[:-1]]
     assert rest[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
     assert 0.9 < ended < 6, f"the stream ended {ended:.2f} s after SIGTERM, --shutdown-timeout 1"

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .cli_output import UserError, error_text, one_line, warnings_in_one_line
 from .models.load import DEVICES, DTYPES
 from .verify.against import cli as against
 from .verify.faults import FAULTS
@@ -45,13 +46,6 @@ errors: one line on stderr, with the fix (exit 2; an unexpected failure: exit 1)
 was expected and what was found (and the traceback of an unexpected failure).
 """
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
-
-
-class UserError(Exception):
-    """A mistake on the command line: printed as one line with its ``fix``, exit code 2."""
-
-    def __init__(self, message: str, *, fix: str) -> None:
-        super().__init__(f"{message}; fix: {fix}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -224,11 +218,6 @@ def _check_save_path(path: Path) -> Path:
     from .io.paths import save_target
 
     return save_target(path)
-
-
-def one_line(text: str) -> str:
-    """``text`` with newlines and other control characters escaped, so an error stays one line."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer: Any, text: str | None) -> Any:
@@ -450,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import KVStateError
 
     try:
-        with _warnings_in_one_line():
+        with warnings_in_one_line():
             return commands[args.command](args)
     except (KVStateError, UserError) as exc:
         if args.debug:
@@ -469,57 +458,6 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(error_text(exc, args.verbose), file=sys.stderr)
         return 1
-
-
-@contextlib.contextmanager
-def _warnings_in_one_line() -> Any:
-    """kvstate's own warnings (``ScheduleWarning``, ``StoreWarning``) as one line each, ``kvstate: warning: ...``,
-    like errors; others as Python prints them. Restored on the way out."""
-    import warnings
-
-    from .errors import ScheduleWarning, StoreWarning
-
-    with warnings.catch_warnings():
-        shown = warnings.showwarning
-
-        def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
-            if issubclass(category, (ScheduleWarning, StoreWarning)):
-                text = one_line(str(message)).removeprefix("kvstate: ")
-                print(f"kvstate: warning: {text}", file=sys.stderr)
-            else:
-                shown(message, category, *args, **kwargs)
-
-        warnings.showwarning = show
-        yield
-
-
-LINE = 400  # characters of an error's one line before details are left out (all of them are behind --verbose)
-
-
-def error_text(exc: Exception, verbose: bool) -> str:
-    """``kvstate: error: ...`` for ``exc``: one line, with the fix; with ``verbose`` every detail, a line each."""
-    from .errors import KVStateError
-
-    name = "" if isinstance(exc, UserError) else f"{type(exc).__name__}: "
-    if not isinstance(exc, KVStateError):
-        text = one_line(f"{name}{exc}")
-        if verbose or len(text) <= LINE:
-            return f"kvstate: error: {text}" + ("" if verbose or isinstance(exc, UserError) else
-                                                " (--verbose for the traceback)")
-        return f"kvstate: error: {text[:LINE]}... (--verbose for the whole message)"
-    message = getattr(exc, "message", str(exc))  # an error unpickled from a child process has only its text
-    if verbose:
-        details = [("expected", exc.expected), ("found", exc.found), ("fix", exc.fix)]
-        return "\n".join([f"kvstate: error: {one_line(name + message)}",
-                          *(f"  {key}: {one_line(str(value))}" for key, value in details if value is not None)])
-    whole = one_line(f"{name}{exc}")
-    if len(whole) <= LINE:
-        return f"kvstate: error: {whole}"
-    head, fix = one_line(name + message), f"; fix: {one_line(exc.fix)}" if exc.fix else ""
-    room = LINE - len(head) - len(fix) - len("; found: ")  # the fix stays whole; what was found gets the rest
-    found = one_line(str(exc.found)) if exc.found is not None else ""
-    found = f"; found: {found if len(found) <= room else found[:room] + '...'}" if found and room >= 40 else ""
-    return f"kvstate: error: {head}{found}{fix} (--verbose: the whole error)"
 
 
 if __name__ == "__main__":
