@@ -96,7 +96,6 @@ def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
                          found=unknown, fix="check the spelling; model inputs such as pixel_values must belong "
                          "to the model family")
     _check_config(config)
-    check_stop_strings(config.stop_strings, kwargs.get("tokenizer"))
     # use_cache=False only makes plain generate recompute every step; the tokens are the same, and the
     # state is the cache, so kvstate keeps it on (whether it came from the call or model.generation_config)
     return GenerateOptions(MappingProxyType({**kwargs, "use_cache": True}), bool(config.return_dict_in_generate),

@@ -33,7 +33,7 @@ from .errors import (
     UnsupportedError,
 )
 from .identity import Fingerprint
-from .options import GenerateOptions, check_sequence_bias, resolve
+from .options import GenerateOptions, check_sequence_bias, check_stop_strings, resolve
 from .protocols import PrefixQuery
 from .state import MediaItem, State
 
@@ -71,7 +71,6 @@ def validate(binding: Binding, fingerprint: Fingerprint, input_ids: IdsLike, att
     inputs = {k: kwargs.pop(k) for k in keys if k in kwargs}
     refuse_media(kwargs, keys, binding.caps.name)
     options = resolve(binding.model, kwargs)
-    check_sequence_bias(options.config, vocab_size)
     ids = as_ids(input_ids, device, vocab_size)
     check_placeholders(binding, ids, inputs)
     check_length(options, ids.shape[1])
@@ -81,6 +80,8 @@ def validate(binding: Binding, fingerprint: Fingerprint, input_ids: IdsLike, att
     media = media_items(binding, ids, inputs, spans)
     if budget is not None:
         budget = _check_budget(budget, options, mask)
+    check_sequence_bias(options.config, vocab_size)
+    check_stop_strings(options.config.stop_strings, options.kwargs.get("tokenizer"))
     query = None
     if ids.shape[0] == 1 and bool(mask.all()) and media is not None:
         query = PrefixQuery(fingerprint, ids.cpu(), tuple((m.start, m.digest) for m in media))
