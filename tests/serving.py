@@ -49,6 +49,15 @@ def live(server: Server) -> Iterator[str]:
         server.close()
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` in Prometheus ``text`` whose labels include ``labels`` (parsed with
+    prometheus_client's own parser, as a scraper reads it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
+
+
 def client(url: str, key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
 

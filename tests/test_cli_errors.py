@@ -118,6 +118,46 @@ def test_every_mistake_is_one_line_and_exit_2(files, busy_port, capsys, monkeypa
         # exactly one line: no loading bar (its carriage returns count as lines too), no traceback
         assert err.startswith("kvstate: error:") and err.count("\n") == 1 and err.endswith("\n") \
             and "\r" not in err and len(err) < 500, f"{name}: {err[-800:]}"
+        assert "; fix: " in err, f"{name}: the error names no fix: {err}"
+
+
+@pytest.mark.parametrize("keys, env", [(["--api-key", ""], {}), (["--api-key", "  "], {}),
+                                       (["--api-key", "k1", "--api-key", ""], {}), ([], {"KVSTATE_API_KEY": ""}),
+                                       ([], {"KVSTATE_API_KEY": " , "})],
+                         ids=["empty", "blank", "one of two empty", "env empty", "env blank"])
+def test_an_empty_api_key_is_refused_before_serving(keys, env, capsys, monkeypatch):
+    """``--api-key "$KEY"`` with ``KEY`` unset must not start an open server that looks protected (a missing
+    Authorization header matched the empty key)."""
+    import kvstate.serve
+
+    served = []
+    monkeypatch.setattr(kvstate.serve, "run", lambda *args, **kwargs: served.append(args))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, err = run(["serve", "--model", "tiny:llama", "--port", "0", *keys], capsys)
+    assert (code, served) == (2, []), err
+    assert err.startswith("kvstate: error:") and err.count("\n") == 1 and "fix: " in err and "key" in err, err
+
+
+def test_serving_without_keys_off_loopback_warns(capsys, monkeypatch):
+    import kvstate.serve
+
+    monkeypatch.setattr(kvstate.serve, "run", lambda *args, **kwargs: None)
+    monkeypatch.delenv("KVSTATE_API_KEY", raising=False)
+    code, err = run(["serve", "--model", "tiny:llama", "--port", "0", "--host", "0.0.0.0"], capsys)
+    assert code == 0 and "warning: listening on 0.0.0.0 without --api-key" in err
+
+
+def test_cast_state_warns_in_one_line_that_the_cast_is_why_nothing_is_reused(files, capsys):
+    """``generate --cast-state`` continues a state of another dtype; its cast slots are not what the model
+    computes, so the canonical schedule feeds them again. The warning says that, on one line."""
+    code, err = run(["generate", "--model", str(files / "llama"), "--state", str(files / "s.kvs"), "--prompt", " hi",
+                     "--max-new-tokens", "2", "--dtype", "bfloat16", "--cast-state"], capsys)
+    warnings = [line for line in err.splitlines() if "warning" in line.lower()]
+    assert code == 0 and len(warnings) == 1, err
+    assert warnings[0].startswith("kvstate: warning: the state was cast (float32 -> bfloat16)") \
+        and "--canonical-chunk 0" in warnings[0], warnings
+    assert "off the schedule" not in err  # the old text blamed a schedule the user never set
 
 
 def run(argv: list[str], capsys) -> tuple[int, str]:

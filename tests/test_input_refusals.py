@@ -85,3 +85,13 @@ def test_prune_takes_no_negative_size(tmp_path, capsys):
 def test_session_load_takes_a_bool_cast_dtype(saved):
     with pytest.raises(InputError, match="cast_dtype must be True or False"):
         Session.load(saved, tiny_model("llama"), cast_dtype="yes")
+
+
+@pytest.mark.parametrize("setting, least", [("canonical_chunk", "canonical_chunk=0 (off) or more"),
+                                            ("max_checkpoints", "max_checkpoints=0 (off) or more"),
+                                            ("chunk_size", "chunk_size=1 or more")])
+def test_a_setting_below_its_least_value_names_that_value_in_the_fix(setting, least):
+    """0 is a valid canonical chunk (the schedule off): the fix must not ask for 1 or more."""
+    with pytest.raises(InputError) as info:
+        Session(tiny_model("llama"), **{setting: -1})
+    assert info.value.fix == f"pass {least}", info.value.fix

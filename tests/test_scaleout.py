@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import openai
 import pytest
 from tests.nginx_server import nginx
 from tests.redis_server import free_port, redis_server
-from tests.serving import client, live, make_server, reference
+from tests.serving import client, live, make_server, metric, reference
 
 import children
 from kvstate.serve.chat import Renderer
@@ -29,7 +28,6 @@ from kvstate.serve.cli import load
 pytestmark = pytest.mark.slow
 MODEL, TURNS, MAX_TOKENS = "tiny:llama", 10, 6
 FORCED = {3, 6, 8}  # turns (0-based) sent with an id that hashes to the other worker
-SERVED = re.compile(r'kvstate_requests_total\{endpoint="/v1/(?:chat/)?completions",status="200"\} (\d+)')
 
 
 @contextlib.contextmanager
@@ -66,7 +64,9 @@ def _get(address: str, path: str) -> str | None:
 
 def _served(address: str) -> int:
     """Completion requests the worker has answered (its own /metrics)."""
-    return sum(int(n) for n in SERVED.findall(_get(address, "/metrics") or ""))
+    text = _get(address, "/metrics") or ""
+    return int(sum(metric(text, "kvstate:requests_total", endpoint=route, status="200")
+                   for route in ("/v1/completions", "/v1/chat/completions")))
 
 
 class Workers:
@@ -122,8 +122,7 @@ def _abandon_a_stream(front: str, conversation: str, address: str) -> None:
     (no completion tokens counted) and is idle again, as without nginx."""
     import json
 
-    tokens = re.compile(r"kvstate_completion_tokens_total (\d+)")
-    before = tokens.search(_get(address, "/metrics") or "").group(1)
+    before = metric(_get(address, "/metrics") or "", "kvstate:generation_tokens_total")
     host, port = front.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Talk."}], "max_tokens": 2000, "stream": True,
@@ -137,7 +136,8 @@ def _abandon_a_stream(front: str, conversation: str, address: str) -> None:
     while json.loads(_get(address, "/health") or "{}").get("queue") != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert json.loads(_get(address, "/health") or "{}").get("queue") == 0, "the abandoned job still runs"
-    assert tokens.search(_get(address, "/metrics") or "").group(1) == before, "the abandoned job was completed"
+    assert metric(_get(address, "/metrics") or "", "kvstate:generation_tokens_total") == before, \
+        "the abandoned job was completed"
 
 
 def test_two_workers_behind_nginx_on_one_redis(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -69,6 +70,55 @@ def test_process_restart_on_a_folder_store_resumes_the_conversation(tmp_path, ex
             proc.wait(timeout=30)
 
 
+def test_a_server_restarted_after_a_reply_reuses_as_much_as_one_that_never_stopped(tmp_path):
+    """The reply's settle (the answer recomputed in canonical chunks up to where the next turn starts) reaches the
+    store: settled while the model idles, or by the drain when SIGTERM comes first. So the next turn, sent to a
+    restarted server, reuses as many tokens as it does on a server that never stopped (whose pool holds the
+    settled state), and answers the same."""
+    model, tokenizer = load("tiny:llama")
+    renderer = Renderer(tokenizer)
+    first = [{"role": "user", "content": "Hello, server process!"}]
+
+    def start(store: str) -> tuple[children.Child, object]:
+        port = free_port()
+        proc = _start(port, store, "--store-chunk-tokens", "1")  # every cut of the schedule can be stored
+        await_health(proc, port, "kvstate serve")
+        return proc, client(f"http://127.0.0.1:{port}")
+
+    proc, api = start(str(tmp_path / "never-stopped"))
+    try:  # one server, two turns: the second resumes from the pool's settled state
+        answer, _ = chat_turn(api, first, stream=False)
+        second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Still there?"}]
+        kept_answer, kept = chat_turn(api, second, stream=False)
+    finally:
+        _stop(proc)
+    restarted = str(tmp_path / "restarted")
+    proc, api = start(restarted)
+    try:
+        assert chat_turn(api, first, stream=False)[0] == answer
+        proc.terminate()  # at once: the reply's settle still waits for an idle model, or has just run
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-2000:]
+    finally:
+        _stop(proc)
+    proc, api = start(restarted)
+    try:
+        again, reused = chat_turn(api, second, stream=False)
+    finally:
+        _stop(proc)
+    assert again == kept_answer == reference(model, tokenizer, renderer.chat(second).ids, 10)
+    assert reused == kept > len(renderer.chat(first).ids), (reused, kept)
+
+
+def _stop(proc: children.Child) -> None:
+    """SIGTERM, and wait for the exit (SIGKILL after a minute): the zygote reaps every child it forked."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def _events(response: http.client.HTTPResponse) -> Iterator[str]:
     """The data of each server-sent event of ``response``, as they arrive."""
     for line in response:
@@ -78,9 +128,11 @@ def _events(response: http.client.HTTPResponse) -> Iterator[str]:
 
 @pytest.mark.parametrize("extra", [(), ("--max-batch", "4")], ids=["one-at-a-time", "batched"])
 def test_sigterm_drains_a_stream_in_flight_and_exits_0_with_its_state_stored(tmp_path, extra):
-    """SIGTERM is a graceful stop: the listener closes (or a new request gets a 503), a stream in flight goes on
-    until ``--shutdown-timeout`` and then ends with a finish chunk and ``[DONE]``, the process exits 0, and what
-    the request computed is in the store for the next process."""
+    """SIGTERM is a graceful stop, as docs/serve.md's Stopping says: the listener closes (a new connection is
+    refused) and so does an idle keep-alive connection, without a response; a request already on its way (its
+    headers in, its body not) gets a 503 with ``Connection: close``; a stream in flight goes on until
+    ``--shutdown-timeout`` and then ends with a finish chunk and ``[DONE]``; the process exits 0, and what the
+    request computed is in the store for the next process."""
     from kvstate.adapters.fingerprinting import fingerprint
     from kvstate.protocols import PrefixQuery
     from kvstate.store import PrefixStore
@@ -96,14 +148,23 @@ def test_sigterm_drains_a_stream_in_flight_and_exits_0_with_its_state_stored(tmp
                      {"Content-Type": "application/json"})
         events = _events(conn.getresponse())
         chunks = [json.loads(next(events)) for _ in range(3)]  # the answer is streaming
+        idle = _idle_keep_alive(port)
+        on_its_way = _headers_only(port, {"model": "tiny:llama", "prompt": "Hi", "max_tokens": 2})
         proc.terminate()
         signalled = time.monotonic()
+        idle.settimeout(5)
+        assert idle.recv(1) == b"", "an idle keep-alive connection is closed at the signal, without a response"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+        status, headers, body = _finish(*on_its_way)
+        assert status == 503 and body["error"]["code"] == "server_shutting_down", body
+        assert headers.get("retry-after") == "5" and headers.get("connection") == "close", headers
         rest = list(events)
         ended = time.monotonic() - signalled
-        assert _refused_or_503(port), "a draining server must not take new requests"
         assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
     finally:
         proc.kill()
+        proc.wait(timeout=30)  # reaped before its folder goes (the zygote writes its status there)
     chunks += [json.loads(e) for e in rest[:-1]]
     assert rest[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
     assert 0.9 < ended < 6, f"the stream ended {ended:.2f} s after SIGTERM, --shutdown-timeout 1"
@@ -116,14 +177,45 @@ def test_sigterm_drains_a_stream_in_flight_and_exits_0_with_its_state_stored(tmp
     assert found is not None and found.tokens_seen >= len(tokenizer(prompt).input_ids) // 16 * 16, found
 
 
-def _refused_or_503(port: int) -> bool:
-    """Whether a new request to ``port`` is refused (closed listener) or answered 503."""
-    try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 503
-    except OSError:
-        return True
+def _idle_keep_alive(port: int) -> socket.socket:
+    """A connection that asked ``GET /health``, read the whole answer and stays open (HTTP/1.1 keep-alive)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+    status, _, _ = _response(sock)
+    assert status == 200
+    return sock
+
+
+def _headers_only(port: int, body: dict) -> tuple[socket.socket, bytes]:
+    """A POST whose headers the server has read and whose body has not arrived yet; the body to send later."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n")
+    time.sleep(0.3)  # the server parses the headers (the request exists) and waits for the body
+    return sock, data
+
+
+def _finish(sock: socket.socket, data: bytes) -> tuple[int, dict[str, str], dict]:
+    """Send the rest of a request; its status, headers and JSON body, once the server closed the connection."""
+    sock.sendall(data)
+    status, headers, body = _response(sock)
+    assert sock.recv(1) == b"", "the connection stays open after a response marked Connection: close"
+    return status, headers, json.loads(body)
+
+
+def _response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a Content-Length, read from ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or b"\0"
+        assert not data.endswith(b"\0"), f"the connection closed mid-response: {data!r}"
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        body += sock.recv(65536)
+    return int(lines[0].split()[1]), headers, body
 
 
 @pytest.mark.slow

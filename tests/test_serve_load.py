@@ -9,7 +9,7 @@ import time
 
 import openai
 import pytest
-from tests.serving import client, live, make_server, reference
+from tests.serving import client, live, make_server, metric, reference
 
 from kvstate.serve.chat import Renderer
 from kvstate.serve.cli import load
@@ -73,8 +73,9 @@ def test_eight_clients_twenty_turns_two_keys(tiny, max_batch):
         for t, (messages, answer, cached) in enumerate(log):
             assert answer == reference(model, tokenizer, renderer.chat(messages).ids, MAX_TOKENS), (i, t)
             assert t == 0 or cached > 0, (i, t)
-    assert f'kvstate_requests_total{{endpoint="/v1/chat/completions",status="200"}} {CLIENTS * TURNS}' in metrics
-    assert "kvstate_queue_depth 0" in metrics
+    assert metric(metrics, "kvstate:requests_total", endpoint="/v1/chat/completions", status="200") \
+        == CLIENTS * TURNS
+    assert metric(metrics, "kvstate:queue_depth") == 0
 
 
 def _get(url: str, path: str) -> str:
@@ -111,7 +112,7 @@ def test_disconnect_mid_stream_cancels_without_touching_state(tiny):
         pooled = len(server.pool)
         conn.close()
         _wait_idle(server)
-        assert len(server.pool) == pooled and "kvstate_completion_tokens_total 0" in _get(url, "/metrics")
+        assert len(server.pool) == pooled and metric(_get(url, "/metrics"), "kvstate:generation_tokens_total") == 0
         assert json.loads(_get(url, "/health"))["status"] == "ok"
         short = dict(long, stream=False, max_tokens=8)
         r = client(url).chat.completions.create(**{k: v for k, v in short.items() if k != "stream"})

@@ -103,6 +103,12 @@ CASES = {  # name -> (route, body fields besides model, the param the 400 names)
     "NaN temperature": (CHAT, b'{"model": "tiny:llama", "messages": [], "temperature": NaN}', None),
     "a seed of 5000 digits": (CHAT, b'{"model": "tiny:llama", "seed": ' + b"9" * 5000 + b"}", None),
     "stop ''": (CHAT, {"messages": HI, "stop": ""}, "stop"),
+    "a stop string past --max-stop-length": (CHAT, {"messages": HI, "stop": "z" * 33}, "stop"),
+    "a stop string of 5000 characters": (COMPLETE, {"prompt": "Count: one two", "max_tokens": 2,
+                                                    "stop": ["z" * 5000]}, "stop"),
+    "stop strings past --max-stop-strings": (CHAT, {"messages": HI, "stop": list("abcde")}, "stop"),
+    "a logit_bias token outside the vocabulary": (COMPLETE, {"prompt": "x", "logit_bias": {"500": 1}},
+                                                  "logit_bias"),
     "a body nested 100000 deep": (CHAT, b"[" * 100_000 + b"]" * 100_000, None),
     "a body that is not UTF-8": (CHAT, b'{"model": "\xff"}', None),
 }
@@ -123,6 +129,58 @@ def test_hostile_bodies_are_openai_400s(served, case):
     assert param is None or answer["error"]["param"] == param, answer
     assert "\n" not in answer["error"]["message"] and "Traceback" not in answer["error"]["message"]
     assert forwards[0] == 0
+
+
+WORDED = {  # name -> (route, body fields besides model, the param, words the message must hold)
+    "5 stop strings": (CHAT, {"messages": HI, "stop": list("abcde")}, "stop",
+                       ["holds 5 strings", "at most 4", "--max-stop-strings"]),
+    "a stop string of 5000 characters": (COMPLETE, {"prompt": "x", "stop": ["a", "z" * 5000]}, "stop",
+                                         ["'stop[1]' is 5000 characters long", "at most 32", "--max-stop-length"]),
+    "an empty stop string in a list": (CHAT, {"messages": HI, "stop": ["a", ""]}, "stop",
+                                       ["'stop[1]'", "at least 1 character"]),
+    "a number in a stop list": (CHAT, {"messages": HI, "stop": ["a", 1]}, "stop", ["'stop[1]'", "valid string"]),
+    "a batch of texts": (COMPLETE, {"prompt": ["a", "b"]}, "prompt", ["a batch of 2 prompts", "one prompt"]),
+    "a batch of token lists": (COMPLETE, {"prompt": [[5], [6], [7]]}, "prompt", ["a batch of 3 prompts"]),
+    "an empty text in a prompt list": (COMPLETE, {"prompt": [""]}, "prompt", ["'prompt[0]'", "at least 1"]),
+    "a NaN temperature": (COMPLETE, b'{"model": "tiny:llama", "prompt": "x", "temperature": NaN}', "temperature",
+                          ["finite number"]),
+    "an infinite top_p": (COMPLETE, b'{"model": "tiny:llama", "prompt": "x", "top_p": Infinity}', "top_p",
+                          ["finite number"]),
+    "a logit_bias token outside the vocabulary": (COMPLETE, {"prompt": "x", "logit_bias": {"500": 1}},
+                                                  "logit_bias", ["token 500", "vocabulary [0, 128)"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WORDED))
+def test_a_400_names_the_problem_it_refuses(served, case):
+    """The message says what is wrong with the value sent (not what another branch of the schema wanted), and a
+    server limit names the flag that sets it."""
+    model, url = served
+    route, fields, param, words = WORDED[case]
+    with count_forwards(model) as forwards:
+        status, answer = post(url, route, fields if isinstance(fields, bytes) else {"model": MODEL, **fields})
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert all(w in answer["error"]["message"] for w in words), answer["error"]["message"]
+    assert forwards[0] == 0
+
+
+def test_stop_limits_are_the_servers_flags_and_are_published():
+    """``--max-stop-strings`` / ``--max-stop-length`` (``Limits``) set what a server takes, and its
+    ``/openapi.json`` says so."""
+    from kvstate.serve.params import Limits
+
+    model, tokenizer = load(MODEL)
+    stops = ["x" * 39 + str(i) for i in range(5)]
+    with live(make_server(model, tokenizer, limits=Limits(max_stop_strings=8, max_stop_length=64))) as url:
+        status, answer = post(url, COMPLETE, {"model": MODEL, "prompt": "x", "max_tokens": 2, "stop": stops})
+        assert status == 200, answer
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/openapi.json")
+        stop = json.loads(conn.getresponse().read())["components"]["schemas"]["CompletionRequest"]["properties"]["stop"]
+    array = next(branch for branch in stop["anyOf"] if branch.get("type") == "array")
+    text = next(branch for branch in stop["anyOf"] if branch.get("type") == "string")
+    assert (array["maxItems"], array["items"]["maxLength"], text["maxLength"]) == (8, 64, 64)
 
 
 def test_valid_bodies_of_every_shape_are_answered(served):

@@ -167,3 +167,68 @@ def test_an_entry_that_is_not_a_regular_file_is_a_warned_miss(model, tmp_path, r
     tokens, warned = call(model, store, more)
     assert torch.equal(tokens, answer(model, more)) and warned
     assert store.stats()["failures"] >= 1
+
+
+FILE_SIZE_LIMITED = """
+import json, resource, sys, warnings
+import torch
+from kvstate import PrefixStore, Session
+from kvstate.errors import StoreWarning
+from tiny import prompt, tiny_model
+model, ids = tiny_model("llama"), prompt(64)
+plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)[:, 64:]
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    new = Session(model, store=PrefixStore(sys.argv[1], chunk_tokens=8)).generate(ids, max_new_tokens=4,
+                                                                                   do_sample=False)
+print(json.dumps({"same": torch.equal(new, plain), "warned": sum(issubclass(w.category, StoreWarning)
+                                                                  for w in caught)}))
+"""
+
+
+def test_a_write_past_the_file_size_limit_leaves_no_temporary_file(tmp_path):
+    """A process under ``RLIMIT_FSIZE`` (Python ignores SIGXFSZ, so the write fails with EFBIG) answers as without
+    a store and warns, and its failed write leaves no temporary file behind."""
+    import children
+
+    done = children.run(FILE_SIZE_LIMITED, str(tmp_path / "store"), "20000")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"same": True, "warned": 1}, done.stderr[-2000:]
+    left = [p.name for p in (tmp_path / "store").rglob("*") if p.is_file() and p.name.endswith(".tmp")]
+    assert left == [] and PrefixStore(tmp_path / "store").stats()["temp_files"] == 0
+
+
+def test_a_writer_killed_mid_write_leaves_a_temporary_file_that_stats_count_and_prune_removes_once_stale(
+        tmp_path):
+    """A writer killed after writing its temporary file and before the rename strands it (no ``finally`` runs on
+    SIGKILL): ``stats`` counts it, ``store prune`` keeps it while a live writer could still own it, and removes it
+    once it is ``STALE_TEMP_SECONDS`` old."""
+    import os
+    import signal
+    import time
+
+    from kvstate.cli import main
+    from kvstate.store.backends import STALE_TEMP_SECONDS
+
+    location = tmp_path / "store"
+    store = PrefixStore(location, chunk_tokens=CHUNK)
+    pid = os.fork()
+    if pid == 0:  # the real put, killed where a crash would hit it: the data written, not yet renamed
+        try:
+            os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+            store.backend.put("ab" + "0" * 62, b"x" * 5000, None)
+        finally:
+            os._exit(1)
+    assert os.waitpid(pid, 0)[1] == signal.SIGKILL
+    stranded = [p for p in location.rglob("*.tmp")]
+    assert len(stranded) == 1 and stranded[0].stat().st_size == 5000
+    stats = store.stats()
+    assert (stats["temp_files"], stats["temp_bytes"], stats["stale_temp_files"]) == (1, 5000, 0)
+    assert main(["store", "prune", "--store", str(location), "--max-bytes", "0"]) == 0
+    assert stranded[0].exists()  # young: it may be a live writer's
+    old = time.time() - STALE_TEMP_SECONDS - 60
+    os.utime(stranded[0], (old, old))
+    assert store.stats()["stale_temp_files"] == 1
+    assert main(["store", "prune", "--store", str(location), "--max-bytes", "0"]) == 0
+    assert not stranded[0].exists() and store.stats()["temp_files"] == 0

@@ -12,7 +12,14 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
 from kvstate import Session, continue_text
-from kvstate.errors import InputError, KVStateError, MaskError, StateFileError, UnsupportedError
+from kvstate.errors import (
+    GenerationOptionError,
+    InputError,
+    KVStateError,
+    MaskError,
+    StateFileError,
+    UnsupportedError,
+)
 from kvstate.testing.tiny_tokenizer import tiny_tokenizer
 from tiny import assert_same_state, count_forwards, prompt, snapshot, tiny_model
 
@@ -64,6 +71,31 @@ CASES = {
     "continue_text(bytes)": ("llama", lambda s: continue_text(s, TOKENIZER, b"hello", max_new_tokens=2), InputError),
     "continue_text(None)": ("llama", lambda s: continue_text(s, TOKENIZER, None, max_new_tokens=2), InputError),
     "continue_text(int)": ("llama", lambda s: continue_text(s, TOKENIZER, 7, max_new_tokens=2), InputError),
+    "continue_text(output_scores=True)": ("llama", lambda s: continue_text(
+        s, TOKENIZER, "hi", max_new_tokens=2, output_scores=True, return_dict_in_generate=True), InputError),
+    "continue_text(output_logits=True) in a GenerationConfig": ("llama", lambda s: continue_text(
+        s, TOKENIZER, "hi", generation_config=GenerationConfig(max_new_tokens=2, output_logits=True,
+                                                               return_dict_in_generate=True)), InputError),
+    # options transformers refuses as generate starts, typed (and still ValueErrors)
+    "sampling at a NaN temperature": ("llama", lambda s: s.generate(
+        history(), do_sample=True, temperature=float("nan"), max_new_tokens=2), GenerationOptionError),
+    "sampling at a negative temperature": ("llama", lambda s: s.generate(
+        history(), do_sample=True, temperature=-1.0, max_new_tokens=2), GenerationOptionError),
+    "top_k -3": ("llama", lambda s: s.generate(history(), do_sample=True, top_k=-3, max_new_tokens=2),
+                 GenerationOptionError),
+    "min_p 2": ("llama", lambda s: s.generate(history(), do_sample=True, min_p=2.0, max_new_tokens=2),
+                GenerationOptionError),
+    "repetition_penalty 0": ("llama", lambda s: s.generate(history(), repetition_penalty=0.0, max_new_tokens=2),
+                             GenerationOptionError),
+    "a sequence_bias outside the vocabulary": ("llama", lambda s: s.generate(
+        history(), sequence_bias=[[[10**6], 1.0]], max_new_tokens=2), GenerationOptionError),
+    "stop_strings without tokenizer=": ("llama", lambda s: s.generate(history(), stop_strings=["x"],
+                                                                      max_new_tokens=2), GenerationOptionError),
+    "a stop string of 5000 characters": ("llama", lambda s: s.generate(
+        history(), stop_strings=["z" * 5000], tokenizer=TOKENIZER, max_new_tokens=2), GenerationOptionError),
+    "17 stop strings": ("llama", lambda s: s.generate(
+        history(), stop_strings=[f"s{i}" for i in range(17)], tokenizer=TOKENIZER, max_new_tokens=2),
+                        GenerationOptionError),
     # masks hold 0 and 1, and every row attends to something
     "extend: a mask of 0.5": ("llama", lambda s: s.extend(prompt(3, seed=5), mask_with(0.5)), MaskError),
     "generate: a mask of 0.5": ("llama", lambda s: s.generate(history(), mask_with(0.5), max_new_tokens=2),
@@ -147,3 +179,22 @@ def test_file_misuse_raises_a_typed_error_and_leaves_the_file(name, sessions, tm
     assert isinstance(info.value, KVStateError) and "fix:" in str(info.value)
     assert path.read_bytes() == data and sorted(p.name for p in tmp_path.iterdir()) == ["s.kvs"]
     assert_same_state(session.state, before)
+
+
+def test_a_mask_that_contradicts_a_long_state_is_summarised(sessions):
+    """The error names how many slots differ and the first few, not both whole masks."""
+    s = Session(sessions["llama"].model)
+    s.extend(prompt(300))
+    mask = torch.ones(1, 303, dtype=torch.long)
+    mask[0, [7, 90, 91, 200]] = 0
+    with pytest.raises(MaskError) as info:
+        s.extend(prompt(3, seed=5), mask)
+    text = str(info.value)
+    assert len(text) < 400 and "4 of 300 slots differ" in text and "row 0 slot 7: 0 (state: 1)" in text, text
+
+
+def test_a_refused_generation_option_is_still_the_value_error_transformers_raised(sessions):
+    """Code that caught transformers' ``ValueError`` still catches it; the cause stays attached."""
+    with pytest.raises(ValueError, match="temperature") as info:
+        sessions["llama"].fork().generate(history(), do_sample=True, temperature=float("nan"), max_new_tokens=2)
+    assert isinstance(info.value, GenerationOptionError) and type(info.value.__cause__) is ValueError

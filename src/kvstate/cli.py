@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .cli_output import UserError, error_text, one_line, warnings_in_one_line
 from .models.load import DEVICES, DTYPES
 from .verify.against import cli as against
 from .verify.faults import FAULTS
@@ -47,13 +48,9 @@ was expected and what was found (and the traceback of an unexpected failure).
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
-class UserError(Exception):
-    """A mistake on the command line: printed as one line, exit code 2."""
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
-        sys.stderr.write(f"kvstate: error: {one_line(message)} (see `{self.prog} --help`)\n")
+        sys.stderr.write(f"kvstate: error: {one_line(message)}; fix: see `{self.prog} --help`\n")
         raise SystemExit(2)
 
 
@@ -213,7 +210,7 @@ def _read_text(path: Path, limit: int | None) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(f"cannot read prompt file {str(path)!r}: {exc}; pass a UTF-8 text file") from exc
+        raise UserError(f"cannot read prompt file {str(path)!r}: {exc}", fix="pass a UTF-8 text file") from exc
 
 
 def _check_save_path(path: Path) -> Path:
@@ -223,22 +220,19 @@ def _check_save_path(path: Path) -> Path:
     return save_target(path)
 
 
-def one_line(text: str) -> str:
-    """``text`` with newlines and other control characters escaped, so an error stays one line."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 def _prompt_ids(args: argparse.Namespace, tokenizer: Any, text: str | None) -> Any:
     from .models.tiny import tiny_prompt
     from .verify import DEFAULT_PROMPT
 
     if tokenizer is None:
         if text:
-            raise UserError(f"{args.model!r} has no tokenizer to encode --prompt; omit it (a random prompt is used)")
+            raise UserError(f"{args.model!r} has no tokenizer to encode --prompt",
+                            fix="omit --prompt (a random prompt is used)")
         return tiny_prompt(40)
     ids = tokenizer(text or DEFAULT_PROMPT, return_tensors="pt").input_ids
     if ids.shape[1] < 4:
-        raise UserError(f"the prompt is {ids.shape[1]} tokens long; verify needs at least 4")
+        raise UserError(f"the prompt is {ids.shape[1]} tokens long; verify needs at least 4",
+                        fix="pass a longer --prompt")
     return ids
 
 
@@ -249,7 +243,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.against is not None:
         return against.command(args, UserError, _check_save_path)
     if args.cold is not None:
-        raise UserError("--cold names the cold twin of a server: pass it with --against URL")
+        raise UserError("--cold names the cold twin of a server", fix="pass it with --against URL")
     if args.list:
         print("\n".join(supported_model_types()))
         print("# any other causal LM: structural adapter after a self-check (docs/coverage.md)", file=sys.stderr)
@@ -344,11 +338,12 @@ def _generate(args: argparse.Namespace) -> int:
     from .text import continue_text
 
     if (args.state is None) == (args.store is None):
-        raise UserError("generate needs exactly one of --state FILE or --store LOCATION")
+        raise UserError("generate needs exactly one of --state FILE or --store LOCATION",
+                        fix="pass --state FILE (from `kvstate prefill`) or --store LOCATION")
     if args.store is not None and not args.prompt:
-        raise UserError("generate --store needs --prompt: the text to answer")
+        raise UserError("generate --store needs --prompt: the text to answer", fix="pass --prompt TEXT")
     if args.cast_state and args.state is None:
-        raise UserError("--cast-state casts a state file: pass it with --state FILE")
+        raise UserError("--cast-state casts a state file", fix="pass it with --state FILE, or drop it")
     if args.save:
         _check_save_path(args.save)
     if args.state is not None:
@@ -383,8 +378,8 @@ def _open_store(location: str, create: bool = True) -> Any:
 
 def _store(args: argparse.Namespace) -> int:
     if args.action == "prune" and (args.max_bytes is None or args.max_bytes < 0):
-        raise UserError(f"store prune needs --max-bytes N with N >= 0 (found {args.max_bytes}); fix: pass "
-                        "--max-bytes 1000000000, say")
+        raise UserError(f"store prune needs --max-bytes N with N >= 0 (found {args.max_bytes})",
+                        fix="pass --max-bytes 1000000000, say")
     store = _open_store(args.store, create=False)  # these only read or shrink one: a mistyped folder is an error
     if args.action == "health":
         health = store.health()
@@ -392,7 +387,11 @@ def _store(args: argparse.Namespace) -> int:
               f"{health['backend']}: {'ok' if health['ok'] else 'FAILING: ' + str(health['problem'])}")
         return 0 if health["ok"] else 1
     if args.action == "prune":
-        print(f"evicted {store.prune(args.max_bytes)} entries; {store.stats()['bytes']:,} bytes remain")
+        evicted = store.prune(args.max_bytes)
+        stats = store.stats()
+        print(f"evicted {evicted} entries; {stats['bytes']:,} bytes remain"
+              + (f"; {stats['temp_files']} temporary files of writes in progress ({stats['temp_bytes']:,} bytes)"
+                 if stats["temp_files"] else ""))
         return 0
     data = store.stats() if args.action == "stats" else store.ls()
     if args.json:
@@ -423,8 +422,8 @@ def _check_port(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             probe.bind((host, port))
     except OSError as exc:
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what uses the port, or "
-                        "pass another --port (or --host)") from exc
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                        fix="stop what uses the port, or pass another --port (or --host)") from exc
 
 
 def time_text(stamp: float) -> str:
@@ -440,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import KVStateError
 
     try:
-        return commands[args.command](args)
+        with warnings_in_one_line():
+            return commands[args.command](args)
     except (KVStateError, UserError) as exc:
         if args.debug:
             raise
@@ -458,35 +458,6 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(error_text(exc, args.verbose), file=sys.stderr)
         return 1
-
-
-LINE = 400  # characters of an error's one line before details are left out (all of them are behind --verbose)
-
-
-def error_text(exc: Exception, verbose: bool) -> str:
-    """``kvstate: error: ...`` for ``exc``: one line, with the fix; with ``verbose`` every detail, a line each."""
-    from .errors import KVStateError
-
-    name = "" if isinstance(exc, UserError) else f"{type(exc).__name__}: "
-    if not isinstance(exc, KVStateError):
-        text = one_line(f"{name}{exc}")
-        if verbose or len(text) <= LINE:
-            return f"kvstate: error: {text}" + ("" if verbose or isinstance(exc, UserError) else
-                                                " (--verbose for the traceback)")
-        return f"kvstate: error: {text[:LINE]}... (--verbose for the whole message)"
-    message = getattr(exc, "message", str(exc))  # an error unpickled from a child process has only its text
-    if verbose:
-        details = [("expected", exc.expected), ("found", exc.found), ("fix", exc.fix)]
-        return "\n".join([f"kvstate: error: {one_line(name + message)}",
-                          *(f"  {key}: {one_line(str(value))}" for key, value in details if value is not None)])
-    whole = one_line(f"{name}{exc}")
-    if len(whole) <= LINE:
-        return f"kvstate: error: {whole}"
-    head, fix = one_line(name + message), f"; fix: {one_line(exc.fix)}" if exc.fix else ""
-    room = LINE - len(head) - len(fix) - len("; found: ")  # the fix stays whole; what was found gets the rest
-    found = one_line(str(exc.found)) if exc.found is not None else ""
-    found = f"; found: {found if len(found) <= room else found[:room] + '...'}" if found and room >= 40 else ""
-    return f"kvstate: error: {head}{found}{fix} (--verbose: the whole error)"
 
 
 if __name__ == "__main__":

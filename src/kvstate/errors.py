@@ -31,6 +31,12 @@ class InputError(KVStateError, ValueError):
     """Malformed user input: wrong rank, dtype or shape of ``input_ids`` and friends."""
 
 
+class GenerationOptionError(InputError):
+    """A generation option that cannot run: one transformers refuses when ``generate`` starts (a NaN
+    temperature, ``stop_strings`` without ``tokenizer=``), or stop strings past kvstate's bounds. Raised before
+    any forward; the state is unchanged."""
+
+
 class MaskError(InputError):
     """The attention mask does not cover processed + new tokens, or contradicts the state."""
 

@@ -13,6 +13,12 @@ or the model is touched:
 * another cache (``cache_implementation``): the state is the cache;
 * attention maps and hidden states: the reused slots' were never recomputed.
 
+Stop strings are bounded (``MAX_STOP_STRINGS`` of at most ``MAX_STOP_CHARS`` characters each, with a
+``tokenizer=``): transformers' ``StopStringCriteria`` builds a table of vocabulary x stop length (one int32 column
+of the whole vocabulary per character, 1 MiB on a 262k vocabulary), so a 12,000-character stop string asks for
+12 GiB. Options transformers refuses when ``generate`` starts (``GenerationConfig.validate``, its logits
+processors) are refused there, before any forward, as ``GenerationOptionError`` (still a ``ValueError``).
+
 Options are set through keywords, a ``generation_config=``, or the model's own
 ``generation_config``; all three count, because the config is resolved as
 ``generate`` resolves it.
@@ -30,7 +36,7 @@ from typing import Any
 import torch
 
 from . import _compat
-from .errors import InputError, UnsupportedError
+from .errors import GenerationOptionError, InputError, UnsupportedError
 
 # generate() parameters that are not generation-config fields; they pass through unchanged.
 PASS_THROUGH = ("generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
@@ -46,6 +52,8 @@ _REFUSED_ARGS = {
     "custom_generate": "a custom decoding loop may call the model outside the state",
 }
 _MODES = ("greedy_search", "sample")
+MAX_STOP_STRINGS = 16  # stop_strings per call (module docstring: the table transformers builds for them)
+MAX_STOP_CHARS = 64  # characters per stop string
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,45 @@ def _max_length(model: torch.nn.Module, kwargs: dict[str, Any], config: Any) -> 
         raise InputError("max_length must be a number", expected="an int", found=repr(config.max_length)[:40],
                          fix="pass max_new_tokens=N (preferred) or max_length=N")
     return config.max_length
+
+
+def check_stop_strings(stops: Any, tokenizer: Any) -> None:
+    """``stop_strings`` (a string or a list of them, from the call or a generation config) within kvstate's bounds,
+    with the tokenizer ``generate`` needs to match them (``GenerationOptionError`` otherwise)."""
+    if stops is None:
+        return
+    strings = [stops] if isinstance(stops, str) else stops
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) and s for s in strings):
+        raise GenerationOptionError("stop_strings must be a non-empty string or a list of them",
+                                    found=repr(stops)[:80], fix="pass stop_strings=['\\n\\n'], say")
+    longest = max((len(s) for s in strings), default=0)
+    if len(strings) > MAX_STOP_STRINGS or longest > MAX_STOP_CHARS:
+        raise GenerationOptionError(
+            "too many or too long stop_strings: transformers matches them with a table of vocabulary x length",
+            expected=f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters",
+            found=f"{len(strings)} strings, the longest {longest} characters",
+            fix="stop on a shorter string (its last characters usually suffice), or pass your own "
+            "transformers.StopStringCriteria(tokenizer, strings) in stopping_criteria= (kvstate does not bound it)")
+    if tokenizer is None:
+        raise GenerationOptionError("stop_strings need the tokenizer, to match them to tokens",
+                                    found="stop_strings without tokenizer=",
+                                    fix="pass tokenizer=AutoTokenizer.from_pretrained(...) with stop_strings, as "
+                                    "model.generate needs it")
+
+
+def check_sequence_bias(config: Any, vocab_size: int) -> None:
+    """``sequence_bias`` token ids inside the vocabulary: transformers checks them only at the first decode step."""
+    bias = config.sequence_bias
+    pairs = bias.items() if isinstance(bias, dict) else bias or ()
+    try:
+        ids = sorted({int(t) for sequence, _ in pairs for t in sequence})
+    except (TypeError, ValueError):
+        return  # a malformed bias: transformers' own check at generate's entry names it
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise GenerationOptionError("sequence_bias names tokens outside the vocabulary",
+                                    expected=f"token ids in [0, {vocab_size})", found=outside[:8],
+                                    fix="bias only ids the tokenizer produces")
 
 
 def end_ids(config: Any) -> frozenset[int]:

@@ -33,7 +33,7 @@ from .errors import (
     UnsupportedError,
 )
 from .identity import Fingerprint
-from .options import GenerateOptions, resolve
+from .options import GenerateOptions, check_sequence_bias, check_stop_strings, resolve
 from .protocols import PrefixQuery
 from .state import MediaItem, State
 
@@ -80,6 +80,8 @@ def validate(binding: Binding, fingerprint: Fingerprint, input_ids: IdsLike, att
     media = media_items(binding, ids, inputs, spans)
     if budget is not None:
         budget = _check_budget(budget, options, mask)
+    check_sequence_bias(options.config, vocab_size)
+    check_stop_strings(options.config.stop_strings, options.kwargs.get("tokenizer"))
     query = None
     if ids.shape[0] == 1 and bool(mask.all()) and media is not None:
         query = PrefixQuery(fingerprint, ids.cpu(), tuple((m.start, m.digest) for m in media))
@@ -214,8 +216,24 @@ def check_settings(**settings: int | None) -> None:
         if value is None and name == "checkpoint_every":
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < rules[name]:
+            least = f"{name}=0 (off) or more" if rules[name] == 0 else f"{name}=1 or more"
             raise InputError(f"invalid Session setting {name}", expected=f"int >= {rules[name]}",
-                             found=repr(value), fix=f"pass {name}={max(rules[name], 1)} or more")
+                             found=repr(value)[:40], fix=f"pass {least}")
+
+
+def brief(values: torch.Tensor, n: int = 8) -> object:
+    """A tensor for an error message: its values when few, else its shape and first ``n`` values."""
+    if values.numel() <= n:
+        return values.tolist()
+    return f"shape {list(values.shape)}, starting {values.flatten()[:n].tolist()} ..."
+
+
+def mask_difference(expected: torch.Tensor, found: torch.Tensor) -> str:
+    """Where two bool masks ``[B, T]`` differ, in a line: how many slots, and the first few (row, slot, value)."""
+    where = torch.nonzero(expected.cpu() != found.cpu())
+    first = ", ".join(f"row {b} slot {t}: {int(found[b, t])} (state: {int(expected[b, t])})"
+                      for b, t in where[:3].tolist())
+    return f"{len(where)} of {expected.numel()} slots differ; {first}{', ...' if len(where) > 3 else ''}"
 
 
 def check_many(sessions: Sequence[tuple[object, object]], n_ids: int) -> None:
@@ -379,7 +397,8 @@ def full_mask(state: State, n_total: int, attention_mask: torch.Tensor | None,
     mask = check_mask_values(attention_mask).to(device=device, dtype=torch.bool, copy=True)
     if not torch.equal(mask[:, :T], state.mask):
         raise MaskError("attention_mask disagrees with the processed tokens' padding",
-                        expected=state.mask.int().tolist(), found=mask[:, :T].int().tolist(),
+                        expected="the state's own mask over its processed slots (session.state.mask)",
+                        found=mask_difference(state.mask, mask[:, :T]),
                         fix="reuse the mask the state was built with (session.state.mask)")
     return mask
 
@@ -396,7 +415,7 @@ def check_positions(state: State, given: torch.Tensor | None, expected: torch.Te
     if state.is_empty:
         raise EmptyStateError(
             "position_ids continue a sequence, but the state is empty",
-            expected=expected.tolist(), found=given.tolist(),
+            expected=brief(expected), found=brief(given),
             fix="feed the earlier tokens first, or omit position_ids")
-    raise PositionError("position_ids do not continue the state", expected=expected.tolist(),
-                        found=given.tolist(), fix="omit position_ids, or pass state.next_position + offsets")
+    raise PositionError("position_ids do not continue the state", expected=brief(expected),
+                        found=brief(given), fix="omit position_ids, or pass state.next_position + offsets")

@@ -105,6 +105,13 @@ def check_continues(state: State, settings: SessionSettings, kernels: str) -> No
     if state.is_empty or state.is_compressed or not settings.canonical_chunk or \
             state.canonical_for(settings.canonical_chunk, kernels, settings.canonical_marks):
         return
+    cast = state.metadata.get("kvstate.cast")
+    if cast is not None and not state.canonical:  # the cause is the cast, whatever the schedule
+        warnings.warn(f"kvstate: the state was cast ({cast}), so its {state.tokens_seen} slots are not what this "
+                      "model computes and the canonical schedule feeds them again; pass canonical_chunk=0 "
+                      "(kvstate generate: --canonical-chunk 0) to reuse them, exact only to the cast's rounding",
+                      ScheduleWarning, stacklevel=4)
+        return
     fed = (f"canonical_chunk={state.canonical_chunk} on {state.canonical_device or 'unknown kernels'}"
            if state.canonical else "canonical_chunk=0 (off the schedule)")
     warnings.warn(f"kvstate: this session's schedule (canonical_chunk={settings.canonical_chunk} on {kernels}) is "

@@ -57,6 +57,7 @@ def continue_text(session: Any, tokenizer: Any, text: str, **generate_kwargs: An
                          expected="continue_text(session, tokenizer, text)",
                          found=f"{type(session).__name__}, {type(tokenizer).__name__}",
                          fix="pass kvstate.Session(model) and AutoTokenizer.from_pretrained(...)")
+    _check_text_only(generate_kwargs)
     ids = history_ids(tokenizer, session.tokens, text)
     new = session.generate(ids, **generate_kwargs)
     tokens = new if isinstance(new, torch.Tensor) else new.sequences
@@ -65,6 +66,21 @@ def continue_text(session: Any, tokenizer: Any, text: str, **generate_kwargs: An
     if unprocessed and last.numel() == 1 and int(last) not in set(tokenizer.all_special_ids):
         session.extend(last)
     return tokenizer.decode(tokens[0], skip_special_tokens=True)
+
+
+# options whose only effect is on generate's output object, which continue_text does not return
+_OUTPUT_OPTIONS = ("return_dict_in_generate", "output_scores", "output_logits")
+
+
+def _check_text_only(options: Mapping[str, Any]) -> None:
+    """Refuse options that ask for more than the text (scores, logits, the output object): ``continue_text`` would
+    drop them without a word."""
+    config = options.get("generation_config")
+    asked = [name for name in _OUTPUT_OPTIONS if options.get(name) or getattr(config, name, False)]
+    if asked:
+        raise InputError("continue_text returns the answer's text only", found=", ".join(asked),
+                         fix="call session.generate(kvstate.text.history_ids(tokenizer, session.tokens, text), ...) "
+                         "for generate's output object, or drop these options")
 
 
 def turn_marks(tokenizer: Any, template: str | None = None) -> tuple[int, ...]:

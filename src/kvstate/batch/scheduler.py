@@ -145,6 +145,10 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
+    def admitted(self, handle: int) -> bool:
+        """Whether request ``handle`` left the waiting line: its prompt is being fed, or it decodes (or ended)."""
+        return all(job.handle != handle for job in self._waiting)
+
     @property
     def packing(self) -> bool:
         """Whether attention-only conversations share decode forwards on this model: False once the model

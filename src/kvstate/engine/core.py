@@ -26,8 +26,8 @@ threads cannot see each other's hooks or module-held states.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -38,7 +38,7 @@ from .. import _compat
 from .._compat import attention, room
 from .._compat.watch import watching
 from ..adapters.binding import Binding, Live
-from ..errors import KVStateError, UnsupportedError
+from ..errors import GenerationOptionError, KVStateError, UnsupportedError
 from ..layers import FULL_ATTENTION, SLIDING_ATTENTION, LayerState
 from ..masks import layer_masks, needs_masks
 from ..options import GenerateOptions
@@ -131,6 +131,7 @@ class Engine:
             kwargs = _with_step_logits(options.kwargs, run)
 
             def prefill() -> object:
+                run["started"] = True  # past generate's entry checks: a failure from here on is not an option's
                 chunk = options.prefill_chunk_size or settings.chunk_size
                 prefilled = start if feed is None else self._run_feed(start, feed, settings, chunk)
                 live = hooks.enter_context(self.runtime.attached(prefilled))
@@ -142,7 +143,7 @@ class Engine:
                 return self.runtime.lm_output(prefilled.last_logits[:, None, :], live.cache)  # type: ignore[index]
 
             hooks.enter_context(attention.deterministic(self.model))  # every decode step too
-            with _compat.replaced_prefill(self.model, prefill):
+            with _compat.replaced_prefill(self.model, prefill), _refused_at_entry(run):
                 output = self.model.generate(**call, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
             new = sequences[:, history.shape[1]:]
@@ -349,6 +350,22 @@ def _with_step_logits(kwargs: Mapping[str, Any], run: dict[str, object]) -> Mapp
     if not callable(getattr(streamer, "put_logits", None)):
         return kwargs
     return {**kwargs, "streamer": _StepLogits(streamer, run)}
+
+
+@contextmanager
+def _refused_at_entry(run: dict[str, object]) -> Iterator[None]:
+    """A bare ``ValueError`` from ``generate`` before its first forward (``run`` still empty: ``prefill`` never ran)
+    is an option transformers refused as it started (``GenerationConfig.validate``, a logits processor's
+    arguments): ``GenerationOptionError``. Nothing was fed, so the caller's state is untouched."""
+    try:
+        yield
+    except ValueError as exc:
+        if run or isinstance(exc, KVStateError):
+            raise
+        raise GenerationOptionError("generate refused an option before any forward",
+                                    found=f"{type(exc).__name__}: {exc}"[:300],
+                                    fix="correct the option named above; nothing ran and the state is unchanged"
+                                    ) from exc
 
 
 def _room(options: GenerateOptions, history: int) -> int:

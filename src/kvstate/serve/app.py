@@ -30,7 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import KVStateError
 from .errors import BadRequest, HTTPError, internal_error, validation_error
 from .logprobs import TokenLogprob, chat_shape, completion_shape, pieces
-from .params import CHAT_FIELDS, COMPLETION_FIELDS, parse
+from .metrics import CONTENT_TYPE
+from .params import CHAT_FIELDS, COMPLETION_FIELDS, Limits, parse
 from .runner import Cancelled, Job, Result, shutting_down
 from .schema import (
     ChatChunk,
@@ -46,6 +47,7 @@ from .schema import (
     event_schema,
 )
 from .server import Server
+from .shutdown import CloseWhileDraining
 
 
 def create_app(server: Server) -> FastAPI:
@@ -53,7 +55,8 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="kvstate serve", version=server.version, docs_url=None, redoc_url=None)
     app.state.server = server
     app.add_middleware(_BodyLimit, limit=server.max_request_bytes)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(CloseWhileDraining, stopping=server.stopping)
+    app.openapi = lambda: _openapi(app, server.limits)  # type: ignore[method-assign]
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
@@ -79,8 +82,9 @@ def create_app(server: Server) -> FastAPI:
         return JSONResponse(server.health(), status_code=503 if server.stopping.is_set() else 200)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=_responses(None))
-    async def metrics() -> Response:
-        return PlainTextResponse(server.render_metrics(), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:  # off the event loop: a Redis store's counters are read over the network
+        body = await asyncio.get_running_loop().run_in_executor(None, server.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", response_model=None, responses=_responses(ModelList, auth=True))
     async def models(namespace: Caller) -> dict[str, Any]:
@@ -115,9 +119,9 @@ def _responses(ok: type | None, *, auth: bool = False, found: bool = False, body
     return {200: success, **{code: {"model": ErrorBody, "description": "An OpenAI error"} for code in codes}}
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
+def _openapi(app: FastAPI, limits: Limits) -> dict[str, Any]:
     """FastAPI's schema, without the 422 it documents by default (validation failures are a 400 here),
-    and with the streams' events described by their chunk models."""
+    with the streams' events described by their chunk models and this server's stop-string limits."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for operations in schema["paths"].values():
@@ -126,6 +130,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
+        for request in ("ChatRequest", "CompletionRequest"):
+            _bound_stop(components[request]["properties"]["stop"], limits)
         for path, chunk in (("/v1/chat/completions", ChatChunk), ("/v1/completions", CompletionChunk)):
             found = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(found.pop("$defs", {}))
@@ -134,6 +140,17 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             content["text/event-stream"] = {"schema": event_schema(chunk)}
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _bound_stop(stop: dict[str, Any], limits: Limits) -> None:
+    """The published ``stop`` schema with the server's limits (``--max-stop-strings``, ``--max-stop-length``),
+    which ``params`` enforces: a string, or an array of strings."""
+    for branch in stop.get("anyOf", ()):
+        if branch.get("type") == "string":
+            branch["maxLength"] = limits.max_stop_length
+        elif branch.get("type") == "array":
+            branch["maxItems"] = limits.max_stop_strings
+            branch["items"]["maxLength"] = limits.max_stop_length
 
 
 class _BodyLimit:
@@ -206,7 +223,7 @@ async def _complete(server: Server, request: Request, namespace: str, body: dict
     prompt, inputs = await loop.run_in_executor(
         None, server.render, body.get("messages") if chat else body.get("prompt"), chat)
     fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    req = parse(body, fields, server.limits, prompt.default_stop, None if chat else 16)
+    req = parse(body, fields, server.limits, prompt.default_stop, None if chat else 16, server.vocab)
     server.check_prompt(prompt, req.options["max_new_tokens"])
     job = Job(namespace, prompt, req, inputs, marks=server.marks_for(chat))
     kind = "chat.completion" if chat else "text_completion"

@@ -122,6 +122,7 @@ class BatchRunner(Runner):
             except Exception as exc:  # a shared forward failed: every running request fails with it
                 logging.getLogger("kvstate.serve").error("a batched step failed", exc_info=True)
                 self._fail_all(exc)
+            self._admitted()
         self._settle_idle()
 
     def _gather(self) -> None:
@@ -158,7 +159,7 @@ class BatchRunner(Runner):
                 future.set_exception(exc)
             return
         handle = self.scheduler.submit(request)
-        streamer = _Streamer(self.tokenizer, job)
+        streamer = _Streamer(self.tokenizer, job, self.metrics)
         streamer.put(torch.tensor(job.prompt.ids))  # what generate's streamer sees first: the history
         self._active[handle] = _Active(job, future, streamer)
 
@@ -176,10 +177,18 @@ class BatchRunner(Runner):
                             sampling=sampling, inputs=job.inputs, sources=sources, marks=marks,
                             top_logprobs=job.request.logprobs or 0, processors=_processors(options))
 
+    def _admitted(self) -> None:
+        """Tell ``Metrics`` which requests the scheduler admitted (``Metrics.started``: the end of their queue time,
+        seen at their first event or at the end of the step that admitted them)."""
+        for handle, active in self._active.items():
+            if active.job.clock.started is None and self.scheduler.admitted(handle):
+                self.metrics.started(active.job.clock)
+
     def _dispatch(self, event: Token | Done | Failed) -> None:
         active = self._active.get(event.handle)
         if active is None:
             return
+        self.metrics.started(active.job.clock)  # its first event: admitted (a no-op after that)
         if isinstance(event, Token):
             self._token(event.handle, active, event.choice)
         elif isinstance(event, Done):
@@ -218,7 +227,7 @@ class BatchRunner(Runner):
             tokens, lambda i: (completion.logprobs[i], completion.top_logprobs[i]), self.tokenizer, text)
         result = Result(text, finish, len(job.prompt.ids), len(tokens), completion.reused,
                         time.perf_counter() - active.started, logprobs)
-        self.metrics.record(result)
+        self.metrics.finished(job.clock, result)
         active.future.set_result(result)
 
     def _fail_all(self, exc: Exception) -> None:

@@ -68,6 +68,12 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
                    help="longer prompts get a 400 (default: 8192)")
     s.add_argument("--max-new-tokens", type=positive, default=2048,
                    help="bound on a request's max_tokens (default: 2048)")
+    s.add_argument("--max-stop-strings", type=non_negative, default=4, metavar="N",
+                   help="stop strings a request may send (default: 4, as OpenAI)")
+    s.add_argument("--max-stop-length", type=positive, default=32, metavar="CHARS",
+                   help="characters of each stop string (default: 32). transformers matches stop strings with a "
+                   "table of vocabulary x length: each character costs 4 bytes per vocabulary entry (1 MiB for "
+                   "Gemma's 262k tokens), built once per stop set and held while it is in use")
     s.add_argument("--default-max-tokens", type=positive, default=256,
                    help="max_tokens of a chat request that names none (completions: 16, as OpenAI)")
     s.add_argument("--pool-bytes", type=positive, default=2 << 30,
@@ -86,20 +92,21 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise user_error(f"kvstate serve needs FastAPI and uvicorn ({exc.name} is missing): "
-                         "pip install 'kvstate[serve]'") from exc
+        raise user_error(f"kvstate serve needs FastAPI and uvicorn ({exc.name} is missing)",
+                         fix="pip install 'kvstate[serve]'") from exc
     from . import Server, Settings, run
     from .params import Limits
     from .server import model_id_for
 
-    keys = tuple(args.api_key) + tuple(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
+    keys = api_keys(args.api_key, os.environ.get(API_KEY_ENV), user_error)
     if args.no_reuse and args.store is not None:
-        raise user_error("--no-reuse runs every request cold: drop --store (or --no-reuse)")
+        raise user_error("--no-reuse runs every request cold, so it has no store", fix="drop --store (or --no-reuse)")
     if args.store is not None:
         from ..store import PrefixStore
 
         PrefixStore(args.store).health()  # an unusable folder or a malformed URL fails now, not per request
-    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, min(args.default_max_tokens, args.max_new_tokens))
+    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, min(args.default_max_tokens, args.max_new_tokens),
+                    max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length)
     settings = Settings(store=args.store, api_keys=keys, limits=limits, max_request_bytes=args.max_request_bytes,
                         max_queue=args.max_queue, pool_bytes=args.pool_bytes,
                         store_chunk_tokens=args.store_chunk_tokens, canonical_chunk=args.canonical_chunk,
@@ -115,6 +122,24 @@ def command(args: argparse.Namespace, user_error: type[Exception]) -> int:
         print(f"kvstate serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     run(server, args.host, args.port, args.log_level)
     return 0
+
+
+def api_keys(flags: list[str], env: str | None, user_error: type[Exception]) -> tuple[str, ...]:
+    """The keys of ``--api-key`` and ``$KVSTATE_API_KEY`` (comma-separated). An empty or blank key is refused, as is
+    a variable that is set and holds none: ``--api-key "$KEY"`` with ``KEY`` unset would otherwise serve an open
+    server that looks protected (a request without a key matched the empty one)."""
+    for key in flags:
+        if not key.strip():
+            raise user_error("--api-key is empty (a shell variable that is not set?): a request without any key "
+                             "would match it", fix="pass the key itself, or drop --api-key to serve without keys")
+        if key != key.strip():
+            raise user_error("--api-key has spaces around it; a client's Bearer token is read without them, so it "
+                             "could never match", fix="pass the key without the spaces")
+    found = tuple(k.strip() for k in (env or "").split(",") if k.strip())
+    if env is not None and not found:
+        raise user_error(f"${API_KEY_ENV} is set but holds no key",
+                         fix="set it to the keys (comma-separated), or unset it to serve without keys")
+    return (*flags, *found)
 
 
 def load(spec: str, *, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:

@@ -47,13 +47,16 @@ def internal_error(exc: BaseException, where: str) -> HTTPError:
 
 
 def validation_error(errors: Sequence[Any]) -> BadRequest:
-    """A request body the schema refused, as OpenAI words it: an unknown field first, else the first
-    failure with its dotted path as ``param`` (the input itself is never echoed)."""
+    """A request body the schema refused, as OpenAI words it: an unknown field first, else the first field's
+    failure (``_chosen``: the union branch that took the input furthest) with its dotted path as ``param``
+    (the input itself is never echoed)."""
     unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
-    error = (unknown or list(errors) or [{"type": "", "loc": (), "msg": "invalid request body"}])[0]
-    param = _param(error.get("loc", ()))
+    error = unknown[0] if unknown else _chosen(list(errors)) or {"type": "", "loc": (), "msg": "invalid request body"}
+    loc = error.get("loc", ())
+    param, path = _param(loc), _param(loc, whole=True)
     if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):  # the tag field names the error
-        param += "." + str((error.get("ctx") or {}).get("discriminator", "")).strip("'")
+        tag = "." + str((error.get("ctx") or {}).get("discriminator", "")).strip("'")
+        param, path = (param + tag if path == param else param), path + tag
     if error.get("type") == "json_invalid":
         return BadRequest("the body is not valid JSON", fix="send a JSON object")
     if unknown:
@@ -61,17 +64,30 @@ def validation_error(errors: Sequence[Any]) -> BadRequest:
     if error.get("type") == "missing":
         return BadRequest(f"'{param}' is required", param=param) if param else \
             BadRequest("the body is required: a JSON object", fix="send the request as JSON")
-    where = f"'{param}'" if param else "the body"
-    return BadRequest(f"{where}: {error.get('msg', 'invalid')}", param=param or None, code="invalid_value")
+    where = f"'{path}'" if path else "the body"
+    message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    return BadRequest(f"{where}: {message}", param=param or None, code="invalid_value")
+
+
+def _chosen(errors: list[Any]) -> Any:
+    """The first field's error that says what is wrong with the input. A union field (``stop``: a string or a
+    list of strings) gets one error per branch; the branches that refuse the input's kind (a list is not a
+    string) are the least telling, and of the rest the deepest names the element at fault."""
+    if not errors:
+        return None
+    field = _param(errors[0].get("loc", ()))
+    same = [e for e in errors if _param(e.get("loc", ())) == field]
+    return max(same, key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(e.get("loc", ()))))
 
 
 _TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 
 
-def _param(loc: Sequence[Any]) -> str:
+def _param(loc: Sequence[Any], whole: bool = False) -> str:
     """``("body", "messages", 0, "user", "content", "str")`` -> ``messages[0].content``: field names and
-    indices, without the role tag of a message, up to the first union branch tag pydantic adds."""
+    indices, without the role tag of a message, up to the first union branch tag pydantic adds (``whole``:
+    past the branch tags too, to the element at fault)."""
     out, previous = "", None
     for item in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(item, int):
@@ -80,7 +96,7 @@ def _param(loc: Sequence[Any]) -> str:
             pass  # the message kind pydantic chose by its role
         elif isinstance(item, str) and item.isidentifier() and item not in _TAGS:
             out += f".{item}" if out else item
-        else:
+        elif not whole:
             break
         previous = item
     return out

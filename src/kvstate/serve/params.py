@@ -8,7 +8,9 @@ The mapping (``docs/serve.md``):
   ``top_p`` passes through. ``top_k``, ``min_p`` and ``repetition_penalty`` are
   accepted as extra fields with transformers' meaning (as vLLM does).
 * ``max_tokens`` / ``max_completion_tokens`` are ``max_new_tokens``; ``stop`` is
-  ``stop_strings`` (the stop text is cut from the answer, as OpenAI does).
+  ``stop_strings`` (the stop text is cut from the answer, as OpenAI does), at most
+  ``--max-stop-strings`` of at most ``--max-stop-length`` characters: transformers matches
+  them with a table of vocabulary x length (``kvstate.options``).
 * ``logit_bias`` is ``sequence_bias`` on single tokens; ``presence_penalty`` and
   ``frequency_penalty`` are ``OpenAIPenalties``, OpenAI's formula over the tokens
   generated so far.
@@ -52,11 +54,15 @@ _REFUSED = {
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request bounds: prompt tokens, new tokens (and the default when a request names none)."""
+    """Per-request bounds: prompt tokens, new tokens (and the default when a request names none), and the stop
+    strings' count and length (each character of the longest costs 4 bytes x the vocabulary in transformers'
+    stop-string table: 1 MiB for a 262k vocabulary)."""
 
     max_prompt_tokens: int = 8192
     max_new_tokens: int = 2048
     default_max_tokens: int = 256
+    max_stop_strings: int = 4  # OpenAI's own limit
+    max_stop_length: int = 32  # characters
 
 
 @dataclass
@@ -75,8 +81,9 @@ class Request:
 
 
 def parse(body: dict[str, Any], fields: set[str], limits: Limits, default_stop: tuple[str, ...] = (),
-          default_max: int | None = None) -> Request:
-    """Validate ``body`` (a chat or completion request) and map its sampling fields."""
+          default_max: int | None = None, vocab: int | None = None) -> Request:
+    """Validate ``body`` (a chat or completion request) and map its sampling fields; ``vocab``: the model's
+    vocabulary size, which ``logit_bias`` ids must be under."""
     unknown = sorted(set(body) - fields)
     if unknown:
         raise BadRequest(f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0])
@@ -86,13 +93,13 @@ def parse(body: dict[str, Any], fields: set[str], limits: Limits, default_stop: 
                              fix=f"omit {name} (kvstate serves one sequence of plain text per request)")
     max_new = _max_tokens(body, limits, default_max)
     options: dict[str, Any] = {"max_new_tokens": max_new, **_sampling(body)}
-    stop = _stop(body, default_stop)
+    stop = _stop(body, default_stop, limits)
     if stop:
         options["stop_strings"] = list(stop)
     processors = _penalties(body)
     if processors:
         options["logits_processor"] = processors
-    bias = _logit_bias(body.get("logit_bias"))
+    bias = _logit_bias(body.get("logit_bias"), vocab)
     if bias:
         options["sequence_bias"] = bias
     stream_options = body.get("stream_options") or {}
@@ -171,17 +178,29 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def _stop(body: dict[str, Any], default_stop: tuple[str, ...]) -> tuple[str, ...]:
+def _stop(body: dict[str, Any], default_stop: tuple[str, ...], limits: Limits) -> tuple[str, ...]:
     if "stop" not in body:
         return default_stop
     stop = body["stop"]
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("'stop' must be a non-empty string or an array of up to 4 of them", param="stop")
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("'stop' must be a non-empty string or an array of them", param="stop", code="invalid_value")
+    if len(stop) > limits.max_stop_strings:
+        raise BadRequest(f"'stop' holds {len(stop)} strings; this server takes at most {limits.max_stop_strings} "
+                         "(its --max-stop-strings)", param="stop", code="invalid_value",
+                         fix="send fewer stop strings, or start the server with a larger --max-stop-strings")
+    for i, text in enumerate(stop):
+        if len(text) > limits.max_stop_length:
+            where = "'stop'" if isinstance(body["stop"], str) else f"'stop[{i}]'"
+            raise BadRequest(f"{where} is {len(text)} characters long; this server takes stop strings of at most "
+                             f"{limits.max_stop_length} characters (its --max-stop-length: matching them costs a "
+                             "table of vocabulary x length)", param="stop", code="invalid_value",
+                             fix="stop on a shorter string (its last characters usually suffice), or start the "
+                             "server with a larger --max-stop-length")
     return tuple(stop)
 
 
-def _logit_bias(bias: Any) -> list[list[Any]]:
+def _logit_bias(bias: Any, vocab: int | None = None) -> list[list[Any]]:
     if bias is None:
         return []
     if not isinstance(bias, dict):
@@ -191,6 +210,9 @@ def _logit_bias(bias: Any) -> list[list[Any]]:
         ok = str(key).isdigit() and isinstance(value, int | float) and not isinstance(value, bool)
         if not ok or not -100 <= value <= 100:
             raise BadRequest("'logit_bias' must map token ids to numbers in [-100, 100]", param="logit_bias")
+        if vocab is not None and int(key) >= vocab:
+            raise BadRequest(f"'logit_bias' names token {int(key)}, outside the model's vocabulary [0, {vocab})",
+                             param="logit_bias", code="invalid_value", fix="bias only ids the tokenizer produces")
         pairs.append([[int(key)], float(value)])
     return pairs
 

@@ -30,12 +30,13 @@ from typing import Any
 
 import torch
 
+from ..protocols import PrefixQuery
 from ..schedule import Canonical
 from ..session import Session
 from .chat import Prompt
 from .errors import BadRequest, HTTPError
 from .logprobs import Reporter, Step, TokenLogprob, compute, step_of
-from .metrics import Metrics
+from .metrics import Clock, Metrics
 from .params import Request
 from .pool import StatePool
 
@@ -49,6 +50,10 @@ def shutting_down() -> HTTPError:
     return HTTPError("the server is shutting down", status=503, code="server_shutting_down",
                      fix="retry on another replica, or once this one is back", headers={"Retry-After": "5"})
 
+
+# The stop-string tables kept for reuse: each is vocabulary x stop length int32 (129 MiB for 4 stops of 32
+# characters on a 262k vocabulary), so they are bounded in bytes as well as in number
+STOP_TABLES_BYTES = 512 << 20
 
 # How long an idle model waits before settling a reply: a client that sends its next request as soon as
 # a reply ends gets it to the runner within a few ms here (rendering and tokenizing included)
@@ -70,6 +75,7 @@ class Job:
     # the canonical schedule's marks for this prompt (None: the runner's): a chat's turn marks, a raw prompt's
     # line marks (``kvstate.schedule``)
     marks: tuple[int, ...] | None = None
+    clock: Clock = field(default_factory=Clock)  # its times, for ``Metrics`` (arrival: when the job is made)
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: the deque removes this entry, not an equal one
@@ -162,6 +168,7 @@ class Runner:
                             fix="retry after a moment", headers={"Retry-After": "1"})
         self._pending += 1
         self._jobs.add(job)
+        self.metrics.queued(job.clock)
 
     def drain(self) -> None:
         """Wait until the work queued so far, replies and their settling included, has run."""
@@ -169,7 +176,7 @@ class Runner:
 
     def stop_accepting(self) -> None:
         """Begin a graceful stop: new jobs get a 503, queued and running ones go on, and no reply is settled
-        any more (the pool goes with the process)."""
+        while they do (``settle_pending`` settles the rest into the store at the end)."""
         with self._lock:
             self._draining = True
         self._arrived.set()  # a settle waiting for its grace returns
@@ -189,8 +196,9 @@ class Runner:
 
         with self._lock:
             found = self._stops.pop(stops, None) or StopStringCriteria(self.tokenizer, list(stops))
-            self._stops[stops] = found  # the newest last; the oldest evicted past 16 stop sets
-            while len(self._stops) > 16:
+            self._stops[stops] = found  # the newest last; the oldest evicted past 16 sets or STOP_TABLES_BYTES
+            while len(self._stops) > 16 or (len(self._stops) > 1 and sum(
+                    getattr(c.embedding_vec, "nbytes", 0) for c in self._stops.values()) > STOP_TABLES_BYTES):
                 self._stops.pop(next(iter(self._stops)))
         return found
 
@@ -218,12 +226,27 @@ class Runner:
         """Settle the waiting replies, newest first, while no request waits. Each first waits ``SETTLE_GRACE``
         for a request: one sent as soon as a reply ends runs first instead of waiting for a settle, which is
         one forward. If it continues a waiting reply (the chat's next turn), ``_settle_for`` settles that one
-        before it; another chat's request does not wait for a settle it does not need."""
+        before it; another chat's request does not wait for a settle it does not need. Settled here, a state
+        goes to the store too: a restarted server, or another one on the same store, resumes from it."""
         while True:
             self._forget_unpooled()
             if not self._unsettled or not self._idle_for(SETTLE_GRACE):
                 return
-            self._settle(self._unsettled.pop())
+            self._settle(self._unsettled.pop(), store=True)
+
+    def settle_pending(self) -> None:
+        """At the end of a graceful stop (no request left): settle the replies still waiting for it and write them
+        to the store, so a restarted server reuses as much as one that never stopped (the pool goes with the
+        process). Nothing past the shutdown deadline (``halt``): the operator is waiting for the exit."""
+        if self._halted.is_set():
+            return
+        with contextlib.suppress(RuntimeError):  # the executor was shut down already: nothing can run
+            self._executor.submit(self._settle_all).result()
+
+    def _settle_all(self) -> None:
+        self._forget_unpooled()
+        while self._unsettled:
+            self._settle(self._unsettled.pop(), store=True)
 
     def _settle_for(self, job: Job) -> None:
         """Before ``job`` runs: settle the waiting reply that its prompt continues (same namespace; the ids the
@@ -253,16 +276,27 @@ class Runner:
     def _busy(self) -> bool:
         return bool(self._pending) or self._closing or self._draining
 
-    def _settle(self, entry: Unsettled) -> None:
+    def _settle(self, entry: Unsettled, store: bool = False) -> None:
         """After a reply: recompute its decoded tokens in canonical chunks, so the next turn's pool hit
-        re-feeds only the tail since the last cut (the canonical schedule). Runs on the model thread between jobs; a
-        failure here costs the next turn that re-feed, never an answer."""
+        re-feeds only the tail since the last cut (the canonical schedule); the settled state joins the pool and,
+        with ``store``, the namespace's store. Runs on the model thread between jobs; a failure here costs the next
+        turn that re-feed, never an answer."""
         try:
             session = Session(self.model, state=entry.state, **self._session_settings(entry.marks))
             if session.settle(entry.through):
                 self.pool.put(entry.namespace, session.state)
+                if store:
+                    self._store(entry.namespace, session.state)
         except Exception:  # an optimisation: the unsettled state is in the pool already; say why it failed
             logging.getLogger("kvstate.serve").warning("settling a reply failed", exc_info=True)
+
+    def _store(self, namespace: str, state: Any) -> None:
+        """Offer a settled ``state`` to ``namespace``'s store (its aligned prefixes, by the store's policy; a
+        failing store warns and counts, as every store write does)."""
+        sink = self.store_for(namespace)
+        if sink is not None:
+            media = tuple((m.start, m.digest) for m in state.media)
+            sink.offer([state], PrefixQuery(self.fingerprint, state.tokens.cpu(), media))
 
     def _session_settings(self, marks: tuple[int, ...]) -> dict[str, Any]:
         """What every ``Session`` of this runner is built with, for a history fed with ``marks``: its states are
@@ -275,6 +309,7 @@ class Runner:
         with self._lock:
             self._pending -= 1
             self._jobs.discard(job)
+        self.metrics.released(job.clock)
 
     def close(self) -> None:
         """Cancel what is queued or running (each stops at its next token, committing nothing) and wait."""
@@ -290,6 +325,7 @@ class Runner:
             raise Cancelled
         if self._halted.is_set():
             raise shutting_down()
+        self.metrics.started(job.clock)
         self._settle_for(job)
         started = time.perf_counter()
         ids = torch.tensor([job.prompt.ids], dtype=torch.long)
@@ -297,7 +333,7 @@ class Runner:
         marks = self._marks(job)
         sources = [self.pool.source(job.namespace, marks), *(() if store is None else (store,))]
         session = Session(self.model, sources=sources, **self._session_settings(marks))
-        streamer = _Streamer(self.tokenizer, job)
+        streamer = _Streamer(self.tokenizer, job, self.metrics)
         options = dict(job.request.options)
         if job.request.seed is not None:
             torch.manual_seed(job.request.seed)
@@ -324,7 +360,7 @@ class Runner:
             compute(outcome.output.logits, tokens, k, self.tokenizer, text)
         result = Result(text, finish, len(job.prompt.ids), len(tokens), outcome.reused,
                         time.perf_counter() - started, logprobs)
-        self.metrics.record(result)
+        self.metrics.finished(job.clock, result)
         return result
 
 
@@ -349,8 +385,8 @@ class _Streamer:
     With ``logprobs`` it also takes each token's step (``put_logits``: the raw logits, from the engine;
     ``put_step``: computed, from the batched scheduler) and reports tokens (``logprobs.Reporter``)."""
 
-    def __init__(self, tokenizer: Any, job: Job) -> None:
-        self.tokenizer, self.job = tokenizer, job
+    def __init__(self, tokenizer: Any, job: Job, metrics: Metrics | None = None) -> None:
+        self.tokenizer, self.job, self.metrics = tokenizer, job, metrics
         self.stop = job.request.stop
         self.tokens: list[int] = []
         self.sent = 0
@@ -376,6 +412,8 @@ class _Streamer:
             self._prompt_seen = True
             return
         new = value.reshape(-1).tolist()
+        if new and self.metrics is not None:
+            self.metrics.first_token(self.job.clock)  # once: later calls return at once
         self._report(new)
         self.tokens.extend(new)
         if self.job.on_text is None and self.job.on_token is None:

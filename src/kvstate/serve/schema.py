@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 
 def _integral(value: Any) -> Any:
@@ -32,14 +32,15 @@ TopK = Annotated[int, Field(ge=-1, le=INT32), BeforeValidator(_integral)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)]
 BestOf = Annotated[int, Field(ge=1, le=20), BeforeValidator(_integral)]
 Logprobs = Annotated[int, Field(ge=0, le=5), BeforeValidator(_integral)]
-Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
-StopText = Annotated[str, Field(min_length=1)]
+# floats are finite: JSON's NaN and Infinity (which Python's parser reads) are refused as what they are
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+StopText = Annotated[str, Field(min_length=1)]  # count and length: the server's limits (params, published by app)
 _TOKEN_KEY = r"^[0-9]{1,10}$"
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=_TOKEN_KEY)], Bias], WithJsonSchema({
     "type": "object", "propertyNames": {"pattern": _TOKEN_KEY},
     "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0}})]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
 
 def surrogate_path(value: Any) -> str | None:
@@ -125,10 +126,10 @@ class _Common(_Request):
     model: str
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: Probability | None = None
     n: Count | None = None
-    stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
+    stop: StopText | list[StopText] | None = None
     seed: Int64 | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -137,7 +138,7 @@ class _Common(_Request):
     max_tokens: Count | None = None
     top_k: TopK | None = None
     min_p: Probability | None = None
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=100.0)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=100.0, allow_inf_nan=False)] | None = None
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
     store: bool | None = None
@@ -166,6 +167,17 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: BestOf | None = None
     logprobs: Logprobs | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        """A batch (several texts, or several lists of ids) is refused as what it is, before the union's branches
+        each refuse it for another reason."""
+        if isinstance(value, list) and len(value) > 1 and (all(isinstance(v, str) for v in value)
+                                                           or all(isinstance(v, list) for v in value)):
+            raise ValueError(f"a batch of {len(value)} prompts; kvstate serve answers one prompt per request "
+                             "(send one request per prompt)")
+        return value
 
 
 # ----- responses (documentation only) --------------------------------------------------------

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..errors import InputError
 from ..schedule import default_chunk
 from ..store import PrefixStore
 from ..text import line_marks
@@ -43,6 +44,13 @@ class Settings:
     reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
     shutdown_timeout: float = 20.0  # a graceful stop's seconds for running answers, then they end (``Server.stop``)
 
+    def __post_init__(self) -> None:
+        bad = [key for key in self.api_keys if not isinstance(key, str) or not key.strip() or key != key.strip()]
+        if bad:  # an empty key matches a request that sends none: a server that looks protected would be open
+            raise InputError("API keys must be non-empty strings without surrounding spaces",
+                             found=f"{len(bad)} such key(s) among {len(self.api_keys)}",
+                             fix="pass the keys themselves, or no api_keys to serve without keys")
+
 
 class Server:
     """Everything a request needs; the app (``kvstate.serve.app``) only speaks HTTP."""
@@ -64,7 +72,8 @@ class Server:
         self.context = context_length(model)
         self.renderer = Renderer(tokenizer, image_placeholder=self.images.placeholder if self.images else None,
                                  vocab=self.vocab)
-        self.metrics = Metrics()
+        limits = settings.limits
+        self.metrics = Metrics(model_id, self._gauges, max_tokens=limits.max_prompt_tokens + limits.max_new_tokens)
         self.pool = StatePool(settings.pool_bytes if settings.reuse else 0)  # a zero budget keeps nothing
         self._stores: dict[str, PrefixStore] = {}
         if settings.store is not None and settings.reuse:
@@ -156,16 +165,32 @@ class Server:
                 "device": str(weight.device), "queue": self.runner.pending, "max_queue": self.settings.max_queue,
                 "store": None if store is None else store.health()}
 
-    def render_metrics(self) -> str:
-        failures = sum(s.failures for s in self._stores.values())
-        return self.metrics.render({
-            "queue_depth": ("Requests waiting or running.", self.runner.pending),
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        """What ``/metrics`` reads at each scrape (``Metrics``): the queue, the pool, the store."""
+        gauges = {
+            "queue_depth": ("Requests waiting or running (at --max-queue, the next gets a 429).", self.runner.pending),
             "pool_states": ("Conversation states in the in-memory pool.", len(self.pool)),
             "pool_bytes": ("Bytes of K/V and other state in the in-memory pool.", self.pool.nbytes),
-            "store_failures": ("Prefix store reads or writes that failed in this process.", failures),
-        })
+            "store_failures": ("Prefix store reads or writes that failed in this process.",
+                               sum(s.failures for s in self._stores.values())),
+        }
+        store = self.store_for("default")
+        try:
+            counters = {} if store is None else store.backend.counters()
+        except Exception:  # an unreachable store: /health says why, and its failures are counted above
+            return gauges
+        if store is not None:
+            gauges["store_hits"] = ("Prefix store lookups that found a prefix, by every server sharing the store.",
+                                    counters.get("hits", 0))
+            gauges["store_misses"] = ("Prefix store lookups that found none, by every server sharing the store.",
+                                      counters.get("misses", 0))
+        return gauges
 
     def close(self) -> None:
+        """Stop the runner; after a graceful stop (``stop``), first settle the replies still waiting for it into the
+        store (``Runner.settle_pending``)."""
+        if self.stopping.is_set():
+            self.runner.settle_pending()
         self.runner.close()
 
 

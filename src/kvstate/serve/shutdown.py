@@ -1,14 +1,18 @@
 """A graceful stop for ``kvstate serve``: uvicorn's server, with SIGTERM and Ctrl-C draining the model thread.
 
-uvicorn alone closes the listener on SIGTERM, waits ``timeout_graceful_shutdown`` seconds for open
-connections, cancels what is left (a stream in flight is cut mid-answer, its state never committed), and
-then raises the signal again, so the process ends with status -15. ``Draining`` instead starts
-``Server.stop`` as its shutdown begins (on the event loop, within uvicorn's 0.1 s tick of the signal):
-new requests get a 503 (and ``/health`` says ``draining``), running ones stream on for
+uvicorn alone closes the listener on SIGTERM, closes every idle keep-alive connection (no response: the
+close is the HTTP signal for a client pool or a proxy to reconnect, elsewhere), lets a request in flight
+finish with its connection closed after it, waits ``timeout_graceful_shutdown`` seconds, cancels what is
+left (a stream in flight is cut mid-answer, its state never committed), and then raises the signal again,
+so the process ends with status -15. ``Draining`` keeps the first three and starts ``Server.stop`` as its
+shutdown begins (on the event loop, within uvicorn's 0.1 s tick of the signal): a request whose handler
+starts after that gets a 503 (``/health`` says ``draining``), running ones stream on for
 ``Settings.shutdown_timeout`` seconds and then end at their next token with a finish chunk
 (``finish_reason`` ``length``), each state committed to the pool and the store. uvicorn's own limit
 comes ``MARGIN`` seconds later, for the last tokens to be sent; the signal is not raised again, so a stop
 that drained is a clean exit (status 0). A second Ctrl-C still forces the exit, as in uvicorn.
+``CloseWhileDraining`` marks every response that starts during the drain ``Connection: close``, so a
+client or a proxy learns from the response that the connection ends, rather than at its next request.
 """
 
 from __future__ import annotations
@@ -51,3 +55,23 @@ class Draining(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+
+class CloseWhileDraining:
+    """ASGI middleware: a response that starts once ``stopping`` is set carries ``Connection: close`` (uvicorn then
+    closes the connection after it, as it does for any request in flight at the signal)."""
+
+    def __init__(self, app: Any, stopping: threading.Event) -> None:
+        self.app, self.stopping = app, stopping
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def closing(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and self.stopping.is_set():
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, closing)

@@ -19,15 +19,18 @@ The store serves single-row conversations; batched sessions bypass it.
 A store is a cache: when its backend fails (a full disk, a Redis that went away),
 ``lookup`` answers a miss and ``offer`` writes nothing, each with a ``StoreWarning``
 and a count in ``stats()["failures"]``. A damaged entry is a miss and is removed; damaged
-counters start again. An unusable folder or a malformed URL raises ``StoreError`` when
-the store is created. ``health()`` says whether the backend answers now. The store sees states and ``PrefixQuery``
-values (``kvstate.protocols``), never a session.
+counters start again. A failed folder write leaves no temporary file; one stranded by a
+process that died mid-write is counted by ``stats()["temp_files"]`` and removed by ``prune``.
+An unusable folder or a malformed URL raises ``StoreError`` when the store is created. ``health()`` says
+whether the backend answers now. The store sees states and ``PrefixQuery`` values (``kvstate.protocols``),
+never a session.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,7 +43,7 @@ from ..identity import Fingerprint
 from ..io import state_from_bytes, state_to_bytes
 from ..protocols import PrefixQuery
 from ..state import State
-from .backends import COUNTERS, FolderBackend, RedisBackend
+from .backends import COUNTERS, STALE_TEMP_SECONDS, FolderBackend, RedisBackend
 from .keys import chain, salt
 
 __all__ = ["FolderBackend", "PrefixStore", "RedisBackend", "StoreWarning"]
@@ -178,19 +181,24 @@ class PrefixStore:
         try:
             entries = self.backend.entries()
             counters = {name: 0 for name in COUNTERS} | self.backend.counters()
+            temps = self.backend.temp_files()
         except Exception as exc:  # unreachable backend: one typed error, not a client traceback
             raise StoreError("prefix store unreachable", found=f"{self.backend.describe()}: {exc}",
                              fix="check that the folder exists or the Redis server runs (store.health())") from exc
         saved = counters.pop("seconds_saved_x1000") / 1000
+        stale = [t for t in temps if time.time() - t[2] > STALE_TEMP_SECONDS]
         return {"backend": self.backend.describe(), "entries": len(entries), "bytes": sum(e[1] for e in entries),
                 "capacity_bytes": self.capacity_bytes, **counters, "estimated_prefill_seconds_saved": saved,
-                "failures": self.failures}
+                "failures": self.failures, "temp_files": len(temps), "temp_bytes": sum(t[1] for t in temps),
+                "stale_temp_files": len(stale)}
 
     def ls(self) -> list[dict[str, Any]]:
         return [{"key": k, "bytes": b, "last_access": t} for k, b, t in sorted(self.backend.entries(),
                                                                              key=lambda e: -e[2])]
 
     def prune(self, max_bytes: int) -> int:
+        """Evict least recently used entries down to ``max_bytes``, and remove temporary files that writers which
+        died mid-write left (``STALE_TEMP_SECONDS`` old: a live writer's are younger); returns entries evicted."""
         return self.backend.prune(max_bytes)
 
     def health(self) -> dict[str, Any]:

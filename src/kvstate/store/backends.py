@@ -5,6 +5,10 @@ under a byte capacity and shared counters (hits, misses, evictions, bytes).
 
 * Folder: ``<root>/entries/<key[:2]>/<key>.kvs`` written to a temporary name and
   renamed (atomic); eviction and counters run under an ``flock`` on ``<root>/.lock``.
+  A write that fails (a full disk, ``EFBIG`` past ``RLIMIT_FSIZE``, Ctrl-C) removes its
+  temporary file; one left by a process that died mid-write (``SIGKILL``, a default
+  ``SIGXFSZ``) is counted by ``temp_files`` and removed by ``prune`` once it is
+  ``STALE_TEMP_SECONDS`` old (a live writer's file is younger: each write touches it).
   A reader holds the whole file in memory once ``get`` returns, and unlinking a
   file never disturbs an open reader, so eviction cannot tear an entry being read.
 * Redis: the value, its LRU score and its size change in one Lua script, and
@@ -31,6 +35,8 @@ COUNTERS = ("hits", "misses", "writes", "evictions", "tokens_reused", "seconds_s
 
 
 _ENTRY_LIMIT = 1 << 40  # far above any state file; a bound, so no entry is read without one
+STALE_TEMP_SECONDS = 15 * 60  # a temporary file untouched this long belongs to no live writer
+_TEMP_PATTERNS = ("entries/*/.*.tmp", ".stats.*.tmp", ".probe.*", "entries/.probe.*")  # what writers leave
 
 
 class FolderBackend:
@@ -43,9 +49,7 @@ class FolderBackend:
                              found=str(self.root), fix="pass the folder kvstate serve or generate --store wrote")
         try:
             (self.root / "entries").mkdir(parents=True, exist_ok=True)
-            probe = self.root / f".probe.{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            _probe(self.root)
         except OSError as exc:
             raise StoreError("cannot use this folder as a prefix store", expected="a writable folder",
                              found=f"{self.root}: {exc}", fix="pass a folder you can write to") from exc
@@ -71,9 +75,7 @@ class FolderBackend:
     def health(self) -> str:
         """Empty when the folder is usable, else what is wrong."""
         try:
-            probe = self.root / "entries" / f".probe.{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            _probe(self.root / "entries")
             return ""
         except OSError as exc:
             return f"{type(exc).__name__}: {exc}"
@@ -101,12 +103,31 @@ class FolderBackend:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with _removed_on_failure(tmp):
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
         return self.prune(capacity) if capacity is not None else 0
+
+    def temp_files(self) -> list[tuple[Path, int, float]]:
+        """``(path, bytes, last change)`` of every temporary file: writes in progress, and those of writers that
+        died mid-write."""
+        out = []
+        for pattern in _TEMP_PATTERNS:
+            for path in self.root.glob(pattern):
+                with contextlib.suppress(FileNotFoundError):  # renamed or removed meanwhile
+                    st = path.stat()
+                    out.append((path, st.st_size, st.st_mtime))
+        return out
+
+    def remove_stale_temp_files(self, age: float = STALE_TEMP_SECONDS) -> int:
+        """Remove the temporary files untouched for ``age`` seconds (no live writer's); returns how many."""
+        stale = [path for path, _, changed in self.temp_files() if time.time() - changed > age]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return len(stale)
 
     def entries(self) -> list[tuple[str, int, float]]:
         """``(key, bytes, last access)`` of every entry."""
@@ -120,7 +141,9 @@ class FolderBackend:
         return out
 
     def prune(self, capacity: int) -> int:
-        """Evict least recently used entries until at most ``capacity`` bytes remain."""
+        """Evict least recently used entries until at most ``capacity`` bytes remain (and remove stale temporary
+        files, which count in no capacity)."""
+        self.remove_stale_temp_files()
         with self._locked():
             entries = sorted(self.entries(), key=lambda e: e[2])
             total, evicted = sum(e[1] for e in entries), 0
@@ -142,8 +165,9 @@ class FolderBackend:
         for name, n in counts.items():
             stats[name] = stats.get(name, 0) + int(n)
         tmp = path.with_name(f".stats.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(stats))
-        os.replace(tmp, path)
+        with _removed_on_failure(tmp):
+            tmp.write_text(json.dumps(stats))
+            os.replace(tmp, path)
 
     def counters(self) -> dict[str, int]:
         return self._read_stats(self.root / "stats.json")
@@ -162,6 +186,27 @@ class FolderBackend:
         warnings.warn(f"kvstate: prefix store counters in {path} were damaged; starting them again",
                       StoreWarning, stacklevel=4)
         return {}
+
+
+def _probe(folder: Path) -> None:
+    """Create and remove an empty file in ``folder`` (``OSError`` when it cannot be written); a name of its own,
+    so two threads probing at once never remove each other's."""
+    probe = folder / f".probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    with _removed_on_failure(probe):
+        probe.write_bytes(b"")
+    probe.unlink(missing_ok=True)
+
+
+@contextmanager
+def _removed_on_failure(tmp: Path) -> Iterator[None]:
+    """Remove ``tmp`` when the block fails in any way (an ``OSError`` such as ``ENOSPC`` or ``EFBIG``, Ctrl-C):
+    a failed write leaves no temporary file behind."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 # Counters are added with ``tonumber(...) or 0``, not HINCRBY: a damaged counter starts again
@@ -264,6 +309,10 @@ class RedisBackend:
         sizes = {k.decode(): int(v) for k, v in self.client.hgetall(self._sizes).items()}
         scores = {k.decode(): s for k, s in self.client.zrange(self._lru, 0, -1, withscores=True)}
         return [(k, sizes[k], scores.get(k, 0.0)) for k in sizes]
+
+    def temp_files(self) -> list[tuple[Path, int, float]]:
+        """None: a Redis write is one script, with nothing temporary to strand."""
+        return []
 
     def prune(self, capacity: int) -> int:
         keys = ["", self._lru, self._sizes, self._stats]

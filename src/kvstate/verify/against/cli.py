@@ -85,9 +85,9 @@ def command(args: argparse.Namespace, user_error: type[Exception], save_target: 
     local = [f"--{n.replace('_', '-')}" for n in LOCAL_ONLY if getattr(args, n, None)]
     if local or args.model != "default":
         raise user_error(f"{', '.join(local) or '--model'} appl{'y' if len(local) > 1 else 'ies'} to the local "
-                         "matrix, not to --against: drop it")
+                         "matrix, not to --against", fix="drop it")
     if args.clients > 16:
-        raise user_error(f"--clients is at most 16, found {args.clients}")
+        raise user_error(f"--clients is at most 16, found {args.clients}", fix="pass --clients 16 or fewer")
     markdown = None if args.markdown in (None, "-") else save_target(Path(args.markdown))
     options = Options(args.against, cold_url=args.cold, api_key=args.api_key, model=args.served_model,
                       timeout=args.timeout, time_limit=args.time_limit, max_requests=args.max_requests,
