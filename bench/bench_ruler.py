@@ -104,7 +104,7 @@ def jobs(args: argparse.Namespace, prepared: dict[str, tuple[Path, str]]) -> lis
                                                *common, "--folder", folder, "--runs", ",".join(runs_for("kvpress",
                                                                                                          args)),
                                                "--out", str(RUNS / f"{model}.kvpress.jsonl"),
-                                               *(slots if args.cross_check else [])]))
+                                               *slots]))
         if args.cross_check:
             then.append((f"keep-{model}", [sys.executable, __file__, "--worker", model, *common, "--runs",
                                            ",".join(runs_for("keep", args)), "--out", str(RUNS / f"{model}.keep.jsonl"),
