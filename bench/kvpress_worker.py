@@ -101,6 +101,18 @@ class Clock:
         return time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
+def load_slots(path: Path) -> list[torch.Tensor]:
+    """The per-layer ``[H, S]`` bool masks ``save_slots`` wrote."""
+    import numpy as np
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        S, layers = int(meta["slots"]), int(meta["layers"])
+        return [torch.from_numpy(np.unpackbits(f.get_tensor(f"layer{i}").numpy(), axis=1)[:, :S].astype(bool))
+                for i in range(layers)]
+
+
 def prefill(model, context: torch.Tensor, press) -> tuple[object, tuple[float, float]]:
     """The cache after kvpress's prefill of ``context`` ``[1, S]`` (under ``press`` when given), and its
     (wall, CPU) seconds."""

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from common import commit
+from kvpress_worker import load_slots
 
 MODELS = {"smollm2": "smollm2", "gemma3": "default"}  # bench name -> kvstate.models.load_model spec
 
@@ -95,18 +96,6 @@ def keep_policy(slots: list[torch.Tensor]) -> Any:
         raise SystemExit("this kvstate has no Keep policy (per-head slot indices) yet: the cross-check needs it")
     return compress.Keep(slots=tuple(tuple(tuple(int(i) for i in head.nonzero()[:, 0]) for head in layer)
                                      for layer in slots))
-
-
-def load_slots(path: Path) -> list[torch.Tensor]:
-    """The per-layer ``[H, S]`` bool masks ``kvpress_worker.save_slots`` wrote."""
-    import numpy as np
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-        S, layers = int(meta["slots"]), int(meta["layers"])
-        return [torch.from_numpy(np.unpackbits(f.get_tensor(f"layer{i}").numpy(), axis=1)[:, :S].astype(bool))
-                for i in range(layers)]
 
 
 def kv_bytes(state: Any) -> int:
