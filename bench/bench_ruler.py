@@ -162,6 +162,9 @@ def main() -> None:
     parser.add_argument("--tasks", type=Path, default=TASK_FILE)
     parser.add_argument("--name", default="ruler", help="results file bench/results/<name>.json")
     parser.add_argument("--merge", action="store_true", help="only merge the runs written so far")
+    parser.add_argument("--fresh", action="store_true", help="forget the runs written so far for these models "
+                        "and sides (they are kept across code changes otherwise: 'made_by' in the results names "
+                        "the commits they came from)")
     parser.add_argument("--setup-kvpress", action="store_true", help="create bench/.venv-kvpress and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--ids", type=Path, help=argparse.SUPPRESS)
@@ -187,6 +190,10 @@ def main() -> None:
             raise SystemExit(f"no kvpress environment at {KVPRESS_VENV}: run with --setup-kvpress first")
         RUNS.mkdir(parents=True, exist_ok=True)
         CACHE.mkdir(exist_ok=True)
+        if args.fresh:
+            sides = [*args.sides, *(["keep"] if args.cross_check else [])]
+            for path in (RUNS / f"{m}.{side}.jsonl" for m in args.models for side in sides):
+                path.unlink(missing_ok=True)
         started = time.perf_counter()
         run_jobs(jobs(args, prepare(args, tasks)), args.jobs)
         print(f"all workers done in {time.perf_counter() - started:.0f} s", flush=True)

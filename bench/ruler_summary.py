@@ -56,7 +56,10 @@ def model_result(model: str, contexts: list[dict], rows: dict[tuple[str, str], d
     facts = {run: {key: _mean([rows[(ctx["id"], run)].get(key) for ctx in contexts])
                    for key in ("bytes_held", "slots_kept", "prefill_cpu", "compress_cpu", "answer_cpu")}
              for run in complete}
+    made_by = {side: sorted({json.dumps(row.get("commit") or row.get("env"), sort_keys=True) for (_, run), row
+                             in rows.items() if run.split("/")[0] == side}) for side in ("kvstate", "kvpress", "keep")}
     return {"questions": len(questions), "contexts": len(contexts), "complete_runs": complete,
+            "made_by": {side: [json.loads(x) for x in made] for side, made in made_by.items() if made},
             "partial_runs": sorted(set(names) - set(complete)), "accuracy": accuracy, "accuracy_by_task": by_task,
             "share_of_uncompressed": {run: _share(accuracy, run) for run in complete}, "facts": facts,
             "per_question": {"ids": [f"{ctx['id']}#{i}" for ctx, i, _ in questions],
