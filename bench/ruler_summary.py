@@ -194,14 +194,15 @@ def plot(result: dict, path: Path) -> None:
     for ax, model in zip(axes[0], models, strict=True):
         acc = result["models"][model]["accuracy"]
         methods = sorted({tuple(r.split("/")[:2]) for r in acc if "/none/" not in r and not r.startswith("aware")})
-        for i, (side, name) in enumerate(methods):
+        color = {name: f"C{i % 10}" for i, name in enumerate(sorted({name for _, name in methods}))}
+        for side, name in methods:
             points = sorted((float(r.split("/")[2]) * 100, a) for r, a in acc.items()
                             if r.startswith(f"{side}/{name}/"))
             base = acc.get(f"{'kvpress' if side == 'kvpress' else 'kvstate'}/none/1")
             if base is not None:
                 points.append((100.0, base))
             style = {"kvstate": "o-", "kvpress": "s--", "keep": "x:"}[side]
-            ax.plot(*zip(*points, strict=True), style, color=f"C{i % 10}", label=f"{name} ({side})")
+            ax.plot(*zip(*points, strict=True), style, color=color[name], label=f"{name} ({side})")
         if "aware/SnapKV/0.25" in acc:
             ax.plot([25], [acc["aware/SnapKV/0.25"]], "k*", markersize=12, label="SnapKV, question-aware")
         ax.set(xlabel="share of the context's K/V kept (%)", ylabel="RULER string-match accuracy",
