@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, write_results
-from ruler_summary import merge, plot
+from ruler_summary import merge, plot, table
 from ruler_tasks import TASK_FILE
 
 HERE = Path(__file__).parent
@@ -201,6 +201,7 @@ def main() -> None:
     result["command"] = " ".join(["python bench/bench_ruler.py", *sys.argv[1:]])
     write_results(args.name, result)
     plot(result, RESULTS / f"{args.name}.png")
+    print(table(result))
 
 
 if __name__ == "__main__":

@@ -182,6 +182,26 @@ def merge(tasks: dict, contexts: list[dict], folder: Path, models: list[str]) ->
             "models": results, "cross_check": checks}
 
 
+def table(result: dict) -> str:
+    """A Markdown table per model: accuracy (share of uncompressed) per method and share kept, bytes held at 50%."""
+    out = []
+    for model, r in result["models"].items():
+        acc, share = r["accuracy"], r["share_of_uncompressed"]
+        shares = sorted({run.rsplit("/", 1)[1] for run in acc if "/none/" not in run}, key=float)
+        out += [f"**{model}** ({r['questions']} questions, {r['contexts']} contexts): uncompressed "
+                f"{acc.get('kvstate/none/1', float('nan')):.1%} (kvstate)" +
+                (f", {acc['kvpress/none/1']:.1%} (kvpress)" if "kvpress/none/1" in acc else ""), "",
+                "| method | " + " | ".join(f"{float(s):.0%} kept" for s in shares) + " | bytes held at 50% |",
+                "|---|" + "---|" * (len(shares) + 1)]
+        for method in sorted({run.rsplit("/", 1)[0] for run in acc if "/none/" not in run}):
+            cells = [f"{acc[f'{method}/{s}']:.1%} ({share[f'{method}/{s}']:.0%})" if f"{method}/{s}" in acc else ""
+                     for s in shares]
+            held = r["facts"].get(f"{method}/0.5", {}).get("bytes_held")
+            out.append(f"| {method} | " + " | ".join(cells) + f" | {'' if held is None else f'{held:.0%}'} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def plot(result: dict, path: Path) -> None:
     """Accuracy against the share of K/V kept, one panel per model, one line per policy or press."""
     import matplotlib
