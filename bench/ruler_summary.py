@@ -1,7 +1,8 @@
 """Merging ``bench/bench_ruler.py``'s runs into one results file: scores, the issue's summary, the plot.
 
-Every answer is scored with RULER's ``string_match_all`` against the task file's references. A
-run counts once it covers every question of the contexts asked for; shares are accuracies over
+Every answer is scored with RULER's ``string_match_all`` against the task file's references. Of the
+contexts asked for, those that every run of a model has covered count (a partial run gives figures on
+the contexts done); shares are accuracies over
 the same side's uncompressed accuracy. The paired bootstrap resamples questions (10,000 times,
 seeded) and gives the 95% interval of the mean per-question difference kvstate-best minus
 kvpress-best. The cross-check names every question where kvstate, keeping kvpress's very slots,
@@ -173,10 +174,13 @@ def merge(tasks: dict, contexts: list[dict], folder: Path, models: list[str]) ->
     results, checks = {}, {}
     for model in models:
         rows = load_runs(folder, model)
-        results[model] = model_result(model, contexts, rows)
+        asked = {c["id"] for c in contexts}
+        runs = {run for ctx, run in rows if ctx in asked}
+        done = [c for c in contexts if all((c["id"], run) in rows for run in runs)]  # a partial run: what is whole
+        results[model] = model_result(model, done, rows)
         shares = sorted({r.rsplit("/", 1)[1] for r in results[model]["accuracy"] if "/none/" not in r})
         results[model]["vs_kvpress_by_share"] = {s: versus(results[model], s) for s in shares}
-        checks[model] = cross_check(rows, contexts)
+        checks[model] = cross_check(rows, done)
     return {"summary": summary(results), "suite": {"task_file": "bench/data/ruler_tasks.json", "seed": tasks["seed"],
                                                    "sources": tasks["sources"], "contexts": len(contexts)},
             "models": results, "cross_check": checks}
