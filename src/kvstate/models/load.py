@@ -1,4 +1,5 @@
-"""Model specs, used by the CLI, the server and ``verify``: ``default``, ``tiny:<model_type>`` or a local folder.
+"""Model specs, used by the CLI, the server and ``verify``: ``default``, ``smollm2``, ``tiny:<model_type>`` or a
+local folder.
 
 kvstate never downloads: a folder must hold ``config.json`` and weights (and a tokenizer
 for commands that take text). Hub ids are refused with the command that fetches them.
@@ -7,9 +8,10 @@ for commands that take text). Hub ids are refused with the command that fetches 
 
 * ``dtype="auto"`` is the checkpoint's own dtype for a folder (``config.dtype``, else the
   weights' dtype, as ``from_pretrained(dtype="auto")`` reads it), and float32 for the
-  default model (its cache holds the lossless float32 dequantization) and tiny models;
-* ``device="auto"`` is CUDA where available for a folder, and the CPU for the default and
-  tiny models, which are demo and test models.
+  embedded models (``default``: Gemma-3-270M, ``smollm2``: SmolLM2-135M; their caches hold
+  the lossless float32 dequantization of their GGUFs) and tiny models;
+* ``device="auto"`` is CUDA where available for a folder, and the CPU for the embedded and
+  tiny models, which are demo, benchmark and test models.
 
 An unavailable device is refused before any weights load. Nothing here imports torch at
 import time, so the CLI can build its parser from these names and still start fast.
@@ -25,6 +27,7 @@ from ..errors import DeviceUnavailableError, InputError
 ATTENTION_BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+EMBEDDED = ("default", "smollm2")  # models shipped by pip packages, converted once into the user cache
 
 
 def load_model(spec: str, attn: str | None = None, progress: bool = True, need_tokenizer: str | None = None, *,
@@ -39,15 +42,10 @@ def load_model(spec: str, attn: str | None = None, progress: bool = True, need_t
         raise InputError("unknown attention backend", expected=ATTENTION_BACKENDS, found=attn,
                          fix="pick one of the listed backends")
     named = resolve_dtype(dtype)  # a typo is refused before the device or any weights
-    builtin = spec == "default" or spec.startswith("tiny:")
+    builtin = spec in EMBEDDED or spec.startswith("tiny:")
     target = resolve_device(device, accelerate=not builtin)
-    if spec == "default":
-        import torch
-
-        from .default import load_default_model
-
-        model, tokenizer = load_default_model(dtype=named or torch.float32, attn_implementation=attn,
-                                              progress=progress)
+    if spec in EMBEDDED:
+        model, tokenizer = _embedded(spec, attn, progress, named)
     elif spec.startswith("tiny:"):
         model, tokenizer = _tiny(spec, attn, need_tokenizer), None
         model = model if named is None else model.to(named)
@@ -105,6 +103,16 @@ def _available(target: Any) -> bool:
     if target.type == "cuda":
         return torch.cuda.is_available() and (target.index or 0) < torch.cuda.device_count()
     return target.type in available_devices() and (target.index or 0) == 0
+
+
+def _embedded(spec: str, attn: str | None, progress: bool, dtype: Any) -> tuple[Any, Any]:
+    import torch
+
+    if spec == "smollm2":
+        from .smollm2 import load_smollm2 as load
+    else:
+        from .default import load_default_model as load
+    return load(dtype=dtype or torch.float32, attn_implementation=attn, progress=progress)
 
 
 def _tiny(spec: str, attn: str | None, need_tokenizer: str | None) -> Any:

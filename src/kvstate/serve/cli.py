@@ -18,8 +18,9 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
         "only its new tokens, and answers equal a fresh run on the whole history. Model work runs one request at "
         "a time (or --max-batch at once); HTTP, tokenization and streaming run concurrently. "
         "Needs: pip install 'kvstate[serve]'.")
-    s.add_argument("--model", default="default", help="'default' (embedded Gemma-3-270M), 'tiny:<model_type>' "
-                   "(random tiny model with a character tokenizer), or a local folder with a tokenizer")
+    s.add_argument("--model", default="default", help="'default' (embedded Gemma-3-270M), 'smollm2' (embedded "
+                   "SmolLM2-135M-Instruct), 'tiny:<model_type>' (random tiny model with a character tokenizer), or "
+                   "a local folder with a tokenizer")
     model_options(s)
     s.add_argument("--model-name", help="the model id clients send and /v1/models lists (default: from --model)")
     s.add_argument("--store", help="prefix store shared by restarts and workers: a folder or redis://host:port/db")
@@ -163,7 +164,7 @@ def image_processor(spec: str) -> Any:
         from ..models.tiny_tokenizer import tiny_qwen_vl_image_processor
 
         return tiny_qwen_vl_image_processor() if spec.removeprefix("tiny:") in QWEN_VL else None
-    if spec == "default":
+    if spec in ("default", "smollm2"):  # the embedded models read text only
         return None
     from transformers import AutoImageProcessor
 

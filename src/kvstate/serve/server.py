@@ -206,10 +206,12 @@ def default_batch(device: str) -> int:
 
 
 def model_id_for(spec: str) -> str:
-    """The name ``/v1/models`` lists: ``gemma-3-270m`` for the default model, the spec for tiny
-    models, the folder's own name otherwise (never its path)."""
+    """The name ``/v1/models`` lists: ``gemma-3-270m`` for the default model, ``smollm2-135m-instruct``
+    for SmolLM2, the spec for tiny models, the folder's own name otherwise (never its path)."""
     if spec == "default":
         return "gemma-3-270m"
+    if spec == "smollm2":
+        return "smollm2-135m-instruct"
     if spec.startswith("tiny:"):
         return spec
     return spec.rstrip("/").rsplit("/", 1)[-1]
