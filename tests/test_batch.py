@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstate import Session
-from kvstate._compat.kernels import tile_kernel
 from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, generate_many
 from kvstate.batch.sampling import first_max
-from kvstate.engine.decode import packable
-from kvstate.engine.invariant import rows_free, tile_kernels, tiled, tiled_linear
+from kvstate.engine.batched.decode import packable
+from kvstate.engine.batched.invariant import rows_free, tile_kernels, tiled, tiled_linear
+from kvstate.engine.batched.kernels import tile_kernel
 from kvstate.errors import FingerprintMismatchError, InputError, UnsupportedError
 from kvstate.selfcheck import bind
 from kvstate.testing.shrink import tiny_causal_lm
@@ -238,7 +238,7 @@ def test_the_plain_packed_forward_differs_where_the_invariant_one_does_not():
 def test_one_tile_forwards_skip_the_tiling_mode_after_the_census_with_the_same_bits(dtype, monkeypatch):
     # the mode costs a Python call per operation; a forward of one tile is the same calls without it, once the first
     # forward showed that every product spans all rows. Pinned to the mode, every step gives the same bits.
-    from kvstate.engine import decode
+    from kvstate.engine.batched import decode
 
     model = wide_llama(dtype)
     gen = torch.Generator().manual_seed(1)
@@ -266,7 +266,7 @@ def test_one_tile_forwards_skip_the_tiling_mode_after_the_census_with_the_same_b
 def test_fewer_streams_run_fewer_rows_with_the_bits_of_a_whole_tile(dtype, monkeypatch):
     # prepacked kernels give a row the same bits for any 2..rows rows (probed), and widths that are multiples of
     # 64 leave element-wise kernels no tail: a step of n < rows streams then runs max(n, 2) rows, not a whole tile
-    from kvstate.engine import decode
+    from kvstate.engine.batched import decode
 
     model = wide_llama(dtype, vocab=1024)  # every width a multiple of 128: no tail at any row count
     gen = torch.Generator().manual_seed(2)
@@ -319,13 +319,13 @@ def test_one_row_tiles_are_session_decode_bitwise(arch, dtype):
 
 
 def test_decode_rows_attend_grouped_in_bf16_tiles_which_is_transformers_sdpa_head_for_head(monkeypatch):
-    # the grouped form (kvstate._compat.packed) is bf16's per-stream decode attention for tiles of more than one row
-    # (where the pooled call does not apply: tests/test_pool.py): 4-12x faster SDPA on this CPU than enable_gqa. Its
-    # head mapping is transformers' (float64: equal to rounding), and one-row tiles keep the model's own call
-    # (Session's decode, bitwise: the test above).
+    # the grouped form (kvstate.engine.batched.packed) is bf16's per-stream decode attention for tiles of more than
+    # one row (where the pooled call does not apply: tests/test_pool.py): 4-12x faster SDPA on this CPU than
+    # enable_gqa. Its head mapping is transformers' (float64: equal to rounding), and one-row tiles keep the model's
+    # own call (Session's decode, bitwise: the test above).
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    import kvstate._compat.packed as packed_module
+    import kvstate.engine.batched.packed as packed_module
 
     module = model_in("llama", torch.float32).model.layers[0].self_attn  # 4 query heads, 2 K/V heads
     gen = torch.Generator().manual_seed(3)
@@ -661,7 +661,7 @@ def test_a_tiled_row_depends_on_neither_its_place_nor_the_other_rows(dtype, rows
 
 
 def test_weights_that_cannot_be_prepacked_give_a_typed_error_before_any_stream_changed(monkeypatch):
-    from kvstate._compat import kernels
+    from kvstate.engine.batched import kernels
 
     if not kernels.available():
         pytest.skip("this torch has no oneDNN linear kernels")
@@ -693,7 +693,7 @@ def test_weights_that_cannot_be_prepacked_give_a_typed_error_before_any_stream_c
 
 
 def test_the_packed_decode_runs_its_tiles_on_prepacked_weights_made_again_when_a_weight_changes():
-    from kvstate._compat import kernels
+    from kvstate.engine.batched import kernels
 
     if not kernels.available():
         pytest.skip("this torch has no oneDNN linear kernels")

@@ -1,4 +1,4 @@
-"""Issue 25: the decode pool (``kvstate._compat.pool``): one K/V buffer a layer for every stream of packed
+"""Issue 25: the decode pool (``kvstate.engine.batched.pool``): one K/V buffer a layer for every stream of packed
 decode steps, one append and (where the padding probe holds) one attention call a layer and step.
 
 Oracles: each request alone through the same scheduler (bitwise), a cold ``Session`` (greedy tokens), transformers'
@@ -11,10 +11,10 @@ import functools
 import pytest
 import torch
 
-import kvstate._compat.pool as pool_module
+import kvstate.engine.batched.pool as pool_module
 from kvstate import Session
-from kvstate._compat.pool import BUCKET, Pool, attention_free
 from kvstate.batch import BatchRequest, Done, Sampling, Scheduler, generate_many
+from kvstate.engine.batched.pool import BUCKET, Pool, attention_free
 from tiny import prompt, tiny_model
 
 ROWS = 4
@@ -189,7 +189,7 @@ def test_a_slot_past_its_room_grows_the_pool_and_keeps_every_slot():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rows_with_their_own_caches_and_pooled_rows_share_a_step_with_the_answers_alone(monkeypatch, dtype):
-    # a cache a pool cannot hold keeps its own room (kvstate._compat.room) and attends alone, in the same forward as
+    # a cache a pool cannot hold keeps its own room (kvstate.engine.room) and attends alone, in the same forward as
     # pooled rows; which streams are pooled is a property of each stream (here: its history's parity), as in use
     model = model_in("llama", dtype)
     real = Pool.poolable

@@ -270,8 +270,8 @@ def test_batch_prepack_chooses_the_tiles_kernels_and_either_answers_as_plain_gen
     """--batch-prepack on (the default) runs the tiles on prepacked weights, off on torch's F.linear; the prompts
     of a step are prefilled in 32-row tiles, or (--batch-prefill-rows 0) each in plain forwards: other bits,
     each as exact (greedy text equals plain generate's, concurrent answers equal alone)."""
-    from kvstate._compat.kernels import available
     from kvstate.cli import _parser
+    from kvstate.engine.batched.kernels import available
 
     model, tokenizer = tiny
     parse = _parser().parse_args

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._compat import attention
-from .engine.prefill import tile_of
+from .engine.batched.prefill import tile_of
 from .engine.values import FeedSettings
 from .errors import ScheduleWarning
 from .request import check_marks, check_settings
@@ -45,9 +45,9 @@ class SessionSettings:
             can roll back that far (raised to ``C - 1``: a canonical resume rolls back that far).
         max_checkpoints, checkpoint_every: snapshots of recurrent layers kept for rollback (the oldest evicted first;
             taken after every call and at canonical cuts, and every N tokens inside long feeds).
-        prefill_rows: run prefill chunks as tiled forwards of this many rows (``kvstate.engine.prefill``), the chunk
-            computation a ``Scheduler`` with the same tile makes, so states move between them bit for bit; 0: plain
-            forwards. ``prepack``: the tiles on prepacked weights; ``invariant=False``: plain kernels in packed
+        prefill_rows: run prefill chunks as tiled forwards of this many rows (``kvstate.engine.batched.prefill``), the
+            chunk computation a ``Scheduler`` with the same tile makes, so states move between them bit for bit; 0:
+            plain forwards. ``prepack``: the tiles on prepacked weights; ``invariant=False``: plain kernels in packed
             forwards (measures the invariance tax). States record the kernels (``State.canonical_device``).
     """
 

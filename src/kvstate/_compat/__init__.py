@@ -3,9 +3,7 @@
 ``versions`` holds the tested window (checked on ``import kvstate``), ``core`` the cache and
 model-side helpers, ``generation`` the seams of ``generate``, ``own_cache`` the models with a cache class of their own,
 ``scan`` the Mamba selective scan, ``watch`` the attention listener that compression scores with,
-``attention`` the attention path of kvstate's forwards (deterministic kernels on CUDA), ``packed`` the batched
-decode forward, ``pool`` its streams' K/V (one buffer a layer), ``room`` the in-place appends of caches it cannot
-pool and ``kernels`` its tiles' prepacked products (continuous batching). ``core`` loads
+``attention`` the attention path of kvstate's forwards (deterministic kernels on CUDA). ``core`` loads
 on first attribute access, so the version gate runs before torch or transformers import.
 """
 
@@ -14,8 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_SUBMODULES = ("attention", "core", "generation", "kernels", "own_cache", "packed", "pool", "room", "scan", "versions",
-               "watch")
+_SUBMODULES = ("attention", "core", "generation", "own_cache", "scan", "versions", "watch")
 
 
 def __getattr__(name: str) -> Any:

@@ -7,7 +7,7 @@ than ``max_batch`` run, then runs one decode step for every running stream:
 * **admission** plans each request as a ``Session`` with the scheduler's ``prefill_rows`` does
   (``Session.take_prefix``: its prefix sources, validation), feeds the rest of every history
   admitted in the step together (``Session.extend_many``: the chunks of a round in one tiled
-  forward, each chunk with the bits it gets alone; ``kvstate.engine.prefill``), then runs
+  forward, each chunk with the bits it gets alone; ``kvstate.engine.batched.prefill``), then runs
   ``Session.run`` on each history, which finds it fed and picks the first token from its logits.
   So the prefilled ``State`` is that ``Session``'s bit for bit. Media prompts and non-canonical
   feeds run ``Session.run`` alone. A prompt that shares a whole chunk with one admitted in the
@@ -16,7 +16,7 @@ than ``max_batch`` run, then runs one decode step for every running stream:
   the schedule, about ``prefill_tokens`` tokens a step: the same forwards, spread over steps, so one
   long prompt never holds the running streams for its whole prefill;
 * **a decode step** feeds every stream's last token in one packed forward (attention-only
-  families) or one forward per stream (the rest; ``kvstate.engine.decode``) and picks each
+  families) or one forward per stream (the rest; ``kvstate.engine.batched.decode``) and picks each
   stream's next token with its own ``Sampler``.
 
 Why a row is what it is alone: a prompt's chunk is tiled and attends per prompt; a packed forward has
@@ -39,7 +39,7 @@ import torch
 
 from ..adapters.fingerprinting import unchanged
 from ..engine import Engine, FeedSettings
-from ..engine.decode import Packed, Single, Stream, Unpackable, packable
+from ..engine.batched.decode import Packed, Single, Stream, Unpackable, packable
 from ..errors import InputError
 from ..options import end_ids
 from ..protocols import PrefixCache
@@ -79,11 +79,11 @@ class Scheduler:
         invariant: False packs exactly the running rows with plain kernels (faster when few streams
             run; a row's bits then depend on its batch). For measuring the invariance tax.
         prepack: the tile's products run on weights prepacked for ``rows`` rows (oneDNN, CPU fp32 and
-            bf16, ``rows > 1``; ``kvstate._compat.kernels``): a decode step of the default model about
+            bf16, ``rows > 1``; ``kvstate.engine.batched.kernels``): a decode step of the default model about
             20% faster in fp32, for a copy of the linear weights (1.1 GB there). False: ``F.linear``'s
             kernels (other bits, as another ``rows`` gives).
         prefill_rows: the prefill's tile: prompt chunks run in tiled forwards whose products take this many
-            rows at a time (``kvstate.engine.prefill``), and the chunks of the prompts admitted in one step
+            rows at a time (``kvstate.engine.batched.prefill``), and the chunks of the prompts admitted in one step
             share one forward, each with the bits it gets alone; the states are ``Session(prefill_rows=...)``'s.
             0: each prompt in plain forwards of its own (``Session``'s default kernels).
         prefill_tokens: a step feeds about this many prompt tokens (one canonical chunk at least): it

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _compat
-from .._compat import attention, room
+from .._compat import attention
 from .._compat.watch import watching
 from ..adapters.binding import Binding, Live
 from ..errors import KVStateError, UnsupportedError
@@ -44,9 +44,10 @@ from ..masks import layer_masks, needs_masks
 from ..options import GenerateOptions
 from ..schedule import Canonical
 from ..state import State, next_position_after
+from . import room
+from .batched.prefill import Piece, Tiled, tiled_for
 from .budgeted import run_budgeted
 from .feeding import FeedRun, canonical_ends, history
-from .prefill import Piece, Tiled, tiled_for
 from .recorder import Forward, Recorder, model_lock
 from .values import Feed, FeedSettings, Outcome, finish_reasons
 
@@ -211,7 +212,7 @@ class Engine:
     def feed_many(self, states: list[State], feeds: list[Feed], settings: FeedSettings) -> list[State]:
         """``feed`` of each ``feeds[i]`` after ``states[i]``, in lockstep: with a prefill tile
         (``settings.tile``) the chunks of one round that fit run in one packed forward (at most
-        ``MAX_PACKED`` rows), each with the bits it gets alone (``kvstate.engine.prefill``)."""
+        ``MAX_PACKED`` rows), each with the bits it gets alone (``kvstate.engine.batched.prefill``)."""
         with self.lock, torch.no_grad():
             runs = [self._feed_run(s, f, settings, settings.chunk_size) for s, f in zip(states, feeds, strict=True)]
             self._drive(runs, settings)

@@ -29,7 +29,7 @@ class FeedSettings:
     """How ``feed`` splits its work: the canonical chunk ``C`` (0: off), the longest forward when
     the schedule is off, checkpoint spacing and checkpoints kept, the schedule's turn marks, and
     the prefill tile: chunks run in packed forwards whose products take ``tile`` rows at a time
-    (0: plain forwards; ``kvstate.engine.prefill``), on prepacked weights with ``prepack``."""
+    (0: plain forwards; ``kvstate.engine.batched.prefill``), on prepacked weights with ``prepack``."""
 
     chunk_size: int = 512
     checkpoint_every: int | None = None

@@ -7,14 +7,14 @@ SDPA call for all streams (``Step.attend``) instead of one per stream: measured 
 default model in bf16, 1.1 -> 0.4 ms of attention a layer.
 
 Each stream's attention there is its own entry of a batched SDPA call: the grouped decode form of
-``kvstate._compat.packed`` (the ``G`` query heads of each K/V head as ``G`` query rows), over its slots
+``kvstate.engine.batched.packed`` (the ``G`` query heads of each K/V head as ``G`` query rows), over its slots
 padded to a length ``L`` (a multiple of ``BUCKET``) with a boolean mask of the slots it sees (a sliding
 layer: its last ``window`` slots, as ``_RecordingSlidingLayer`` returns them). The entries of a batch are
 computed independently (CPU SDPA splits work by batch entry, head and query block); what differs between
 a stream alone and in a batch is ``L`` (the longest stream's bucket), so the call is used only where
 ``attention_free`` measured that padding further with masked slots changes no bit of a row, for the
 layer's dtype, heads and width and the thread count. Elsewhere each stream attends alone over views of
-its slots (the per-stream form of ``kvstate._compat.packed``, the same views a room gave). On CUDA the call
+its slots (the per-stream form of ``kvstate.engine.batched.packed``, the same views a room gave). On CUDA the call
 runs the math kernel (``pooled_sdpa``: PyTorch's own pick for a masked call can be cuDNN, whose runs differ),
 and the probe runs on that kernel there.
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .core import _RecordingSlidingLayer
+from ..._compat.core import _RecordingSlidingLayer
 
 BUCKET = 64  # a step's padded length is a multiple of this (any SIMD width of the kernels' exp loops)
 MATH_DEVICES = {"cuda"}  # device types whose pooled call runs the math kernel (``pooled_sdpa``)

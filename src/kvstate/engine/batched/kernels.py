@@ -13,7 +13,7 @@ tiles of 2 to 64 rows, the default model's widths; ``tests/test_batch.py`` keeps
 the row count fixed, a row's result depends neither on its place among the rows nor on the other
 rows. More: a kernel prepacked for ``rows`` rows and called on any 2 to 64 rows gave every row the bits
 of a whole tile (fp32 and bf16, 1-3 threads; one row differed), so the decode runs fewer rows when fewer
-streams run, after probing that per weight (``kvstate.engine.invariant.rows_free``). The bits are not
+streams run, after probing that per weight (``kvstate.engine.batched.invariant.rows_free``). The bits are not
 ``F.linear``'s, so a tile of one row (``rows=1``, ``Session``'s decode shape) never uses these kernels.
 
 The packed copy costs about the weight's size again (1.1 GB for the default model in fp32); it is

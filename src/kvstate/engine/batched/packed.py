@@ -23,7 +23,7 @@ keep the conversations apart:
   picks without a mask (``docs/batching.md``). Its bits are another kernel's, so the decode only uses
   it for tiles of more than one row (a one-row tile stays ``Session``'s decode bit for bit).
 
-With ``steps`` (decode rows whose streams hold slots of a ``kvstate._compat.pool.Pool``), ``update``
+With ``steps`` (decode rows whose streams hold slots of a ``kvstate.engine.batched.pool.Pool``), ``update``
 writes those rows' K/V into the pool in one call a layer, and, where the pool's padding probe holds for
 the layer's shapes, the attention function computes each pool's rows in one SDPA call (each row's entry
 as it is alone); otherwise each row attends over views of its slots as above.
@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedError
-from .attention import deterministic_attention
-from .core import attention_backend, attention_implementation
+from ..._compat.attention import deterministic_attention
+from ..._compat.core import attention_backend, attention_implementation
+from ...errors import UnsupportedError
 from .pool import Step, attention_free
 
 NAME = "kvstate_packed"
@@ -70,7 +70,7 @@ class PackedCache:
                  segments: Sequence[tuple[int, int]] | None = None, windows: Sequence[int | None] = (),
                  grouped: bool = False, steps: Sequence[Step] = ()) -> None:
         self.caches = list(caches)
-        self.steps = list(steps)  # decode steps over pools (kvstate._compat.pool): their rows skip ``caches``
+        self.steps = list(steps)  # decode steps over pools (kvstate.engine.batched.pool): their rows skip ``caches``
         self.owner = {row: step for step in self.steps for row in step.rows}
         self.grouped = grouped  # decode rows in reduced precision attend in the grouped form (module docstring)
         self.segments = [(i, 1) for i in range(len(self.caches))] if segments is None else list(segments)
@@ -143,7 +143,7 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     outs: dict[int, torch.Tensor] = {}  # segment -> [1, n, H, Dv]
     _LOCAL.attending = True
     try:
-        for step in steps:  # each pool's rows in one call (kvstate._compat.pool)
+        for step in steps:  # each pool's rows in one call (kvstate.engine.batched.pool)
             pooled = step.attend(layer, query, kwargs.get("scaling"))  # [m, H, Dv]
             outs.update((row, pooled[None, j:j + 1]) for j, row in enumerate(step.rows))
     finally:
@@ -180,7 +180,7 @@ def _each(module: Any, attend: Callable[..., Any], query: torch.Tensor, cache: P
 
 def _poolable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any],
               steps: Sequence[Step]) -> bool:
-    """Whether the pooled call (``kvstate._compat.pool``) computes what ``attend`` would for decode rows:
+    """Whether the pooled call (``kvstate.engine.batched.pool``) computes what ``attend`` would for decode rows:
     transformers' sdpa function (on CUDA kvstate's deterministic one, whose pooled call runs the math kernel),
     no bias, dropout or softcap, query heads a multiple of K/V heads, and the kernel measured free of the
     padding up to the pools' capacity (``attention_free``)."""

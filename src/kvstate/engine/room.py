@@ -1,5 +1,5 @@
 """Room to grow: a packed decode appends each step's slot in place (continuous batching), for a cache that
-``kvstate._compat.pool`` cannot hold (and for one-row tiles, whose decode stays ``Session``'s).
+``kvstate.engine.batched.pool`` cannot hold (and for one-row tiles, whose decode stays ``Session``'s).
 
 transformers' ``DynamicLayer.update`` concatenates, so every decode step copies each layer's whole
 K/V. Measured here for 16 streams x 18 layers of the default model (K and V, one slot each): 30 ms
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .core import _RecordingSlidingLayer
+from .._compat.core import _RecordingSlidingLayer
 
 
 class _Room:

@@ -18,11 +18,11 @@ inside the ``with`` block (nothing is patched). It costs a Python call per tenso
 every product outside attention spans all ``packed`` rows of the forward and nothing selects rows by
 value (``topk``, ``nonzero``...: expert routing). A one-tile product is passed through unchanged
 (and every tile is called with the rank of its input), so for such a model a forward of exactly
-``rows`` rows computes the same bits with the mode or without it (``kvstate.engine.decode`` then
+``rows`` rows computes the same bits with the mode or without it (``kvstate.engine.batched.decode`` then
 runs those without it).
 
 ``prepacked`` runs the plain ``nn.Linear`` modules' tiles on weights prepacked for the tile
-(``kvstate._compat.kernels``: oneDNN on the CPU, about 20% off a decode step of the default model):
+(``kvstate.engine.batched.kernels``: oneDNN on the CPU, about 20% off a decode step of the default model):
 module hooks for one forward, so a forward under the mode and one without it still make the same
 calls, and the census still counts their rows.
 """
@@ -39,16 +39,16 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .._compat.kernels import Kernel, tile_kernel
-from .._compat.packed import Unpackable, attending
-from ..errors import UnsupportedError
+from ...errors import UnsupportedError
+from .kernels import Kernel, tile_kernel
+from .packed import Unpackable, attending
 
 
 def tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
           kernel: Kernel | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed in tiles of ``rows`` rows (``x`` ``[..., K]``, zero-padded). One
     tile is the plain call; a tile of more is called with ``x``'s rank (``[1, .., 1, rows, K]``), as one
-    tile would be. With ``kernel`` (``kvstate._compat.kernels``), every tile is ``kernel`` on ``[rows, K]``."""
+    tile would be. With ``kernel`` (``kvstate.engine.batched.kernels``), every tile is ``kernel`` on ``[rows, K]``."""
     K = x.shape[-1]
     if kernel is not None:
         out = tiled_mm(x.reshape(-1, K), weight, rows, lambda tile, _: kernel(tile.contiguous(), bias))
@@ -169,7 +169,7 @@ def tiled_linear(rows: int, packed: int | None = None) -> Iterator[TiledLinear]:
 def prepacked(kernels: Mapping[torch.nn.Module, Kernel], rows: int, mode: TiledLinear | None = None,
               own_rows: Mapping[torch.nn.Module, int] | None = None) -> Iterator[None]:
     """Inside, each module of ``kernels`` (plain ``nn.Linear`` modules, each with its weight's tile kernel from
-    ``kvstate._compat.kernels``) computes its rows with that kernel, in tiles of ``rows`` rows (``own_rows``:
+    ``kvstate.engine.batched.kernels``) computes its rows with that kernel, in tiles of ``rows`` rows (``own_rows``:
     another tile for some modules, made for it), on this thread.
 
     Module hooks, registered for the ``with`` block only: the pre-hook keeps the input and hands the

@@ -2,9 +2,9 @@
 forward, with the same bits for each (continuous batching).
 
 A ``Piece`` is one conversation's chunk: its state before the chunk and the chunk's ids. ``Tiled``
-runs any number of pieces as one packed forward of batch 1 (``kvstate._compat.packed``): piece ``i``'s
+runs any number of pieces as one packed forward of batch 1 (``kvstate.engine.batched.packed``): piece ``i``'s
 rows are a segment of the packed sequence, every matrix product outside attention runs in tiles of
-``rows`` rows (on weights prepacked for the tile where oneDNN has them; ``kvstate.engine.invariant``),
+``rows`` rows (on weights prepacked for the tile where oneDNN has them; ``kvstate.engine.batched.invariant``),
 and attention runs per piece over its own K/V with a causal (and sliding-window) mask built from the
 piece alone. So a piece's K/V and logits do not depend on which pieces share its forward, and one
 piece alone is the same computation: a ``Session`` whose feeds run their chunks this way
@@ -33,18 +33,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .. import _compat
-from .._compat.attention import deterministic
-from .._compat.kernels import available
-from .._compat.packed import PackedCache, Unpackable, packed
-from ..layers import AttentionLayerState
-from ..state import State
+from ... import _compat
+from ..._compat.attention import deterministic
+from ...layers import AttentionLayerState
+from ...state import State
+from ..recorder import Forward
 from .invariant import prepacked, rows_free, tail_free, tile_kernels, tiled_linear
-from .recorder import Forward
+from .kernels import available
+from .packed import PackedCache, Unpackable, packed
 
 if TYPE_CHECKING:
-    from ..adapters.binding import Binding, Live, Runtime
-    from ..protocols import ModelInputs
+    from ...adapters.binding import Binding, Live, Runtime
+    from ...protocols import ModelInputs
 
 
 class Engine(Protocol):
