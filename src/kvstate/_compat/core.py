@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -407,6 +408,27 @@ def attention_backend(model: Any, name: str) -> Iterator[None]:
     finally:
         for c, value in zip(configs, before, strict=True):
             c._attn_implementation = value
+
+
+def attention_function(module: Any, name: str) -> Callable[..., Any]:
+    """The attention function ``module`` runs under backend ``name``: the registered one, or for ``eager`` the
+    eager attention of the module's own modeling file (softcaps, sinks and all), else Llama's."""
+    if name != "eager":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS[name]
+    found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if found is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as found
+    return found  # type: ignore[no-any-return]
+
+
+def register_attention(name: str, function: Callable[..., Any]) -> None:
+    """Register ``function`` in transformers' ``AttentionInterface`` as backend ``name`` (no mask function:
+    transformers builds no mask for it)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, function)
 
 
 def rope_inv_freq(model: Any) -> torch.Tensor:

@@ -14,13 +14,11 @@ keeps the unused room alive. Other layer kinds keep concatenating.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .._compat.core import _RecordingSlidingLayer
+from .._compat import appends
 
 
 class _Room:
@@ -50,40 +48,23 @@ def _with_room(t: torch.Tensor, extra: int) -> torch.Tensor:
     return out
 
 
-def _plain(layer: Any, room: _Room, keys: torch.Tensor, values: torch.Tensor, *args: Any,
-           **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``DynamicLayer.update`` (transformers' own class): every slot."""
-    layer.keys, layer.values = room.append(keys, values)
-    return layer.keys, layer.values
-
-
 def reserve(cache: Any, extra: int) -> None:
     """Give each filled plain or recording-sliding layer of ``cache`` (a ``DynamicCache`` kvstate built) room
     for ``extra`` more slots: its appends then write in place (the layer objects are this cache's own). A
     sliding layer keeps its own ``update`` (the visible window) and only stores into the room. Caches of other
-    classes (a family's own, RWKV's state list) keep their appends."""
-    if not isinstance(cache, DynamicCache):
-        return
-    for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, _RecordingSlidingLayer) or not layer.is_initialized \
-                or layer.keys is None or layer.keys.dim() != 4:
-            continue
-        room = layer.room = _Room(layer.keys, layer.values, extra)
-        if type(layer) is _RecordingSlidingLayer:
-            layer.store = room.append
-        else:
-            layer.update = functools.partial(_plain, layer, room)
+    classes (a family's own, RWKV's state list) keep their appends (``kvstate._compat.appends``)."""
+    for layer in appends.layers(cache):
+        if appends.movable(layer):
+            layer.room = _Room(layer.keys, layer.values, extra)
+            appends.redirect(layer, layer.room.append)
 
 
 def compact(cache: Any) -> None:
     """Copy the slots of each layer that grew into its room out of it (contiguous, as concatenation leaves them),
     so no state keeps the room alive, and end the growth; a layer that appended nothing is left as it was."""
-    if not isinstance(cache, DynamicCache):
-        return
-    for layer in cache.layers:
+    for layer in appends.layers(cache):
         room = layer.__dict__.pop("room", None)
-        layer.__dict__.pop("store", None)
-        layer.__dict__.pop("update", None)
+        appends.restore(layer)
         if room is not None and room.grown:
             layer.keys = layer.keys.clone(memory_format=torch.contiguous_format)
             layer.values = layer.values.clone(memory_format=torch.contiguous_format)

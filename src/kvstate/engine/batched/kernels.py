@@ -22,11 +22,12 @@ made on first use, kept while the weight lives, and made again if the weight cha
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 
 import torch
+
+from ..._compat.onednn import available, linear, reorder
 
 Kernel = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -44,18 +45,12 @@ def _held(weight: torch.Tensor) -> dict[int, tuple[int, torch.Tensor]]:
     return entry[1]
 
 
-@functools.cache
-def available() -> bool:
-    """Whether this torch has the oneDNN linear ops (a CPU build with mkldnn)."""
-    ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise"))
+__all__ = ["Kernel", "available", "tile_kernel"]
 
 
 def _reorder(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """``weight`` ``[N, K]`` in oneDNN's blocked layout for products of ``rows`` rows (a copy)."""
-    with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
+    """``weight`` ``[N, K]`` prepacked for products of ``rows`` rows (a copy; ``kvstate._compat.onednn``)."""
+    return reorder(weight, rows)
 
 
 def tile_kernel(weight: torch.Tensor, rows: int) -> Kernel | None:
@@ -73,6 +68,6 @@ def tile_kernel(weight: torch.Tensor, rows: int) -> Kernel | None:
     packed = entry[1]
 
     def kernel(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return linear(x, packed, bias)
 
     return kernel

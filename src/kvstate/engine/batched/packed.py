@@ -37,7 +37,6 @@ returned, as MLA does) raises ``Unpackable`` during the forward.
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -46,7 +45,7 @@ from typing import Any
 import torch
 
 from ..._compat.attention import deterministic_attention
-from ..._compat.core import attention_backend, attention_implementation
+from ..._compat.core import attention_backend, attention_function, attention_implementation, register_attention
 from ...errors import UnsupportedError
 from .pool import Step, attention_free
 
@@ -105,21 +104,7 @@ class PackedCache:
 
 @functools.cache
 def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, _packed_attention)
-
-
-def _own_attention(module: Any, name: str) -> Callable[..., Any]:
-    """The attention function ``module`` runs under backend ``name`` (its family's eager one for eager)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if name != "eager":
-        return ALL_ATTENTION_FUNCTIONS[name]
-    found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if found is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward as found
-    return found
+    register_attention(NAME, _packed_attention)
 
 
 def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -130,7 +115,7 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     if layer not in cache.seen:  # K/V that did not come through this forward's cache update (shared layers)
         raise Unpackable("an attention layer attends to K/V its cache update did not return", found=layer,
                          fix="decode one conversation per forward")
-    attend = _own_attention(module, _LOCAL.backend)
+    attend = attention_function(module, _LOCAL.backend)
     group = cache.grouped and _groupable(attend, query, key, kwargs)
     steps = cache.steps if cache.grouped and cache.steps and _poolable(attend, query, key, kwargs, cache.steps) \
         else []

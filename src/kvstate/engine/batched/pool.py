@@ -9,7 +9,7 @@ default model in bf16, 1.1 -> 0.4 ms of attention a layer.
 Each stream's attention there is its own entry of a batched SDPA call: the grouped decode form of
 ``kvstate.engine.batched.packed`` (the ``G`` query heads of each K/V head as ``G`` query rows), over its slots
 padded to a length ``L`` (a multiple of ``BUCKET``) with a boolean mask of the slots it sees (a sliding
-layer: its last ``window`` slots, as ``_RecordingSlidingLayer`` returns them). The entries of a batch are
+layer: its last ``window`` slots, as a recording sliding layer returns them). The entries of a batch are
 computed independently (CPU SDPA splits work by batch entry, head and query block); what differs between
 a stream alone and in a batch is ``L`` (the longest stream's bucket), so the call is used only where
 ``attention_free`` measured that padding further with masked slots changes no bit of a row, for the
@@ -31,9 +31,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
-from ..._compat.core import _RecordingSlidingLayer
+from ..._compat import appends
 
 BUCKET = 64  # a step's padded length is a multiple of this (any SIMD width of the kernels' exp loops)
 MATH_DEVICES = {"cuda"}  # device types whose pooled call runs the math kernel (``pooled_sdpa``)
@@ -60,10 +59,8 @@ class Pool:
     @staticmethod
     def poolable(cache: Any) -> bool:
         """Whether every layer of ``cache`` is a filled plain or recording-sliding layer of one sequence."""
-        return bool(cache.layers) and all(
-            type(layer) in (DynamicLayer, _RecordingSlidingLayer) and layer.is_initialized
-            and layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[0] == 1
-            for layer in cache.layers)
+        layers = appends.layers(cache)
+        return bool(layers) and all(appends.movable(layer) and layer.keys.shape[0] == 1 for layer in layers)
 
     def join(self, cache: Any, room: int) -> int:
         """Copy a ``poolable`` cache's slots into a free slot with room for ``room`` more tokens; its slot."""
@@ -71,8 +68,7 @@ class Pool:
         lengths = [int(layer.keys.shape[-2]) for layer in layers]
         slot = next(s for s in range(len(self.lengths) + 1) if s not in self.lengths)
         if not self.keys:
-            self.windows = [getattr(layer, "sliding_window", None) if type(layer) is _RecordingSlidingLayer else None
-                            for layer in layers]
+            self.windows = [appends.window(layer) for layer in layers]
         self._grow(layers, *self._size(slot + 1, max(lengths) + room))
         for i, layer in enumerate(layers):
             self.keys[i][slot, :, :lengths[i]] = layer.keys[0]
@@ -84,10 +80,9 @@ class Pool:
         """Write the slot's K/V back into ``cache`` (the one it joined with) and free the slot."""
         lengths, added = self.lengths[slot], self.added[slot]
         for i, layer in enumerate(cache.layers):
-            layer.keys = self.keys[i][slot, None, :, :lengths[i]].clone(memory_format=torch.contiguous_format)
-            layer.values = self.values[i][slot, None, :, :lengths[i]].clone(memory_format=torch.contiguous_format)
-            if type(layer) is _RecordingSlidingLayer:
-                layer.cumulative_length += added
+            keys = self.keys[i][slot, None, :, :lengths[i]].clone(memory_format=torch.contiguous_format)
+            values = self.values[i][slot, None, :, :lengths[i]].clone(memory_format=torch.contiguous_format)
+            appends.put_back(layer, keys, values, added)
         self.release(slot)
 
     def release(self, slot: int) -> None:
@@ -208,7 +203,7 @@ class Step:
 
 def visible(ends: Sequence[int], L: int, window: int | None, device: torch.device | str) -> torch.Tensor:
     """The mask ``[B, 1, 1, L]`` of the slots each of ``B`` rows sees, its slots ending at ``ends[b]``: all before
-    that end, or with a sliding ``window`` the last ``window`` of them (as ``_RecordingSlidingLayer`` returns)."""
+    that end, or with a sliding ``window`` the last ``window`` of them (as a recording sliding layer returns)."""
     end = torch.tensor(list(ends), device=device)[:, None]
     slot = torch.arange(L, device=device)[None]
     seen = slot < end
