@@ -338,7 +338,7 @@ def test_decode_rows_attend_grouped_in_bf16_tiles_which_is_transformers_sdpa_hea
     torch.testing.assert_close(grouped, own, rtol=1e-13, atol=1e-13)
     calls, real = [], packed_module._grouped
     monkeypatch.setattr(packed_module, "_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(packed_module, "_poolable", lambda *a: False)  # the per-stream form
+    monkeypatch.setattr(packed_module, "_pool_free", lambda *a: False)  # the per-stream form
     for dtype, rows, used in [(torch.bfloat16, ROWS, True), (torch.bfloat16, 1, False), (torch.float32, ROWS, False)]:
         calls.clear()
         generate_many(model_in("llama", dtype), [BatchRequest(prompt(9)[0], max_new_tokens=3)], rows=rows)

@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 
+import kvstate._compat.attention as kernel_rule
 import kvstate.engine.batched.pool as pool_module
 from kvstate import Session
 from kvstate.batch import BatchRequest, Done, Sampling, Scheduler, generate_many
@@ -214,11 +215,11 @@ def test_static_shapes_attend_over_the_whole_capacity_with_the_bits_of_the_bucke
     seen: dict[bool, list[tuple]] = {True: [], False: []}
     real = pool_module.Step.attend
 
-    def watched(self, layer, query, scaling):
+    def watched(self, layer, query, scaling, path=None):
         _, mask, L = self._group(layer)
         seen[self.pool.fixed].append((self.pool.keys[layer].data_ptr(), tuple(self.pool.keys[layer].shape),
                                       tuple(mask.shape), L))
-        return real(self, layer, query, scaling)
+        return real(self, layer, query, scaling, path)
 
     monkeypatch.setattr(pool_module.Step, "attend", watched)
     model = model_in(arch, dtype)
@@ -243,15 +244,17 @@ def test_the_math_kernel_of_the_pooled_call_is_sdpa_to_rounding():
     mask[0, ..., 0] = True
     want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=0.3)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pool_module, "MATH_DEVICES", {"cpu"})
-        got = pool_module.pooled_sdpa(q, keys, values, mask, 0.3)
+        patch.setattr(kernel_rule, "MATH_DEVICES", {"cpu"})
+        path = kernel_rule.choose("cpu", q.dtype, 8, "none", groups=2, decode="pooled", free=lambda _: True)
+        got = pool_module.pooled_sdpa(q, keys, values, mask, 0.3, path)
+    assert path == kernel_rule.Path("math", "dense", "pooled")
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_with_the_math_kernel_the_pooled_call_keeps_batched_equal_alone(monkeypatch, dtype):
     # CUDA's pooled path run on the CPU: the padding probe is run on the math kernel, and the answers stay alone's
-    monkeypatch.setattr(pool_module, "MATH_DEVICES", {"cpu"})
+    monkeypatch.setattr(kernel_rule, "MATH_DEVICES", {"cpu"})
     monkeypatch.setattr(pool_module, "_FREE", {})
     calls, real = [], pool_module.pooled_sdpa
     monkeypatch.setattr(pool_module, "pooled_sdpa", lambda *a: calls.append(1) or real(*a))

@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from ..._compat.attention import deterministic_attention
+from ..._compat import attention
+from ..._compat.attention import Path
 from ..._compat.core import attention_backend, attention_function, attention_implementation, register_attention
 from ...errors import UnsupportedError
 from .pool import Step, attention_free
@@ -116,9 +117,9 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         raise Unpackable("an attention layer attends to K/V its cache update did not return", found=layer,
                          fix="decode one conversation per forward")
     attend = attention_function(module, _LOCAL.backend)
-    group = cache.grouped and _groupable(attend, query, key, kwargs)
-    steps = cache.steps if cache.grouped and cache.steps and _poolable(attend, query, key, kwargs, cache.steps) \
-        else []
+    pooled_path = _path(query, key, kwargs, "pooled", cache.steps) if cache.grouped and cache.steps else None
+    steps = cache.steps if pooled_path is not None and pooled_path.form == "pooled" else []
+    group = cache.grouped and _path(query, key, kwargs, "row").form == "grouped"
     one = len(steps) == 1 and len(steps[0].rows) == len(cache.segments)  # every row in one pooled call
     pairs = cache.pairs(layer) if cache.verify or not one else None
     if cache.verify:  # before any attention: a model attending with other K/V than its cache's is refused
@@ -129,7 +130,7 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     _LOCAL.attending = True
     try:
         for step in steps:  # each pool's rows in one call (kvstate.engine.batched.pool)
-            pooled = step.attend(layer, query, kwargs.get("scaling"))  # [m, H, Dv]
+            pooled = step.attend(layer, query, kwargs.get("scaling"), pooled_path)  # [m, H, Dv]
             outs.update((row, pooled[None, j:j + 1]) for j, row in enumerate(step.rows))
     finally:
         _LOCAL.attending = False
@@ -163,32 +164,24 @@ def _each(module: Any, attend: Callable[..., Any], query: torch.Tensor, cache: P
     return [outs[i] for i in range(len(pairs))]
 
 
-def _poolable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any],
-              steps: Sequence[Step]) -> bool:
-    """Whether the pooled call (``kvstate.engine.batched.pool``) computes what ``attend`` would for decode rows:
-    transformers' sdpa function (on CUDA kvstate's deterministic one, whose pooled call runs the math kernel),
-    no bias, dropout or softcap, query heads a multiple of K/V heads, and the kernel measured free of the
-    padding up to the pools' capacity (``attention_free``)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _path(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any], decode: str,
+          steps: Sequence[Step] = ()) -> Path:
+    """``kvstate._compat.attention.choose`` for this layer's decode rows (``decode``: ``pooled`` for the rows of
+    ``steps``' pools, whose padding probe ``_pool_free`` measures; ``row`` for one row with its own cache)."""
     heads, kv_heads = query.shape[1], key.shape[1]
-    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not kwargs.get("dropout")
-    return (attend in (sdpa_attention_forward, deterministic_attention) and plain
-            and not kwargs.get("output_attentions")
-            and heads % kv_heads == 0 and query.shape[3] == key.shape[3]
-            and attention_free(query.dtype, kv_heads, heads // kv_heads, query.shape[3], query.device,
-                               max(step.pool.keys[0].shape[2] for step in steps)))
+    groups = heads // kv_heads if heads % kv_heads == 0 and query.shape[3] == key.shape[3] else 0
+    extras = bool(kwargs.get("dropout")) or bool(kwargs.get("output_attentions")) or \
+        any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks"))
+    return attention.choose(query.device.type, query.dtype, query.shape[3], "none", extras, backend=_LOCAL.backend,
+                            groups=groups, decode=decode,
+                            free=lambda candidate: _pool_free(candidate, query, kv_heads, groups, steps))
 
 
-def _groupable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> bool:
-    """Whether the grouped form computes what ``attend`` would for a decode row: transformers' sdpa
-    function in reduced precision, query heads sharing K/V heads, no bias, no dropout, no softcap."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    heads, kv_heads = query.shape[1], key.shape[1]
-    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not kwargs.get("dropout")
-    return (attend is sdpa_attention_forward and query.dtype in (torch.bfloat16, torch.float16) and plain
-            and heads > kv_heads and heads % kv_heads == 0 and not kwargs.get("output_attentions"))
+def _pool_free(path: Path, query: torch.Tensor, kv_heads: int, groups: int, steps: Sequence[Step]) -> bool:
+    """The pools' padding probe (``kvstate.engine.batched.pool.attention_free``) for the pooled ``path``, up to
+    their largest capacity."""
+    return attention_free(query.dtype, kv_heads, groups, query.shape[3], query.device,
+                          max(step.pool.keys[0].shape[2] for step in steps), path)
 
 
 def _grouped(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from ..._compat import appends
+from ..._compat.attention import Path, choose
 
 BUCKET = 64  # a step's padded length is a multiple of this (any SIMD width of the kernels' exp loops)
-MATH_DEVICES = {"cuda"}  # device types whose pooled call runs the math kernel (``pooled_sdpa``)
 _FREE: dict[tuple[Any, ...], bool] = {}  # attention_free's verdicts by dtype, heads, width, device and threads
 
 
@@ -156,9 +156,10 @@ class Step:
         start = 0 if window is None else max(0, n - window)
         return (pool.keys[layer][slot, None, :, start:n], pool.values[layer][slot, None, :, start:n])
 
-    def attend(self, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """The grouped decode attention of the pooled rows in one call: ``query`` ``[1, H, P, D]`` -> ``[m, H, Dv]``
-        (row ``rows[j]`` at ``j``)."""
+    def attend(self, layer: int, query: torch.Tensor, scaling: float | None, path: Path | None = None) -> torch.Tensor:
+        """The grouped decode attention of the pooled rows in one call on the pooled ``path`` (``kvstate._compat.
+        attention.choose``; None: the device's): ``query`` ``[1, H, P, D]`` -> ``[m, H, Dv]`` (row ``rows[j]`` at
+        ``j``)."""
         _, mask, L = self._group(layer)
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[3]
@@ -166,7 +167,9 @@ class Step:
         if not self.identity:
             rows = rows.new_zeros(self.span, heads, dim).index_copy_(0, self.index, rows)
         q = rows.view(-1, kv_heads, heads // kv_heads, dim)
-        out = pooled_sdpa(q, keys[:self.span, :, :L], values[:self.span, :, :L], mask, scaling)  # [span, Hkv, G, Dv]
+        path = path or _pooled(query.device, query.dtype, dim, heads // kv_heads)
+        out = pooled_sdpa(q, keys[:self.span, :, :L], values[:self.span, :, :L], mask, scaling, path)
+        # out: [span, Hkv, G, Dv]
         out = out.reshape(self.span, heads, out.shape[-1])
         return out if self.identity else out.index_select(0, self.index)
 
@@ -213,31 +216,39 @@ def visible(ends: Sequence[int], L: int, window: int | None, device: torch.devic
 
 
 def pooled_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                scale: float | None) -> torch.Tensor:
-    """The pooled call's kernel, ``[S, Hkv, G, D]`` over ``[S, Hkv, L, D]`` with a boolean ``mask`` ``[S, 1, 1, L]``:
-    SDPA on the CPU; on a device in ``MATH_DEVICES`` (CUDA) the math kernel with the mask made additive, since there
-    PyTorch's own pick for a masked call can be cuDNN, whose runs differ (``kvstate._compat.attention``)."""
-    if q.device.type not in MATH_DEVICES:
+                scale: float | None, path: Path) -> torch.Tensor:
+    """The pooled call, ``[S, Hkv, G, D]`` over ``[S, Hkv, L, D]`` with a boolean ``mask`` ``[S, 1, 1, L]``, on the
+    pooled ``path`` ``kvstate._compat.attention.choose`` gave: PyTorch's SDPA with the boolean mask (the CPU), or
+    aten's math kernel with the mask made additive (CUDA, where PyTorch's own pick can be cuDNN)."""
+    if path.kernel != "math":
         return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
     return torch.ops.aten._scaled_dot_product_attention_math(q, keys, values, additive, scale=scale)[0]
 
 
 def attention_free(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device,
-                   widest: int = 0) -> bool:
+                   widest: int = 0, path: Path | None = None) -> bool:
     """Whether the grouped SDPA call of one row over its slots, padded to a multiple of ``BUCKET`` and masked,
     gives the row the same bits whatever further masked padding (up to ``widest`` slots, a pool's capacity)
     and other rows share the call: probed once per dtype, heads, width, device, thread count and power of two
     of ``widest`` past 1,600, on seeded random values (lengths across the kernels' vector and block widths,
     windows, batches of 1 and 3). Measured on this project's CPU (``docs/batching.md``)."""
+    path = path or _pooled(device, dtype, dim, groups)
     cap = 1600 if widest <= 1600 else 1 << (widest - 1).bit_length()  # room for every padded length probed
-    key = (dtype, kv_heads, groups, dim, str(device), torch.get_num_threads(), cap)
+    key = (dtype, kv_heads, groups, dim, str(device), torch.get_num_threads(), path, cap)
     if key not in _FREE:
-        _FREE[key] = _probe(dtype, kv_heads, groups, dim, device, cap)
+        _FREE[key] = _probe(dtype, kv_heads, groups, dim, device, cap, path)
     return _FREE[key]
 
 
-def _probe(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device, cap: int) -> bool:
+def _pooled(device: torch.device, dtype: torch.dtype, dim: int, groups: int) -> Path:
+    """The pooled path ``kvstate._compat.attention.choose`` gives where the probe holds."""
+    return choose(device.type, dtype, dim, "none", groups=groups, decode="pooled", free=lambda _: True)
+
+
+def _probe(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device, cap: int,
+           path: Path | None = None) -> bool:
+    path = path or _pooled(device, dtype, dim, groups)
     generator = torch.Generator().manual_seed(25)
     keys, values = (torch.randn(3, kv_heads, cap, dim, generator=generator).to(dtype=dtype, device=device)
                     for _ in range(2))
@@ -247,11 +258,12 @@ def _probe(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: tor
         for n, window in ((1, None), (15, None), (63, None), (64, None), (65, 16), (200, None), (511, None),
                           (512, 100), (513, None), (700, None), (1000, 300)):
             L = BUCKET * -(-n // BUCKET)
-            alone = pooled_sdpa(q[:1], keys[:1, :, :L], values[:1, :, :L], visible([n], L, window, device), 0.125)
+            alone = pooled_sdpa(q[:1], keys[:1, :, :L], values[:1, :, :L], visible([n], L, window, device), 0.125,
+                                path)
             for wide in (L + BUCKET, BUCKET * -(-(n + 512) // BUCKET), cap):
                 ends = [n, max(1, wide - 5), max(1, n // 2)]
                 mask = visible(ends, wide, window, device)
-                batch = pooled_sdpa(q, keys[:, :, :wide], values[:, :, :wide], mask, 0.125)
+                batch = pooled_sdpa(q, keys[:, :, :wide], values[:, :, :wide], mask, 0.125, path)
                 if not torch.equal(batch[:1], alone):
                     return False
     return True
