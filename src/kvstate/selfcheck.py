@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import _compat, verdict_cache
+from . import verdict_cache
+from ._compat.core import observe_layout
 from ._compat.scan import mixers
 from .adapters import Adapter
 from .adapters.base import registered
@@ -86,13 +87,13 @@ def adapter_for(model: torch.nn.Module) -> Adapter:
 
 def structural_adapter(model: torch.nn.Module) -> StructuralAdapter:
     """The structural adapter before the self-check: capabilities from the signature and config, the
-    cache layout from one short forward (``_compat.observe_layout``)."""
+    cache layout from one short forward (``_compat.core.observe_layout``)."""
     try:
         caps = structural_caps(model)
     except UnsupportedError as exc:
         raise UnsupportedModelError(str(exc).split("; ")[0], found=exc.found, fix=exc.fix) from exc
     try:
-        specs = _compat.observe_layout(model, _random_ids(model, 4))
+        specs = observe_layout(model, _random_ids(model, 4))
     except UnsupportedError as exc:
         raise UnsupportedModelError(str(exc).split("; ")[0], found=exc.found, fix=exc.fix) from exc
     except Exception as exc:  # the model cannot run on a plain transformers cache

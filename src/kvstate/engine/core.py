@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import _compat
 from .._compat import attention
+from .._compat.core import CACHE_KWARG
+from .._compat.generation import replaced_prefill, without_logits
 from .._compat.watch import watching
 from ..adapters.binding import Binding, Live
 from ..errors import KVStateError, UnsupportedError
@@ -143,7 +144,7 @@ class Engine:
                 return self.runtime.lm_output(prefilled.last_logits[:, None, :], live.cache)  # type: ignore[index]
 
             hooks.enter_context(attention.deterministic(self.model))  # every decode step too
-            with _compat.replaced_prefill(self.model, prefill):
+            with replaced_prefill(self.model, prefill):
                 output = self.model.generate(**call, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
             new = sequences[:, history.shape[1]:]
@@ -153,7 +154,7 @@ class Engine:
             self.runtime.restore(state.extras)
         if not isinstance(output, torch.Tensor):
             output.sequences = new
-            setattr(output, _compat.CACHE_KWARG, None)  # the state is the cache; never hand out its tensors
+            setattr(output, CACHE_KWARG, None)  # the state is the cache; never hand out its tensors
         return state, prefilled, new, output
 
     def refeed(self, state: State, ids: torch.Tensor, start: int, end: int, settings: FeedSettings) -> State:
@@ -276,7 +277,7 @@ class Engine:
                 kwargs["position_ids"] = self.runtime.model_positions(positions)
             recorder = Recorder(self.runtime, state.next_position)
             begin = time.perf_counter()
-            head = nullcontext() if logits else _compat.without_logits(self.model)
+            head = nullcontext() if logits else without_logits(self.model)
             with recorder.attached(self.model), self._masks(state.layers, recorder), self.runtime.forward_context(), \
                     attention.deterministic(self.model), head:
                 self.model(**kwargs)

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ... import _compat
 from ..._compat.attention import deterministic
+from ..._compat.generation import without_logits
 from ...layers import AttentionLayerState
 from ...state import State
 from ..recorder import Forward
@@ -179,7 +179,7 @@ class Tiled:
             heads = self._padded(len(keep), self.head_rows, self.head_spare) if keep else 0
             if keep:  # the head's rows in whole tiles of its own, the real ones never last (see ``spare``)
                 call["logits_to_keep"] = torch.tensor(keep + [P - 1] * (heads - len(keep)), device=device)
-            head = nullcontext() if keep else _compat.without_logits(engine.model)
+            head = nullcontext() if keep else without_logits(engine.model)
             tiles = tiled_linear(self.rows, P) if self.invariant and not self.plain else nullcontext()
             rows, own = self._calls(kernels, P, heads)
             with engine.lock, torch.no_grad(), deterministic(engine.model), packed(engine.model, cache), \
