@@ -281,7 +281,7 @@ def test_batch_prepack_chooses_the_tiles_kernels_and_either_answers_as_plain_gen
     for prepack, rows in ((True, 32), (False, 32), (True, 0)):  # 0: each prompt in plain forwards of its own
         server = make_server(model, tokenizer, max_batch=4, batch_prepack=prepack, batch_prefill_rows=rows)
         assert bool(server.runner.scheduler._packed.linears) is (prepack and available())
-        assert server.runner.scheduler.prefill_rows == server.runner.kernels["prefill_rows"] == rows
+        assert server.runner.scheduler.settings.prefill_rows == server.runner.kernels["prefill_rows"] == rows
         with live(server) as url:
             together: list = [None] * 4
             threads = [threading.Thread(target=lambda i=i, out=together: out.__setitem__(i, ask(client(url), 2 * i,

@@ -41,8 +41,9 @@ from .adapters import Adapter
 from .adapters.base import registered
 from .adapters.binding import Binding, bound
 from .adapters.structural import StructuralAdapter, structural_caps
-from .engine import Engine, FeedSettings
+from .engine import Engine
 from .errors import UnsupportedError, UnsupportedModelError
+from .settings import Settings
 from .state import State
 
 PROBE_VERSION = 4  # bump when the probe changes, so cached verdicts are redone
@@ -50,7 +51,7 @@ PROBE_VERSION = 4  # bump when the probe changes, so cached verdicts are redone
 _WINDOW_FIELDS = ("sliding_window", "attention_window_size", "keep_window_size", "index_topk", "window_size",
                   "local_window_size", "attention_chunk_size")
 _MODES = ("exact", "exact-scan", "stepwise", "refused")
-_SETTINGS = FeedSettings(chunk_size=64, checkpoint_every=None, max_checkpoints=4)
+_SETTINGS = Settings(chunk_size=64, canonical_chunk=0, max_checkpoints=4)
 
 
 @dataclass(frozen=True)

@@ -38,15 +38,16 @@ from typing import Any
 import torch
 
 from ..adapters.fingerprinting import unchanged
-from ..engine import Engine, FeedSettings
+from ..engine import Engine
 from ..engine.batched.decode import Packed, Single, Stream, Unpackable, packable
 from ..errors import InputError
 from ..options import end_ids
 from ..protocols import PrefixCache
-from ..request import check_marks
+from ..request import check_given, check_marks
 from ..schedule import default_chunk
+from ..settings import Batching, Settings
 from ..state import State
-from .events import MAX_TOP_LOGPROBS, BatchRequest, Completion, Done, Event, Failed, Token, int_in
+from .events import MAX_TOP_LOGPROBS, BatchRequest, Completion, Done, Event, Failed, Token
 from .prefixes import RecentPrompts
 from .sampling import Choice, Sampler, rows_logprobs
 
@@ -105,30 +106,23 @@ class Scheduler:
                  share_prefixes: bool = True,
                  canonical_chunk: int | None = None, chunk_size: int = 512, canonical_marks: Sequence[int] = (),
                  sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None,
-                 static_shapes: bool = False) -> None:
+                 static_shapes: bool = False, settings: Settings | None = None) -> None:
         from ..adapters.fingerprinting import fingerprint as digest
         from ..selfcheck import bind
 
-        budget = 1 if prefill_tokens is None else prefill_tokens
-        for name, value, low in (("max_batch", max_batch, 1), ("rows", rows, 1), ("prefill_tokens", budget, 1),
-                                 ("prefill_rows", prefill_rows, 0)):
-            if not int_in(value, low, None):
-                raise InputError(f"Scheduler {name} must be an int >= {low}", expected=f">= {low}",
-                                 found=repr(value), fix=f"pass {name}=8, say")
-        self.model, self.max_batch, self.prefill_tokens = model, max_batch, prefill_tokens
-        self.canonical_marks = check_marks(canonical_marks)
-        device = next(model.parameters()).device.type
-        chunk = canonical_chunk
-        self.canonical_chunk = default_chunk(self.canonical_marks, device) if chunk is None else chunk
-        self.chunk_size = chunk_size
-        self.sources = (*sources, *((RecentPrompts(max_batch),) if share_prefixes else ()))
+        keywords = dict(max_batch=max_batch, rows=rows, invariant=invariant, prepack=prepack,
+                        prefill_rows=prefill_rows, prefill_tokens=prefill_tokens, share_prefixes=share_prefixes,
+                        canonical_chunk=canonical_chunk, chunk_size=chunk_size, canonical_marks=canonical_marks,
+                        static_shapes=static_shapes)
+        self.settings = _settings(model, keywords) if settings is None else \
+            check_given(settings, Settings, keywords, _KEYWORDS)
+        self.model, batching = model, self.settings.batching
+        self.sources = (*sources, *((RecentPrompts(batching.max_batch),) if batching.share_prefixes else ()))
         self.fingerprint = fingerprint or digest(model, tokenizer)
         self.engine = Engine(bind(model))
-        self._packed = Packed(self.engine, rows, invariant, prepack, fixed=static_shapes)
-        self.prefill_rows, self._kernels = prefill_rows, (prepack, invariant)
-        self._single = Single(self.engine, FeedSettings(chunk_size, canonical=self.canonical_chunk,
-                                                        marks=self.canonical_marks, tile=prefill_rows,
-                                                        prepack=prepack, invariant=invariant))
+        s = self.settings
+        self._packed = Packed(self.engine, batching.rows, s.invariant, s.prepack, fixed=batching.static_shapes)
+        self._single = Single(self.engine, s)
         self._handles = itertools.count()
         self._waiting: deque[_Job] = deque()
         self._feeding: deque[_Job] = deque()  # admitted; their histories are fed in pieces (FIFO)
@@ -140,6 +134,11 @@ class Scheduler:
     def busy(self) -> bool:
         """Requests wait or run."""
         return bool(self._waiting or self._feeding or self._running)
+
+    @property
+    def canonical_chunk(self) -> int:
+        """``C`` of the scheduler's schedule (0: off), as ``Session.canonical_chunk``."""
+        return self.settings.canonical_chunk
 
     @property
     def running(self) -> int:
@@ -215,7 +214,7 @@ class Scheduler:
         # being fed, the oldest one piece at least (none starves): a step feeds the budget plus one chunk.
         # Text prompts and pieces are fed together after admission (``_prefill``: packed where tiled)
         spent, started, work = 0, set(), []  # prompt tokens fed; histories whose first piece it fed; (job, end)
-        while self._waiting and len(self._running) + len(self._feeding) + len(work) < self.max_batch \
+        while self._waiting and len(self._running) + len(self._feeding) + len(work) < self.settings.batching.max_batch \
                 and self._room(spent):
             job = self._waiting[0]
             try:
@@ -259,19 +258,19 @@ class Scheduler:
     # ----- internals -----------------------------------------------------------------------------
     def _room(self, spent: int) -> bool:
         """Whether this step may feed more prompt tokens after ``spent``."""
-        return self.prefill_tokens is None or spent == 0 or spent < self.prefill_tokens
+        budget = self.settings.batching.prefill_tokens
+        return budget is None or spent == 0 or spent < budget
 
     def _marks(self, request: BatchRequest) -> tuple[int, ...]:
         """The canonical marks ``request``'s history is fed with: its own, or the scheduler's."""
-        return self.canonical_marks if request.marks is None else request.marks
+        return self.settings.canonical_marks if request.marks is None else request.marks
 
     def _session(self, request: BatchRequest) -> Any:
         from ..session import Session
 
+        settings = replace(self.settings, canonical_marks=self._marks(request))
         return Session(self.model, state=request.state, sources=(*request.sources, *self.sources),
-                       chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
-                       canonical_marks=self._marks(request), prefill_rows=self.prefill_rows,
-                       prepack=self._kernels[0], invariant=self._kernels[1], fingerprint=self.fingerprint)
+                       fingerprint=self.fingerprint, settings=settings)
 
     def _pieces(self, job: _Job, spent: int) -> bool:
         """Whether ``job``'s history is fed in pieces: text longer than this step may feed. Its session then
@@ -279,7 +278,7 @@ class Scheduler:
         the engine would feed the rest with: none where that feed does not follow the canonical schedule (a
         compressed state, one-token-per-forward families...), whose chunks pieces would change, so the rest
         then runs at once (``job.end`` None)."""
-        request, budget = job.request, self.prefill_tokens
+        request, budget = job.request, self.settings.batching.prefill_tokens
         ids = torch.as_tensor(request.ids, dtype=torch.long).reshape(1, -1)
         if budget is None or ids.shape[1] <= budget - spent or request.inputs:
             return False
@@ -314,7 +313,7 @@ class Scheduler:
         ids = torch.as_tensor(job.request.ids, dtype=torch.long).reshape(1, -1)
         job.session, job.ids = self._session(job.request), ids.to(next(self.model.parameters()).device)
         job.reused = T = job.session.take_prefix(job.ids)
-        settings = replace(self._single.settings, marks=self._marks(job.request))
+        settings = replace(self.settings, canonical_marks=self._marks(job.request))
         cuts = self.engine.canonical_cuts(job.session.state, job.ids[:, T:], settings)
         job.end = None if cuts is None else ids.shape[1]
         return cuts
@@ -325,7 +324,7 @@ class Scheduler:
         session, ids = job.session, job.ids
         assert session is not None and ids is not None
         T, L = session.state.tokens_seen, ids.shape[1]
-        left = (self.prefill_tokens or L) - spent
+        left = (self.settings.batching.prefill_tokens or L) - spent
         end: int | None = job.end
         if job.cuts and left < L - T:
             end = job.cuts.popleft()
@@ -440,6 +439,22 @@ class Scheduler:
         self._cancelled.clear()
         self._stopping.clear()
 
+
+# The Scheduler's setting keywords and their defaults: a caller passing ``settings=`` leaves these as they are
+_KEYWORDS = dict(max_batch=16, rows=16, invariant=True, prepack=True, prefill_rows=32, prefill_tokens=None,
+                 share_prefixes=True, canonical_chunk=None, chunk_size=512, canonical_marks=(), static_shapes=False)
+
+
+def _settings(model: torch.nn.Module, keywords: dict[str, Any]) -> Settings:
+    """The ``Settings`` of ``Scheduler``'s keywords (``canonical_chunk`` None: the device's default)."""
+    k = keywords
+    batching = Batching(k["max_batch"], k["rows"], k["prefill_tokens"], k["share_prefixes"], k["static_shapes"])
+    marks = check_marks(k["canonical_marks"])
+    chunk = k["canonical_chunk"]
+    if chunk is None:
+        chunk = default_chunk(marks, next(model.parameters()).device.type)
+    return Settings(k["chunk_size"], chunk, marks, prefill_rows=k["prefill_rows"], prepack=k["prepack"],
+                    invariant=k["invariant"], batching=batching)
 
 def generate_many(model: torch.nn.Module, requests: Sequence[BatchRequest], **settings: Any) -> list[Completion]:
     """Answer every request, batched (``Scheduler(model, **settings)``); completions in request order."""

@@ -135,7 +135,7 @@ class BatchRunner(Runner):
             return
         for _ in range(GATHER_CAP):
             with self._lock:  # nothing arrived (the loop is about to end): nothing to gather for
-                if not self._inbox or len(self._inbox) >= self.scheduler.max_batch or self._closing:
+                if not self._inbox or len(self._inbox) >= self.scheduler.settings.batching.max_batch or self._closing:
                     return
                 self._arrived.clear()  # a submit after this sets it again
             if not self._arrived.wait(self.gather):

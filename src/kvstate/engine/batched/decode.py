@@ -50,11 +50,11 @@ from ..._compat.attention import deterministic
 from ...adapters.binding import Live
 from ...errors import UnsupportedError
 from ...layers import AttentionLayerState
+from ...settings import Settings
 from ...state import State, next_position_after
 from ..core import Engine
 from ..recorder import Forward
 from ..room import compact, reserve
-from ..values import FeedSettings
 from .invariant import prepacked, row_grain, rows_free, tail_free, tile_kernels, tiled_linear
 from .kernels import Kernel, available
 from .packed import PackedCache, Unpackable, packed
@@ -244,7 +244,7 @@ class Packed:
 class Single:
     """Decode steps one stream per forward, through ``Engine.feed`` (see the module docstring)."""
 
-    def __init__(self, engine: Engine, settings: FeedSettings) -> None:
+    def __init__(self, engine: Engine, settings: Settings) -> None:
         self.engine, self.settings = engine, settings
 
     def step(self, streams: list[Stream], tokens: list[int]) -> torch.Tensor:

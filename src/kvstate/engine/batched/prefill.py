@@ -8,7 +8,7 @@ rows are a segment of the packed sequence, every matrix product outside attentio
 and attention runs per piece over its own K/V with a causal (and sliding-window) mask built from the
 piece alone. So a piece's K/V and logits do not depend on which pieces share its forward, and one
 piece alone is the same computation: a ``Session`` whose feeds run their chunks this way
-(``FeedSettings.tile``) computes the bits a ``Scheduler`` computes for the same history packed with
+(``Settings.prefill_rows``) computes the bits a ``Scheduler`` computes for the same history packed with
 others. The output head runs on the pieces' last rows only (``logits_to_keep`` as indices), in tiles.
 
 Pieces must be attention-only, uncompressed, of batch 1 with no padding, with explicit position ids and
@@ -71,15 +71,9 @@ HEAD_ROWS = 16
 
 def kernels_label(device: str, rows: int) -> str:
     """The name of the kernels a feed's chunks ran on, as states record it (``State.canonical_device``):
-    the device type, plus the prefill tile where chunks ran in tiles of ``rows`` rows."""
+    the device type, plus the prefill tile where chunks ran in tiles of ``rows`` rows (read back by
+    ``kvstate.settings.tile_of``)."""
     return f"{device}+tile{rows}" if rows else device
-
-
-def tile_of(label: str) -> int:
-    """The prefill tile a kernels label names (``kernels_label``); 0 for plain forwards."""
-    _, _, tail = label.partition("+tile")
-    digits = tail.split("/")[0]
-    return int(digits) if digits.isdigit() else 0
 
 
 @dataclass(frozen=True)
