@@ -14,7 +14,7 @@ import torch
 import kvstate._compat.attention as kernel_rule
 import kvstate.engine.batched.pool as pool_module
 from kvstate import Session
-from kvstate.batch import BatchRequest, Done, Sampling, Scheduler, generate_many
+from kvstate.batch import BatchRequest, Done, Sampling, Scheduler, batch_settings, generate_many
 from kvstate.engine.batched.pool import BUCKET, Pool, attention_free
 from tiny import prompt, tiny_model
 
@@ -43,7 +43,7 @@ def alone(model: torch.nn.Module, batch: list[BatchRequest]) -> list[tuple]:
 def test_a_packed_step_appends_in_place_and_the_finished_state_owns_its_slots():
     # a concatenating cache copies every layer's K/V at every step (O(history) per token and stream)
     model = model_in("gemma3_text", torch.float32)  # sliding and full layers
-    scheduler = Scheduler(model, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS))
     request = BatchRequest(prompt(40)[0], max_new_tokens=6, stop_ids=())
     handle = scheduler.submit(request)
     scheduler.step()
@@ -144,7 +144,7 @@ def test_a_long_stream_decodes_in_a_pool_of_its_own_with_the_answer_it_has_alone
     model = model_in("gemma3_text", torch.bfloat16)
     batch = requests(4)
     batch.insert(2, BatchRequest(prompt(600, seed=9)[0], max_new_tokens=4))
-    scheduler = Scheduler(model, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS))
     handles = [scheduler.submit(r) for r in batch]
     while scheduler.running < len(batch):
         scheduler.step()
@@ -197,7 +197,7 @@ def test_rows_with_their_own_caches_and_pooled_rows_share_a_step_with_the_answer
     odd = staticmethod(lambda cache: real(cache) and cache.layers[0].keys.shape[-2] % 2 == 1)
     monkeypatch.setattr(Pool, "poolable", odd)
     batch = requests(6)  # histories of 3, 14, 25, ... tokens: odd ones pooled
-    scheduler = Scheduler(model, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS))
     handles = [scheduler.submit(r) for r in batch]
     while scheduler.running < len(batch):
         scheduler.step()

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstate import Session
-from kvstate.batch import BatchRequest, Done, Scheduler
+from kvstate.batch import BatchRequest, Done, Scheduler, batch_settings
 from kvstate.engine.batched import prefill
 from kvstate.errors import ScheduleWarning
 from tiny import assert_same_state, prompt, tiny_model
@@ -96,7 +96,7 @@ def test_a_step_admits_its_prompts_in_one_packed_forward_and_defers_a_shared_chu
     run = prefill.Tiled.run
     monkeypatch.setattr(prefill.Tiled, "run",
                         lambda self, engine, pieces: forwards.append(len(pieces)) or run(self, engine, pieces))
-    scheduler = Scheduler(model, rows=4, canonical_chunk=8)
+    scheduler = Scheduler(model, batch_settings(model, rows=4, canonical_chunk=8))
     system = prompt(16, seed=5)[0]  # two whole chunks shared by the last two prompts
     requests = [BatchRequest(prompt(5 + 3 * i, seed=i)[0], max_new_tokens=2) for i in range(4)]
     requests += [BatchRequest(torch.cat([system, prompt(4 + i, seed=9 + i)[0]]), max_new_tokens=2) for i in range(2)]

@@ -114,14 +114,15 @@ def test_marks_travel_in_state_files_and_another_schedule_starts_over(tmp_path):
 def test_the_default_chunk_holds_a_turn_with_marks_and_a_short_tail_without(tmp_path):
     """C defaults to 256 with marks (a turn starts on a cut, so C only has to hold the turn) and to 64 without
     (every turn re-feeds the tail since the last multiple of C); a loaded state keeps its own C."""
-    from kvstate.batch import Scheduler
+    from kvstate.batch import Scheduler, batch_settings
     from kvstate.schedule import MARKED_CHUNK, POSITION_CHUNK
 
     model = model_in("llama")
     assert (MARKED_CHUNK, POSITION_CHUNK) == (256, 64)
     assert Session(model).canonical_chunk == 64 and Session(model, canonical_marks=MARKS).canonical_chunk == 256
     assert Session(model, canonical_chunk=C, canonical_marks=MARKS).canonical_chunk == C
-    assert Scheduler(model, canonical_marks=MARKS).canonical_chunk == 256 and Scheduler(model).canonical_chunk == 64
+    assert Scheduler(model, batch_settings(model, canonical_marks=MARKS)).canonical_chunk == 256
+    assert Scheduler(model).canonical_chunk == 64
     s = Session(model, canonical_marks=MARKS)
     turn = user_turn(200, seed=4)  # 202 tokens: one forward at C = 256, as the cold run
     run(s, turn)

@@ -8,6 +8,7 @@ and prompts admitted in later steps share their common prefix (``prefixes``).
 """
 
 from .sampling import Choice, Sampling
-from .scheduler import BatchRequest, Completion, Done, Failed, Scheduler, Token, generate_many
+from .scheduler import BatchRequest, Completion, Done, Failed, Scheduler, Token, batch_settings, generate_many
 
-__all__ = ["BatchRequest", "Choice", "Completion", "Done", "Failed", "Sampling", "Scheduler", "Token", "generate_many"]
+__all__ = ["BatchRequest", "Choice", "Completion", "Done", "Failed", "Sampling", "Scheduler", "Token", "batch_settings",
+           "generate_many"]

@@ -52,7 +52,7 @@ from .prefixes import RecentPrompts
 from .sampling import Choice, Sampler, rows_logprobs
 
 __all__ = ["MAX_TOP_LOGPROBS", "BatchRequest", "Completion", "Done", "Event", "Failed", "Scheduler", "Token",
-           "generate_many"]
+           "batch_settings", "generate_many"]
 
 
 class _Job:
@@ -74,48 +74,19 @@ class Scheduler:
 
     Args:
         model: a transformers causal LM kvstate supports.
-        max_batch: streams decoding at once; more requests wait in FIFO order.
-        rows: the tile of the packed forward: it always has a multiple of ``rows`` rows, and matrix
-            products run ``rows`` rows at a time. Answers are the same for any batch under one ``rows``.
-        invariant: False packs exactly the running rows with plain kernels (faster when few streams
-            run; a row's bits then depend on its batch). For measuring the invariance tax.
-        prepack: the tile's products run on weights prepacked for ``rows`` rows (oneDNN, CPU fp32 and
-            bf16, ``rows > 1``; ``kvstate.engine.batched.kernels``): a decode step of the default model about
-            20% faster in fp32, for a copy of the linear weights (1.1 GB there). False: ``F.linear``'s
-            kernels (other bits, as another ``rows`` gives).
-        prefill_rows: the prefill's tile: prompt chunks run in tiled forwards whose products take this many
-            rows at a time (``kvstate.engine.batched.prefill``), and the chunks of the prompts admitted in one step
-            share one forward, each with the bits it gets alone; the states are ``Session(prefill_rows=...)``'s.
-            0: each prompt in plain forwards of its own (``Session``'s default kernels).
-        prefill_tokens: a step feeds about this many prompt tokens (one canonical chunk at least): it
-            admits prompts until that many were admitted, and a longer history is fed in pieces over
-            several steps, so the running streams' next tokens never wait for a burst of prefills or one
-            long prefill. None: admit every request that fits, each history whole.
-        share_prefixes: a prompt resumes from the longest prefix it shares with the last ``max_batch``
-            admitted prompts (``kvstate.batch.prefixes``; bitwise the cold answer). A server whose
-            requests belong to different keys turns it off and uses one pool namespace per key.
-        static_shapes: every packed decode step attends over its pool's whole capacity and all of its
-            slots, so the steps between two growths of a pool have one set of shapes on buffers that do not
-            move (what a captured CUDA graph replays). The same bits (the pooled call is used only where
-            the padding probe holds up to that capacity); eagerly it reads the unused room too.
-        canonical_chunk, canonical_marks, chunk_size, sources, tokenizer: as for ``Session``.
+        settings: how it feeds, plans and batches (``kvstate.settings.Settings``, its ``batching`` the scheduler's
+            own; ``batch_settings`` makes one from keywords). None: ``batch_settings(model)``.
+        sources: prefix caches every request resumes from (after its own), as for ``Session``.
+        tokenizer, fingerprint: hashed into the states' fingerprint (``kvstate.fingerprint(model, tokenizer)``),
+            or that fingerprint computed once by the caller.
     """
 
-    def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
-                 prepack: bool = True, prefill_rows: int = 32, prefill_tokens: int | None = None,
-                 share_prefixes: bool = True,
-                 canonical_chunk: int | None = None, chunk_size: int = 512, canonical_marks: Sequence[int] = (),
-                 sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None,
-                 static_shapes: bool = False, settings: Settings | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, settings: Settings | None = None, *,
+                 sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None) -> None:
         from ..adapters.fingerprinting import fingerprint as digest
         from ..selfcheck import bind
 
-        keywords = dict(max_batch=max_batch, rows=rows, invariant=invariant, prepack=prepack,
-                        prefill_rows=prefill_rows, prefill_tokens=prefill_tokens, share_prefixes=share_prefixes,
-                        canonical_chunk=canonical_chunk, chunk_size=chunk_size, canonical_marks=canonical_marks,
-                        static_shapes=static_shapes)
-        self.settings = _settings(model, keywords) if settings is None else \
-            check_given(settings, Settings, keywords, _KEYWORDS)
+        self.settings = batch_settings(model) if settings is None else check_given(settings, Settings, {}, {})
         self.model, batching = model, self.settings.batching
         self.sources = (*sources, *((RecentPrompts(batching.max_batch),) if batching.share_prefixes else ()))
         self.fingerprint = fingerprint or digest(model, tokenizer)
@@ -440,25 +411,26 @@ class Scheduler:
         self._stopping.clear()
 
 
-# The Scheduler's setting keywords and their defaults: a caller passing ``settings=`` leaves these as they are
-_KEYWORDS = dict(max_batch=16, rows=16, invariant=True, prepack=True, prefill_rows=32, prefill_tokens=None,
-                 share_prefixes=True, canonical_chunk=None, chunk_size=512, canonical_marks=(), static_shapes=False)
+def batch_settings(model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
+                   prepack: bool = True, prefill_rows: int = 32, prefill_tokens: int | None = None,
+                   share_prefixes: bool = True, canonical_chunk: int | None = None, chunk_size: int = 512,
+                   canonical_marks: Sequence[int] = (), static_shapes: bool = False) -> Settings:
+    """A ``Scheduler``'s ``Settings`` from keywords, with its own defaults: prefill chunks in tiles of 32 rows, decode
+    steps in tiles of 16. What each means: ``kvstate.settings.Settings`` and ``Batching`` (``rows``: the decode's
+    tile; ``prefill_tokens``, ``share_prefixes``, ``static_shapes``, ``max_batch``: ``Batching``'s);
+    ``canonical_chunk`` None: the device's default (``kvstate.schedule.default_chunk``)."""
+    marks = check_marks(canonical_marks)
+    chunk = default_chunk(marks, next(model.parameters()).device.type) if canonical_chunk is None else canonical_chunk
+    batching = Batching(max_batch, rows, prefill_tokens, share_prefixes, static_shapes)
+    return Settings(chunk_size, chunk, marks, prefill_rows=prefill_rows, prepack=prepack, invariant=invariant,
+                    batching=batching)
 
 
-def _settings(model: torch.nn.Module, keywords: dict[str, Any]) -> Settings:
-    """The ``Settings`` of ``Scheduler``'s keywords (``canonical_chunk`` None: the device's default)."""
-    k = keywords
-    batching = Batching(k["max_batch"], k["rows"], k["prefill_tokens"], k["share_prefixes"], k["static_shapes"])
-    marks = check_marks(k["canonical_marks"])
-    chunk = k["canonical_chunk"]
-    if chunk is None:
-        chunk = default_chunk(marks, next(model.parameters()).device.type)
-    return Settings(k["chunk_size"], chunk, marks, prefill_rows=k["prefill_rows"], prepack=k["prepack"],
-                    invariant=k["invariant"], batching=batching)
-
-def generate_many(model: torch.nn.Module, requests: Sequence[BatchRequest], **settings: Any) -> list[Completion]:
-    """Answer every request, batched (``Scheduler(model, **settings)``); completions in request order."""
-    scheduler = Scheduler(model, **settings)
+def generate_many(model: torch.nn.Module, requests: Sequence[BatchRequest], *, sources: Sequence[PrefixCache] = (),
+                  fingerprint: Any = None, **keywords: Any) -> list[Completion]:
+    """Answer every request, batched (``Scheduler(model, batch_settings(model, **keywords))``); completions in
+    request order."""
+    scheduler = Scheduler(model, batch_settings(model, **keywords), sources=sources, fingerprint=fingerprint)
     handles = [scheduler.submit(r) for r in requests]
     done = {}
     for event in scheduler.run():

@@ -115,9 +115,9 @@ class Runner:
         self.host, self.settings, self.max_queue, self.gather = host, settings, max_queue, gather
         self.fingerprint = fingerprint(host.model, host.tokenizer)
         # prefixes are shared through each key's pool namespace (and store), never across keys
-        self.scheduler = Scheduler(host.model, fingerprint=self.fingerprint,
-                                   settings=replace(settings, batching=replace(settings.batching,
-                                                                               share_prefixes=False)))
+        self.scheduler = Scheduler(host.model, replace(settings, batching=replace(settings.batching,
+                                                                                  share_prefixes=False)),
+                                   fingerprint=self.fingerprint)
         self.settler = Settler(host.model, host.pool, settings, self.fingerprint, self._idle_for)
         self.stops = StopCriteria(host.tokenizer)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstate-model")
