@@ -84,10 +84,6 @@ class DefaultModelError(KVStateError):
     """The embedded default model could not be located or loaded."""
 
 
-class VerificationError(KVStateError):
-    """``kvstate verify`` found a kvstate path that differs from the fresh reference."""
-
-
 class StateFileError(KVStateError):
     """A state file is truncated, corrupted, of another format version, or malformed."""
 

@@ -1,4 +1,4 @@
-"""Cache and model-side helpers over transformers internals (5.14 through 5.24; ``generation`` holds
+"""Cache and model-side helpers over transformers internals (5.14 through 5.25; ``generation`` holds
 the seams of ``generate``).
 
 What moves between transformers minor releases, and how this module follows it:
@@ -62,8 +62,8 @@ _SPECS: dict[int, tuple[weakref.ref[Any], str, tuple[tuple[str, int | None], ...
 def layer_specs(config: object) -> list[tuple[str, int | None]]:
     """``(kind, window)`` per decoder layer, decided exactly as transformers decides it.
 
-    Remembered per config object while its attributes are unchanged: building the probe cache
-    costs ~0.3 ms, and every session and load asks (the load budget)."""
+    Remembered per config object while its attributes are unchanged: every session and load asks, and
+    building the probe cache costs more than the lookup."""
     try:
         key = repr(sorted(vars(config).items(), key=lambda item: item[0]))
     except TypeError:  # no __dict__: nothing to remember it by

@@ -68,8 +68,8 @@ BLOCK = 1024  # first_max's block: 256 block maxima for the default model's 262,
 def first_max(scores: torch.Tensor) -> int:
     """``int(scores.argmax())`` for ``scores`` ``[V]`` (the first maximal index, generate's greedy choice) in
     vectorized passes: the maximum, the first block of ``BLOCK`` holding it, then that block's argmax.
-    On this CPU ``argmax`` (and ``max(-1)``) over 262k float32 logits took 250-430 us, ``amax`` 12 us:
-    an index-tracking reduction does not vectorize; 16 rows a step paid about 7 ms of a 100 ms step."""
+    An index-tracking reduction over a large vocabulary does not vectorize on the CPU; ``amax`` does
+    (docs/benchmarks.md)."""
     blocks = scores.shape[-1] // BLOCK
     top = scores.amax()
     if blocks < 2 or bool(top.isnan()):  # argmax takes NaN as the maximum; amax's blocks would not find it

@@ -1,15 +1,12 @@
-"""Room to grow: a packed decode appends each step's slot in place (continuous batching), for a cache that
-``kvstate.engine.batched.pool`` cannot hold (and for one-row tiles, whose decode stays ``Session``'s).
+"""Room to grow: a decode appends each step's K/V in place instead of concatenating (``Session``'s decode, and
+a packed decode's caches that ``kvstate.engine.batched.pool`` does not hold).
 
-transformers' ``DynamicLayer.update`` concatenates, so every decode step copies each layer's whole
-K/V. Measured here for 16 streams x 18 layers of the default model (K and V, one slot each): 30 ms
-a step at 350 slots, 145 ms at 1,000, 323 ms at 2,000, where the step's matrix products take
-about 120 ms. ``reserve`` gives a cache's plain and recording-sliding layers room for more slots:
-their appends then write into the room, and the layer's keys and values are views of it. The
-values are the same; a layer with several K/V heads now attends over a strided view, as a sliding
-layer's window always did (``tests/test_batch.py`` checks one-row tiles against ``Session``'s
-decode on such layers). ``compact`` copies each view out once when the stream ends, so no state
-keeps the unused room alive. Other layer kinds keep concatenating.
+transformers' ``DynamicLayer.update`` concatenates, so every decode step copies each layer's whole K/V, a
+cost that grows with the history (``docs/benchmarks.md``). ``reserve`` gives a cache's plain and recording
+sliding layers room for the answer's slots (``kvstate._compat.appends``): their appends write into it, and the
+layer's keys and values are views of it, the same values (a layer with several K/V heads attends over a
+strided view, as a sliding window always did). ``compact`` copies each view out once when the decode ends,
+so no state keeps the unused room alive. Other layer kinds keep concatenating.
 """
 
 from __future__ import annotations

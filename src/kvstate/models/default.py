@@ -186,7 +186,7 @@ def load_default_model(
     minute); later calls load that cache in a few seconds. `cache_dir` replaces
     the user cache dir (`platformdirs.user_cache_dir("kvstate")`). Every call builds
     a new model instance; the tokenizer is loaded once per process and shared
-    (parsing its 262k-token vocabulary takes about 3 s; kvstate never changes it).
+    (parsing its 262k-token vocabulary takes seconds; kvstate never changes it).
     """
     from transformers import AutoModelForCausalLM
 

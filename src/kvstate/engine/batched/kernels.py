@@ -1,23 +1,13 @@
-"""Prepacked CPU matrix kernels for the packed decode's fixed tiles (continuous batching), through torch's private
-oneDNN ops ``mkldnn._reorder_linear_weight`` and ``mkldnn._linear_pointwise`` (torch 2.13).
+"""Prepacked CPU matrix kernels for the packed forwards' fixed tiles (oneDNN, through ``kvstate._compat.onednn``).
 
-A decode tile is a product of ``rows`` (16) rows by each weight ``[N, K]``. ``F.linear`` picks its
-kernel per call and, for so few rows, leaves most of the CPU idle: on the default model's output
-layer (262k x 640, fp32, 2 threads) 16 rows took 70 ms against 31 ms for one. oneDNN, given the
-weight once in its own blocked layout for that row count, took 51 ms there and 30-60% less on
-the body's products; a decode step of 16 streams went from 165 to 137 ms (fp32) and from 89 to
-83 ms (bf16). Measured: ``bench/batch_kernels.py``, ``docs/batching.md``.
-
-What the tile contract needs holds as for ``F.linear`` (checked for fp32 and bf16, 1 and 2 threads,
-tiles of 2 to 64 rows, the default model's widths; ``tests/test_batch.py`` keeps checking it): with
-the row count fixed, a row's result depends neither on its place among the rows nor on the other
-rows. More: a kernel prepacked for ``rows`` rows and called on any 2 to 64 rows gave every row the bits
-of a whole tile (fp32 and bf16, 1-3 threads; one row differed), so the decode runs fewer rows when fewer
-streams run, after probing that per weight (``kvstate.engine.batched.invariant.rows_free``). The bits are not
-``F.linear``'s, so a tile of one row (``rows=1``, ``Session``'s decode shape) never uses these kernels.
-
-The packed copy costs about the weight's size again (1.1 GB for the default model in fp32); it is
-made on first use, kept while the weight lives, and made again if the weight changes in place.
+A tile is a product of ``rows`` rows by each weight ``[N, K]``. ``F.linear`` picks its kernel per call and
+leaves most of the CPU idle for so few rows; oneDNN, given the weight once in its blocked layout for that
+row count, is faster (``docs/benchmarks.md``). The tile contract holds as for ``F.linear``: with the row count
+fixed, a row's result depends neither on its place nor on the other rows (``tests/test_batch.py``). A kernel
+prepacked for ``rows`` rows and called on fewer rows gave each its tile's bits on this project's CPU, which
+``invariant.rows_free`` probes per weight before relying on it. The bits are not ``F.linear``'s, so a one-row
+tile (``Session``'s decode) never uses these kernels. The packed copy costs about the weight's size again; it
+is made on first use, kept while the weight lives, and made again if the weight changes in place.
 """
 
 from __future__ import annotations

@@ -1,36 +1,18 @@
-"""A packed forward: the rows of several conversations in one forward of batch 1 (continuous batching): the next
-token of each (a decode step), or a prefill chunk of each.
+"""A packed forward: the rows of several conversations in one forward of batch 1, each seeing only its own K/V.
 
-Conversation ``i``'s rows are a segment ``[start_i, start_i + n_i)`` of one sequence ``[1, P]`` (rows
-after the last segment are padding), each row with its own ``position_ids``. Two transformers seams
-keep the conversations apart:
+Conversation ``i``'s rows are a segment ``[start_i, start_i + n_i)`` of one sequence ``[1, P]`` (rows after the
+last segment are padding), each with its own ``position_ids``: its next token (a decode step) or a prefill
+chunk. Two transformers seams keep the conversations apart, and nothing is patched:
 
-* the cache is a ``PackedCache``: ``update`` hands each conversation's key/value rows
-  ``[1, Hkv, n_i, D]`` to that conversation's own ``DynamicCache`` (what the conversation alone
-  would append) and keeps the K/V each returns (for a sliding layer, the visible window);
-* the attention function ``kvstate_packed`` (registered in ``AttentionInterface`` on first use,
-  never at import) runs the model's own attention once per conversation, over that
-  conversation's K/V only, with the shapes it has alone. One query row sees every key its cache
-  returns (no mask); a chunk of ``n > 1`` rows gets a causal mask built here from ``n``, the key
-  count and the layer's sliding window (``segment_mask``), a function of the segment alone. The
-  backend's name is not a mask function's name, so transformers builds no mask (``masking_utils``
-  exits early for such backends).
+* the cache is a ``PackedCache``: ``update`` hands each conversation's K/V rows ``[1, Hkv, n_i, D]`` to its own
+  ``DynamicCache`` (or, for decode rows of a ``pool.Pool``, writes them into the pool) and keeps what each
+  returns;
+* the attention function ``kvstate_packed`` (registered on first use) runs each conversation's attention over
+  its own K/V with the shapes it has alone: one decode row with no mask, a chunk with a causal (and sliding)
+  mask built from the segment alone (``segment_mask``). Which call a decode row makes, the model's own, the
+  grouped form or a pool's one pooled call, is ``kvstate._compat.attention.choose``'s decision.
 
-  With ``grouped``, a decode row (``n = 1``) of a bfloat16 / float16 model whose backend is sdpa and
-  whose query heads share K/V heads runs the query heads of each K/V head as the rows of one query
-  (``_grouped``: the form transformers' own ``pack_gqa`` takes when a mask is given): the same
-  attention, computed by this CPU's SDPA 4-12x faster than with ``enable_gqa``, which transformers
-  picks without a mask (``docs/batching.md``). Its bits are another kernel's, so the decode only uses
-  it for tiles of more than one row (a one-row tile stays ``Session``'s decode bit for bit).
-
-With ``steps`` (decode rows whose streams hold slots of a ``kvstate.engine.batched.pool.Pool``), ``update``
-writes those rows' K/V into the pool in one call a layer, and, where the pool's padding probe holds for
-the layer's shapes, the attention function computes each pool's rows in one SDPA call (each row's entry
-as it is alone); otherwise each row attends over views of its slots as above.
-
-Segment metadata reaches the attention function through a thread-local set by ``packed``;
-nothing is patched, and the model runs its own backend again when ``packed`` exits. A model that
-does not fit (it asks the cache for one sequence length, attends with K/V other than its cache
+A model that does not fit (it asks the cache for one sequence length, attends with K/V other than its cache
 returned, as MLA does) raises ``Unpackable`` during the forward.
 """
 

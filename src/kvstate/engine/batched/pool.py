@@ -1,28 +1,18 @@
-"""One K/V buffer per attention layer for every stream of packed decode steps (continuous batching).
+"""One K/V buffer per attention layer for every stream of packed decode steps.
 
 A stream that joins a ``Pool`` has a slot ``s``: layer ``l``'s keys are ``keys[l][s, :, :lengths[s][l]]``
-(``[Hkv, n, D]``; values alike). A decode step then costs per layer one ``index_put`` for all streams'
-new K/V (``Step.append``) instead of one append per stream, and, where ``attention_free`` holds, one
-SDPA call for all streams (``Step.attend``) instead of one per stream: measured for 16 streams of the
-default model in bf16, 1.1 -> 0.4 ms of attention a layer.
+(``[Hkv, n, D]``; values alike). A decode step then writes all streams' new K/V with one ``index_put`` a layer
+(``Step.append``) and, where the padding probe holds, attends for all of them in one call (``Step.attend``):
+each stream's entry is its grouped decode attention over its slots, padded to a multiple of ``BUCKET`` and
+masked to what it sees (a sliding layer: its window). Entries of one call are computed independently; what a
+stream's entry shares with the batch is the padded length, so the call is used only where ``attention_free``
+measured that further masked padding changes no bit, for the layer's dtype, heads, width, thread count and
+kernel (``kvstate._compat.attention.choose``'s pooled path). Elsewhere each stream attends over views of its
+slots (``packed``).
 
-Each stream's attention there is its own entry of a batched SDPA call: the grouped decode form of
-``kvstate.engine.batched.packed`` (the ``G`` query heads of each K/V head as ``G`` query rows), over its slots
-padded to a length ``L`` (a multiple of ``BUCKET``) with a boolean mask of the slots it sees (a sliding
-layer: its last ``window`` slots, as a recording sliding layer returns them). The entries of a batch are
-computed independently (CPU SDPA splits work by batch entry, head and query block); what differs between
-a stream alone and in a batch is ``L`` (the longest stream's bucket), so the call is used only where
-``attention_free`` measured that padding further with masked slots changes no bit of a row, for the
-layer's dtype, heads and width and the thread count. Elsewhere each stream attends alone over views of
-its slots (the per-stream form of ``kvstate.engine.batched.packed``, the same views a room gave). On CUDA the call
-runs the math kernel (``pooled_sdpa``: PyTorch's own pick for a masked call can be cuDNN, whose runs differ),
-and the probe runs on that kernel there.
-
-The pool's buffers start zeroed (a masked slot must hold a finite value: ``-inf`` plus NaN is NaN), so
-a slot past a stream's length is 0 or an earlier stream's value, never uninitialised memory. Lengths
-change only in ``Step.commit``, after the forward: a forward that fails leaves every stream's length as
-it was (what it wrote past them is never read). ``leave`` copies a stream's slots back into its
-``DynamicCache`` (contiguous, as concatenation leaves them), which is what its final state is read from.
+The buffers start zeroed (a masked slot must hold a finite value), lengths change only in ``Step.commit``
+after the forward (a failed forward leaves every stream as it was), and ``leave`` copies a stream's slots back
+into its own cache, which its final state is read from.
 """
 
 from __future__ import annotations
