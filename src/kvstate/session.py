@@ -12,6 +12,7 @@ the state's schedule (``kvstate.settings``).
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -33,10 +34,6 @@ from .schedule import Canonical
 from .selfcheck import bind, vocab_size
 from .settings import Settings, check_continues, fitted, resolve
 from .state import MediaItem, State
-
-# Session's setting keywords and their defaults: a caller passing ``settings=`` leaves these as they are
-_KEYWORDS = dict(chunk_size=512, canonical_chunk=None, canonical_marks=None, sliding_reserve=None, max_checkpoints=16,
-                 checkpoint_every=None, prefill_rows=None, prepack=True, invariant=True)
 
 
 class Session:
@@ -74,7 +71,7 @@ class Session:
                         invariant=invariant)
         stepwise = self._binding.caps.stepwise
         self.settings: Settings = resolve(model, state, stepwise=stepwise, **keywords) if settings is None else \
-            fitted(model, checks.check_given(settings, Settings, keywords, _KEYWORDS), stepwise=stepwise)
+            fitted(model, checks.check_given(settings, Settings, keywords, _DEFAULTS), stepwise=stepwise)
         self.store = store  # may be replaced or set to None later; it is read on every call
         self.sources: tuple[PrefixCache, ...] = tuple(sources)
         self._fingerprint = fingerprint or fingerprint_of(model, tokenizer)
@@ -285,3 +282,7 @@ class Session:
             return self._empty(batch_size)
         checks.check_batch(state, batch_size)
         return state
+
+
+# what Session's keywords are when not given: a caller passing ``settings=`` leaves them so
+_DEFAULTS = {name: p.default for name, p in inspect.signature(Session.__init__).parameters.items()}
