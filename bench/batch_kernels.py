@@ -2,9 +2,9 @@
 
 * ``linear``: a row of ``F.linear(X[:M], W)`` against the same row with ``M = 1`` and ``M = 64``, for
   each ``M``; and, for a fixed tile of ``T`` rows, whether a row's result depends on its place in the
-  tile, on the other rows' contents, or on zero padding (what ``kvstate.engine.invariant`` relies on);
+  tile, on the other rows' contents, or on zero padding (what ``kvstate.engine.batched.invariant`` relies on);
 * ``prepacked``: the same fixed-tile checks for the prepacked oneDNN kernel the packed decode uses
-  (``kvstate._compat.kernels``), and the time of one 16-row tile by each weight (the output layer's
+  (``kvstate.engine.batched.kernels``), and the time of one 16-row tile by each weight (the output layer's
   262144 x 640 included) with ``F.linear`` and with the prepacked kernel; and the body's products of 16
   short prompts prefilled one by one, in one product, or in prepacked tiles (``prefill_body``);
 * ``elementwise``: element-wise kernels on ``[P, H]`` at ``P = 1`` against inside ``P`` rows, and, with
@@ -48,7 +48,7 @@ def by_rows(W: torch.Tensor, X: torch.Tensor) -> dict[int, str]:
 
 def product(W: torch.Tensor, T: int, prepacked: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x [T, K] -> x @ W.T``: ``F.linear``, or the packed decode's prepacked kernel for tiles of ``T`` rows."""
-    from kvstate._compat.kernels import tile_kernel
+    from kvstate.engine.batched.kernels import tile_kernel
 
     kernel = tile_kernel(W, T) if prepacked else None
     if prepacked and kernel is None:

@@ -39,9 +39,9 @@ def prompts(tokenizer: object, n: int) -> list[torch.Tensor]:
 
 
 def run(model: object, ids: list[torch.Tensor], tokens: int, invariant: bool, rows: int) -> dict[str, object]:
-    from kvstate.batch import BatchRequest, Done, Scheduler, Token
+    from kvstate.batch import BatchRequest, Done, Scheduler, Token, batch_settings
 
-    scheduler = Scheduler(model, max_batch=len(ids), rows=rows, invariant=invariant)  # type: ignore[arg-type]
+    scheduler = Scheduler(model, batch_settings(model, max_batch=len(ids), rows=rows, invariant=invariant))  # type: ignore[arg-type]
     start = time.perf_counter()
     handles = [scheduler.submit(BatchRequest(x, max_new_tokens=tokens, stop_ids=())) for x in ids]
     first: dict[int, float] = {}

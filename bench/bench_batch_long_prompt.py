@@ -41,9 +41,9 @@ def long_prompt(tokenizer: object, n: int) -> torch.Tensor:
 
 def run(model: object, short: list[torch.Tensor], long: torch.Tensor, extra: torch.Tensor, budget: int | None,
         tokens: int, arrival: int) -> dict[str, object]:
-    from kvstate.batch import BatchRequest, Done, Scheduler, Token
+    from kvstate.batch import BatchRequest, Done, Scheduler, Token, batch_settings
 
-    scheduler = Scheduler(model, max_batch=16, prefill_tokens=budget)  # type: ignore[arg-type]
+    scheduler = Scheduler(model, batch_settings(model, max_batch=16, prefill_tokens=budget))  # type: ignore[arg-type]
     handles = [scheduler.submit(BatchRequest(x, max_new_tokens=tokens, stop_ids=())) for x in short]
     last: dict[int, float] = {}
     gaps: list[float] = []

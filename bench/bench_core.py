@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MambaConfig
 
 from common import times, write_results
 from kvstate import Session
-from kvstate._compat import CACHE_KWARG
+from kvstate._compat.core import CACHE_KWARG
 from kvstate.compress import KNorm, PerLayerBudget
 from kvstate.testing import load_default_model
 

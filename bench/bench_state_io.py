@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from common import RESULTS, interleaved, median_time, write_results
 from kvstate import Session, load_state
-from kvstate._compat import CACHE_KWARG
+from kvstate._compat.core import CACHE_KWARG
 from kvstate.io import container, schema
 from kvstate.testing import load_default_model
 

@@ -173,7 +173,7 @@ def costs(model, length: int, chunk: int, device: str) -> dict[str, float]:
     import copy
 
     from kvstate import Session
-    from kvstate._compat import CACHE_KWARG  # the keyword a transformers cache travels in (it moved in 5.24)
+    from kvstate._compat.core import CACHE_KWARG  # the keyword a transformers cache travels in (it moved in 5.24)
 
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(3)

@@ -2,7 +2,7 @@
 
 For each type ``bench/results/coverage.json`` lists as exact (or exact-stepwise), a tiny random model
 (``kvstate.models.shrink``) is fed 13 tokens two ways: one feed in canonical chunks of 4 (its inner
-chunks run without the output head, ``kvstate._compat.without_logits``), and one feed per chunk of 4
+chunks run without the output head, ``kvstate._compat.generation.without_logits``), and one feed per chunk of 4
 (each chunk the last of its feed, so each computes its logits). Every layer's tensors and the last
 logits must be ``torch.equal``. Stepwise families (one token per forward after the first chunk) are fed
 4 tokens and then the rest, against the rest one token per feed. Results: ``bench/results/head_skip_sweep.json``.

@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstate import Session
-from kvstate._compat.kernels import tile_kernel
-from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, generate_many
+from kvstate.batch import BatchRequest, Done, Failed, Sampling, Scheduler, Token, batch_settings, generate_many
 from kvstate.batch.sampling import first_max
-from kvstate.engine.decode import packable
-from kvstate.engine.invariant import rows_free, tile_kernels, tiled, tiled_linear
+from kvstate.engine.batched.decode import packable
+from kvstate.engine.batched.invariant import rows_free, tile_kernels, tiled, tiled_linear
+from kvstate.engine.batched.kernels import tile_kernel
 from kvstate.errors import FingerprintMismatchError, InputError, UnsupportedError
 from kvstate.selfcheck import bind
 from kvstate.testing.shrink import tiny_causal_lm
@@ -78,8 +78,8 @@ def run_batched(model, requests, specs, max_batch: int, rows: int, prefill_token
                 canonical_chunk: int | None = None) -> dict[int, object]:
     """Submit each request at its arrival step, cancel at its cancel step; completions by request index.
     With ``prefill_tokens``, histories longer than that are fed in pieces over several steps."""
-    scheduler = Scheduler(model, max_batch=max_batch, rows=rows, prefill_tokens=prefill_tokens,
-                          canonical_chunk=canonical_chunk)
+    scheduler = Scheduler(model, batch_settings(model, max_batch=max_batch, rows=rows, prefill_tokens=prefill_tokens,
+                                                canonical_chunk=canonical_chunk))
     handles: dict[int, int] = {}
     done: dict[int, object] = {}
     step = 0
@@ -127,7 +127,7 @@ def test_sixteen_at_once_are_each_the_answer_alone(arch, dtype, rows):
               "sampling": Sampling(temperature=1.0, top_k=5 * (i % 2), seed=i) if i % 2 else Sampling()}
              for i in range(16)]
     requests = [request_of(arch, dtype, spec) for spec in specs]
-    scheduler = Scheduler(model, max_batch=16, rows=rows)
+    scheduler = Scheduler(model, batch_settings(model, max_batch=16, rows=rows))
     handles = [scheduler.submit(r) for r in requests]
     scheduler.step()
     assert scheduler.running == 16  # they share forwards
@@ -141,7 +141,7 @@ def test_every_family_decodes_batched_as_alone(arch):
     model = tiny_model(arch)
     requests = [BatchRequest(prompt(3 + 8 * i, seed=i)[0], max_new_tokens=3,
                              sampling=Sampling(temperature=1.0, seed=i) if i % 2 else Sampling()) for i in range(4)]
-    scheduler = Scheduler(model, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS))
     handles = [scheduler.submit(r) for r in requests]
     done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
     # attention-only families share the forward; recurrent and hybrid ones decode one stream per forward
@@ -169,7 +169,7 @@ def test_structural_families_pack_or_fall_back_and_stay_alone_equal(arch):
     model = tiny_causal_lm(arch).eval()
     model.generation_config.eos_token_id = None
     requests = [BatchRequest(prompt(4 + 9 * i, seed=i)[0], max_new_tokens=4) for i in range(4)]
-    scheduler = Scheduler(model, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS))
     handles = [scheduler.submit(r) for r in requests]
     done = {e.handle: e.completion for e in scheduler.run() if isinstance(e, Done)}
     shares = scheduler.packing and packable(scheduler.engine, done[handles[0]].prefilled)
@@ -238,13 +238,13 @@ def test_the_plain_packed_forward_differs_where_the_invariant_one_does_not():
 def test_one_tile_forwards_skip_the_tiling_mode_after_the_census_with_the_same_bits(dtype, monkeypatch):
     # the mode costs a Python call per operation; a forward of one tile is the same calls without it, once the first
     # forward showed that every product spans all rows. Pinned to the mode, every step gives the same bits.
-    from kvstate.engine import decode
+    from kvstate.engine.batched import decode
 
     model = wide_llama(dtype)
     gen = torch.Generator().manual_seed(1)
     requests = [BatchRequest(torch.randint(3, 1000, (5 + 13 * i,), generator=gen), max_new_tokens=6, top_logprobs=2,
                              sampling=Sampling(temperature=1.0, seed=i) if i % 2 else Sampling()) for i in range(5)]
-    scheduler = Scheduler(model, rows=8)
+    scheduler = Scheduler(model, batch_settings(model, rows=8))
     handles = [scheduler.submit(r) for r in requests]
     fast = {e.handle: answered(e.completion) for e in scheduler.run() if isinstance(e, Done)}
     assert scheduler._packed.plain  # the census passed: steps after the first ran without the mode
@@ -256,7 +256,7 @@ def test_one_tile_forwards_skip_the_tiling_mode_after_the_census_with_the_same_b
     assert [fast[h] for h in handles] == [answered(c) for c in pinned]
     for arch in ("gpt_oss", "qwen3_moe"):  # expert routing: products span fewer rows in other forwards
         moe = tiny_causal_lm(arch).eval()
-        scheduler = Scheduler(moe, rows=ROWS)
+        scheduler = Scheduler(moe, batch_settings(moe, rows=ROWS))
         scheduler.submit(BatchRequest(prompt(6)[0], max_new_tokens=3))
         list(scheduler.run())
         assert not scheduler._packed.plain, arch
@@ -266,7 +266,7 @@ def test_one_tile_forwards_skip_the_tiling_mode_after_the_census_with_the_same_b
 def test_fewer_streams_run_fewer_rows_with_the_bits_of_a_whole_tile(dtype, monkeypatch):
     # prepacked kernels give a row the same bits for any 2..rows rows (probed), and widths that are multiples of
     # 64 leave element-wise kernels no tail: a step of n < rows streams then runs max(n, 2) rows, not a whole tile
-    from kvstate.engine import decode
+    from kvstate.engine.batched import decode
 
     model = wide_llama(dtype, vocab=1024)  # every width a multiple of 128: no tail at any row count
     gen = torch.Generator().manual_seed(2)
@@ -275,7 +275,7 @@ def test_fewer_streams_run_fewer_rows_with_the_bits_of_a_whole_tile(dtype, monke
     used = []
     rows_of = decode.Packed._rows
     monkeypatch.setattr(decode.Packed, "_rows", lambda self, n: used.append(rows_of(self, n)) or used[-1])
-    scheduler = Scheduler(model, rows=16)
+    scheduler = Scheduler(model, batch_settings(model, rows=16))
     handles = [scheduler.submit(r) for r in requests]
     free = {e.handle: answered(e.completion) for e in scheduler.run() if isinstance(e, Done)}
     assert scheduler._packed.free and scheduler._packed.grain == 1
@@ -319,13 +319,13 @@ def test_one_row_tiles_are_session_decode_bitwise(arch, dtype):
 
 
 def test_decode_rows_attend_grouped_in_bf16_tiles_which_is_transformers_sdpa_head_for_head(monkeypatch):
-    # the grouped form (kvstate._compat.packed) is bf16's per-stream decode attention for tiles of more than one row
-    # (where the pooled call does not apply: tests/test_pool.py): 4-12x faster SDPA on this CPU than enable_gqa. Its
-    # head mapping is transformers' (float64: equal to rounding), and one-row tiles keep the model's own call
-    # (Session's decode, bitwise: the test above).
+    # the grouped form (kvstate.engine.batched.packed) is bf16's per-stream decode attention for tiles of more than
+    # one row (where the pooled call does not apply: tests/test_pool.py): 4-12x faster SDPA on this CPU than
+    # enable_gqa. Its head mapping is transformers' (float64: equal to rounding), and one-row tiles keep the model's
+    # own call (Session's decode, bitwise: the test above).
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    import kvstate._compat.packed as packed_module
+    import kvstate.engine.batched.packed as packed_module
 
     module = model_in("llama", torch.float32).model.layers[0].self_attn  # 4 query heads, 2 K/V heads
     gen = torch.Generator().manual_seed(3)
@@ -338,7 +338,7 @@ def test_decode_rows_attend_grouped_in_bf16_tiles_which_is_transformers_sdpa_hea
     torch.testing.assert_close(grouped, own, rtol=1e-13, atol=1e-13)
     calls, real = [], packed_module._grouped
     monkeypatch.setattr(packed_module, "_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(packed_module, "_poolable", lambda *a: False)  # the per-stream form
+    monkeypatch.setattr(packed_module, "_pool_free", lambda *a: False)  # the per-stream form
     for dtype, rows, used in [(torch.bfloat16, ROWS, True), (torch.bfloat16, 1, False), (torch.float32, ROWS, False)]:
         calls.clear()
         generate_many(model_in("llama", dtype), [BatchRequest(prompt(9)[0], max_new_tokens=3)], rows=rows)
@@ -388,7 +388,7 @@ def test_a_batch_state_continues_in_a_session_bitwise_as_a_cold_run(arch):
 
 def test_streamed_tokens_are_the_completion_and_a_waiting_request_can_be_cancelled():
     model = model_in("llama", torch.float32)
-    scheduler = Scheduler(model, max_batch=1, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, max_batch=1, rows=ROWS))
     first = scheduler.submit(BatchRequest(prompt(5)[0], max_new_tokens=3, top_logprobs=2))
     second = scheduler.submit(BatchRequest(prompt(6)[0], max_new_tokens=3))
     scheduler.cancel(second)
@@ -403,7 +403,7 @@ def test_streamed_tokens_are_the_completion_and_a_waiting_request_can_be_cancell
 
 def test_a_refused_request_fails_alone_and_the_others_go_on():
     model = model_in("llama", torch.float32)
-    scheduler = Scheduler(model, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS))
     bad = scheduler.submit(BatchRequest([3, 100_000], max_new_tokens=2))
     good = scheduler.submit(BatchRequest(prompt(5)[0], max_new_tokens=2))
     events = list(scheduler.run())
@@ -420,7 +420,7 @@ def test_a_refused_request_fails_alone_and_the_others_go_on():
 def test_a_prefill_budget_admits_a_burst_over_several_steps():
     model = model_in("llama", torch.float32)
     requests = [BatchRequest(prompt(10, seed=i)[0], max_new_tokens=5) for i in range(4)]
-    scheduler = Scheduler(model, rows=ROWS, prefill_tokens=15)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS, prefill_tokens=15))
     handles = [scheduler.submit(r) for r in requests]
     running = []
     events = []
@@ -441,7 +441,7 @@ def test_a_long_history_is_fed_in_pieces_between_the_running_streams_steps(arch)
     settings = {"rows": ROWS, "canonical_chunk": 8}
     short = [BatchRequest(prompt(3, seed=i)[0], max_new_tokens=14) for i in range(2)]
     long = BatchRequest(prompt(61, seed=7)[0], max_new_tokens=4, top_logprobs=2)
-    scheduler = Scheduler(model, prefill_tokens=12, **settings)
+    scheduler = Scheduler(model, batch_settings(model, prefill_tokens=12, **settings))
     handles = [scheduler.submit(r) for r in short]
     scheduler.step()
     late = scheduler.submit(long)
@@ -473,7 +473,8 @@ def test_a_short_prompt_is_admitted_while_a_long_history_is_still_being_fed():
     settings = {"rows": ROWS, "canonical_chunk": 8}
     long, short = BatchRequest(prompt(80, seed=1)[0], max_new_tokens=3), BatchRequest(prompt(5, seed=2)[0],
                                                                                        max_new_tokens=3)
-    scheduler = Scheduler(model, prefill_tokens=16, **settings)  # two chunks of 8 a step: the long one fills it
+    # two chunks of 8 a step: the long one fills it
+    scheduler = Scheduler(model, batch_settings(model, prefill_tokens=16, **settings))
     first = scheduler.submit(long)
     assert scheduler.step() == []  # its first piece
     second = scheduler.submit(short)
@@ -521,7 +522,7 @@ def test_pieces_follow_turn_marks_and_a_diverging_state_as_one_run_does(arch):
 
 def test_a_history_cancelled_between_its_pieces_leaves_nothing_behind():
     model = model_in("llama", torch.float32)
-    scheduler = Scheduler(model, rows=ROWS, canonical_chunk=8, prefill_tokens=8)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS, canonical_chunk=8, prefill_tokens=8))
     handle = scheduler.submit(BatchRequest(prompt(60, seed=9)[0], max_new_tokens=3))
     assert scheduler.step() == [] and scheduler.step() == [] and scheduler.busy  # two pieces fed, no token yet
     scheduler.cancel(handle)
@@ -556,7 +557,7 @@ def test_pieces_start_from_the_longest_prefix_a_source_holds_and_count_only_it_a
     model = model_in("llama", torch.float32)
     first = BatchRequest(prompt(40, seed=5)[0], max_new_tokens=3)
     second = BatchRequest(torch.cat([prompt(40, seed=5)[0], prompt(30, seed=6)[0]]), max_new_tokens=3)
-    scheduler = Scheduler(model, rows=ROWS, canonical_chunk=8, prefill_tokens=10)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS, canonical_chunk=8, prefill_tokens=10))
     done = {}
     for request in (first, second):
         handle = scheduler.submit(request)
@@ -602,7 +603,7 @@ def test_a_step_checks_the_weights_once_between_events_and_again_after_a_caller_
     import kvstate.adapters.fingerprinting as fingerprinting
 
     model = copy.deepcopy(model_in("llama", torch.float32))  # its weights are edited below
-    scheduler = Scheduler(model, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS))
     for seed in range(4):
         scheduler.submit(BatchRequest(prompt(9 + seed, seed=seed)[0], max_new_tokens=2))
     walks, real = [], fingerprinting.weights_key
@@ -661,7 +662,7 @@ def test_a_tiled_row_depends_on_neither_its_place_nor_the_other_rows(dtype, rows
 
 
 def test_weights_that_cannot_be_prepacked_give_a_typed_error_before_any_stream_changed(monkeypatch):
-    from kvstate._compat import kernels
+    from kvstate.engine.batched import kernels
 
     if not kernels.available():
         pytest.skip("this torch has no oneDNN linear kernels")
@@ -672,7 +673,7 @@ def test_weights_that_cannot_be_prepacked_give_a_typed_error_before_any_stream_c
     model = tiny_model("llama")  # fresh weights: nothing prepacked yet
     requests = [BatchRequest(prompt(6 + i, seed=i)[0], max_new_tokens=3, top_logprobs=2) for i in range(2)]
     # the prefill's tiles: each request fails on its own, with the fix, and nothing ran for it
-    scheduler = Scheduler(model, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS))
     handles = [scheduler.submit(r) for r in requests]
     monkeypatch.setattr(kernels, "_reorder", refuse)
     events = list(scheduler.run())
@@ -680,7 +681,7 @@ def test_weights_that_cannot_be_prepacked_give_a_typed_error_before_any_stream_c
     assert all(isinstance(e.error, UnsupportedError) and "--batch-prefill-rows 0" in str(e.error)
                and "not enough memory" in str(e.error) for e in events)
     # the decode's tiles (prompts prefilled without tiles): the step raises before any stream changed
-    scheduler = Scheduler(model, rows=ROWS, prefill_rows=0)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS, prefill_rows=0))
     handles = [scheduler.submit(r) for r in requests]
     with pytest.raises(UnsupportedError) as info:
         list(scheduler.run())
@@ -693,7 +694,7 @@ def test_weights_that_cannot_be_prepacked_give_a_typed_error_before_any_stream_c
 
 
 def test_the_packed_decode_runs_its_tiles_on_prepacked_weights_made_again_when_a_weight_changes():
-    from kvstate._compat import kernels
+    from kvstate.engine.batched import kernels
 
     if not kernels.available():
         pytest.skip("this torch has no oneDNN linear kernels")
@@ -709,7 +710,8 @@ def test_the_packed_decode_runs_its_tiles_on_prepacked_weights_made_again_when_a
     fresh = copy.deepcopy(model)  # new weight tensors, packed from scratch
     changed = [answered(c) for c in generate_many(model, requests, rows=8)]
     assert changed == [answered(c) for c in generate_many(fresh, requests, rows=8)] and changed != before
-    assert Scheduler(model, rows=1)._packed.linears == []  # one-row tiles keep Session's decode kernels
+    # one-row tiles keep Session's decode kernels
+    assert Scheduler(model, batch_settings(model, rows=1))._packed.linears == []
 
 
 ERRORS = {
@@ -720,9 +722,9 @@ ERRORS = {
     "temperature=nan": (lambda m: Sampling(temperature=float("nan")), InputError),
     "top_p=0": (lambda m: Sampling(top_p=0.0), InputError),
     "top_k=-2": (lambda m: Sampling(top_k=-2), InputError),
-    "max_batch=0": (lambda m: Scheduler(m, max_batch=0), InputError),
-    "prefill_tokens=0": (lambda m: Scheduler(m, prefill_tokens=0), InputError),
-    "rows=True": (lambda m: Scheduler(m, rows=True), InputError),
+    "max_batch=0": (lambda m: Scheduler(m, batch_settings(m, max_batch=0)), InputError),
+    "prefill_tokens=0": (lambda m: Scheduler(m, batch_settings(m, prefill_tokens=0)), InputError),
+    "rows=True": (lambda m: Scheduler(m, batch_settings(m, rows=True)), InputError),
     "submit a list": (lambda m: Scheduler(m).submit([3, 4]), InputError),
 }
 

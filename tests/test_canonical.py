@@ -375,11 +375,11 @@ def test_inner_chunks_skip_the_head_on_their_own_thread_only():
     counted in the feed's record (module hooks are every thread's)."""
     import threading
 
-    from kvstate import _compat
+    from kvstate._compat import generation as _compat_generation
 
     model = tiny_model("llama")
     ids = prompt(3 * C + 3)
-    with _compat.without_logits(model), torch.no_grad():
+    with _compat_generation.without_logits(model), torch.no_grad():
         assert model(ids).logits.shape[1] == 0
         other: list = []
         worker = threading.Thread(target=lambda: other.append(model(ids).logits.shape[1]))

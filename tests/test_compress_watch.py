@@ -184,15 +184,15 @@ def test_lookahead_states_save_load_and_fork_exactly(policy, tmp_path):
 def _slots_seen(model):
     """Forward pre-hook recording the most slots any attention layer held during each decoding forward
     (not the scoring forwards of the watch, whose state is thrown away)."""
-    from kvstate import _compat
+    from kvstate._compat import core as _compat_core
     from kvstate._compat.watch import NAME
 
-    name = _compat.cache_kwarg(model)
+    name = _compat_core.cache_kwarg(model)
     peak = [0]
 
     def hook(_module, args, kwargs):
         cache, ids = kwargs.get(name), kwargs.get("input_ids")
-        if cache is not None and ids is not None and _compat.attention_implementation(model) != NAME:
+        if cache is not None and ids is not None and _compat_core.attention_implementation(model) != NAME:
             held = [layer.keys.shape[-2] for layer in cache.layers if getattr(layer, "keys", None) is not None
                     and layer.keys.numel()]
             peak[0] = max(peak[0], max(held, default=0) + ids.shape[1])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstate import Session, _compat
+from kvstate import Session
+from kvstate._compat import core as _compat_core
 from kvstate._compat.scan import available as scan_available
 from kvstate.errors import EmptyStateError, RollbackError
 from kvstate.testing.tiny import IMAGE_TOKEN, QWEN_VL, RECURRENT, image_span, tiny_image
@@ -159,7 +160,7 @@ def test_recurrent_gemma_chunked_prefill_and_lost_conv_context():
     with torch.no_grad():  # the plain path: a cache-carrying 8-token continuation
         from transformers import DynamicCache
 
-        cache = {_compat.cache_kwarg(model): DynamicCache(config=model.config)}
+        cache = {_compat_core.cache_kwarg(model): DynamicCache(config=model.config)}
         model(ids[:, :16], **cache, use_cache=True)
         try:
             plain = model(ids[:, 16:], **cache, use_cache=True,
@@ -183,8 +184,8 @@ def test_mamba_continues_a_chunk_in_one_forward_from_the_cached_scan_state():
     ids = prompt(40)
     single = Session(model, canonical_chunk=0).extend(ids)
     with torch.no_grad():  # the plain path: a cache-carrying continuation
-        cache = getattr(model(ids[:, :13], use_cache=True), _compat.cache_kwarg(model))
-        plain = model(ids[:, 13:], **{_compat.cache_kwarg(model): cache}, use_cache=True).logits[:, -1]
+        cache = getattr(model(ids[:, :13], use_cache=True), _compat_core.cache_kwarg(model))
+        plain = model(ids[:, 13:], **{_compat_core.cache_kwarg(model): cache}, use_cache=True).logits[:, -1]
     assert (plain - single).abs().max() > 1e-4  # transformers' own path drifts here
     s = Session(model, canonical_chunk=0)
     s.extend(ids[:, :13])
@@ -243,9 +244,9 @@ def test_qwen3_vl_control_table():
                         "rope_deltas +1": true_delta + 1, "rope_deltas correct": true_delta}.items():
         model = tiny_model("qwen3_vl")  # plain transformers on a fresh instance, same K/V and mask
         model.model.rope_deltas = delta
-        cache = _compat.build_cache(s.state.layers, model.config)
+        cache = _compat_core.build_cache(s.state.layers, model.config)
         with torch.no_grad():
-            rows[name] = model(last, **{_compat.cache_kwarg(model): cache}, use_cache=True).logits[:, -1]
+            rows[name] = model(last, **{_compat_core.cache_kwarg(model): cache}, use_cache=True).logits[:, -1]
     assert_logits_close(rows["kvstate restored"], reference_logits, "kvstate")
     assert_logits_close(rows["rope_deltas correct"], reference_logits, "plain with the true delta")
     for wrong in ("rope_deltas None", "rope_deltas 0", "rope_deltas +1"):

@@ -73,16 +73,16 @@ def test_declared_layer_layout_follows_config_edits():
     """``layer_specs`` is remembered per config object (issue 11's load budget), never past an edit."""
     from transformers import Gemma3TextConfig
 
-    from kvstate import _compat
+    from kvstate._compat import core as _compat_core
 
     config = Gemma3TextConfig(num_hidden_layers=4, sliding_window=8, vocab_size=64, hidden_size=32,
                               intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    first = _compat.layer_specs(config)
-    assert ("sliding_attention", 8) in first and _compat.layer_specs(config) == first
+    first = _compat_core.layer_specs(config)
+    assert ("sliding_attention", 8) in first and _compat_core.layer_specs(config) == first
     config.sliding_window = 16
-    assert ("sliding_attention", 16) in _compat.layer_specs(config)
+    assert ("sliding_attention", 16) in _compat_core.layer_specs(config)
     config.layer_types = ["full_attention"] * 4
-    assert _compat.layer_specs(config) == [("full_attention", None)] * 4
+    assert _compat_core.layer_specs(config) == [("full_attention", None)] * 4
     other = Gemma3TextConfig(num_hidden_layers=2, sliding_window=8, vocab_size=64, hidden_size=32,
                              intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    assert len(_compat.layer_specs(other)) == 2
+    assert len(_compat_core.layer_specs(other)) == 2

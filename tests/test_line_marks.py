@@ -169,7 +169,7 @@ def test_a_settle_runs_first_only_when_it_moves_the_resume():
     """A request that continues a waiting reply settles it first when the settle's end is a cut of its history
     (the text goes on with a new line), not when the text goes on inside the answer's line (it would be fed
     again anyway)."""
-    from kvstate.serve.runner import Unsettled
+    from kvstate.serve.settle import Unsettled
 
     text = torch.cat([prompt(12, seed=1) % 100 + 10, line(9, seed=2)], 1)
     s = Session(model_in("llama"), canonical_chunk=C, canonical_marks=MARKS)

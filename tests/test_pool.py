@@ -1,4 +1,4 @@
-"""Issue 25: the decode pool (``kvstate._compat.pool``): one K/V buffer a layer for every stream of packed
+"""Issue 25: the decode pool (``kvstate.engine.batched.pool``): one K/V buffer a layer for every stream of packed
 decode steps, one append and (where the padding probe holds) one attention call a layer and step.
 
 Oracles: each request alone through the same scheduler (bitwise), a cold ``Session`` (greedy tokens), transformers'
@@ -11,10 +11,11 @@ import functools
 import pytest
 import torch
 
-import kvstate._compat.pool as pool_module
+import kvstate._compat.attention as kernel_rule
+import kvstate.engine.batched.pool as pool_module
 from kvstate import Session
-from kvstate._compat.pool import BUCKET, Pool, attention_free
-from kvstate.batch import BatchRequest, Done, Sampling, Scheduler, generate_many
+from kvstate.batch import BatchRequest, Done, Sampling, Scheduler, batch_settings, generate_many
+from kvstate.engine.batched.pool import BUCKET, Pool, attention_free
 from tiny import prompt, tiny_model
 
 ROWS = 4
@@ -42,7 +43,7 @@ def alone(model: torch.nn.Module, batch: list[BatchRequest]) -> list[tuple]:
 def test_a_packed_step_appends_in_place_and_the_finished_state_owns_its_slots():
     # a concatenating cache copies every layer's K/V at every step (O(history) per token and stream)
     model = model_in("gemma3_text", torch.float32)  # sliding and full layers
-    scheduler = Scheduler(model, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS))
     request = BatchRequest(prompt(40)[0], max_new_tokens=6, stop_ids=())
     handle = scheduler.submit(request)
     scheduler.step()
@@ -143,7 +144,7 @@ def test_a_long_stream_decodes_in_a_pool_of_its_own_with_the_answer_it_has_alone
     model = model_in("gemma3_text", torch.bfloat16)
     batch = requests(4)
     batch.insert(2, BatchRequest(prompt(600, seed=9)[0], max_new_tokens=4))
-    scheduler = Scheduler(model, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS))
     handles = [scheduler.submit(r) for r in batch]
     while scheduler.running < len(batch):
         scheduler.step()
@@ -189,14 +190,14 @@ def test_a_slot_past_its_room_grows_the_pool_and_keeps_every_slot():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rows_with_their_own_caches_and_pooled_rows_share_a_step_with_the_answers_alone(monkeypatch, dtype):
-    # a cache a pool cannot hold keeps its own room (kvstate._compat.room) and attends alone, in the same forward as
+    # a cache a pool cannot hold keeps its own room (kvstate.engine.room) and attends alone, in the same forward as
     # pooled rows; which streams are pooled is a property of each stream (here: its history's parity), as in use
     model = model_in("llama", dtype)
     real = Pool.poolable
     odd = staticmethod(lambda cache: real(cache) and cache.layers[0].keys.shape[-2] % 2 == 1)
     monkeypatch.setattr(Pool, "poolable", odd)
     batch = requests(6)  # histories of 3, 14, 25, ... tokens: odd ones pooled
-    scheduler = Scheduler(model, rows=ROWS)
+    scheduler = Scheduler(model, batch_settings(model, rows=ROWS))
     handles = [scheduler.submit(r) for r in batch]
     while scheduler.running < len(batch):
         scheduler.step()
@@ -214,11 +215,11 @@ def test_static_shapes_attend_over_the_whole_capacity_with_the_bits_of_the_bucke
     seen: dict[bool, list[tuple]] = {True: [], False: []}
     real = pool_module.Step.attend
 
-    def watched(self, layer, query, scaling):
+    def watched(self, layer, query, scaling, path=None):
         _, mask, L = self._group(layer)
         seen[self.pool.fixed].append((self.pool.keys[layer].data_ptr(), tuple(self.pool.keys[layer].shape),
                                       tuple(mask.shape), L))
-        return real(self, layer, query, scaling)
+        return real(self, layer, query, scaling, path)
 
     monkeypatch.setattr(pool_module.Step, "attend", watched)
     model = model_in(arch, dtype)
@@ -243,15 +244,17 @@ def test_the_math_kernel_of_the_pooled_call_is_sdpa_to_rounding():
     mask[0, ..., 0] = True
     want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=0.3)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pool_module, "MATH_DEVICES", {"cpu"})
-        got = pool_module.pooled_sdpa(q, keys, values, mask, 0.3)
+        patch.setattr(kernel_rule, "MATH_DEVICES", {"cpu"})
+        path = kernel_rule.choose("cpu", q.dtype, 8, "none", groups=2, decode="pooled", free=lambda _: True)
+        got = pool_module.pooled_sdpa(q, keys, values, mask, 0.3, path)
+    assert path == kernel_rule.Path("math", "dense", "pooled")
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_with_the_math_kernel_the_pooled_call_keeps_batched_equal_alone(monkeypatch, dtype):
     # CUDA's pooled path run on the CPU: the padding probe is run on the math kernel, and the answers stay alone's
-    monkeypatch.setattr(pool_module, "MATH_DEVICES", {"cpu"})
+    monkeypatch.setattr(kernel_rule, "MATH_DEVICES", {"cpu"})
     monkeypatch.setattr(pool_module, "_FREE", {})
     calls, real = [], pool_module.pooled_sdpa
     monkeypatch.setattr(pool_module, "pooled_sdpa", lambda *a: calls.append(1) or real(*a))

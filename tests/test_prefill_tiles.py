@@ -1,6 +1,6 @@
 """Issue 25: prefill chunks in tiles, alone or packed with other prompts' chunks, with the same bits.
 
-``Session(prefill_rows=R)`` runs each prefill chunk as a tiled forward (``kvstate.engine.prefill``);
+``Session(prefill_rows=R)`` runs each prefill chunk as a tiled forward (``kvstate.engine.batched.prefill``);
 ``Session.extend_many`` (what ``kvstate.batch`` admits prompts with) packs the chunks of a round into
 one forward. Hypothesis drives the prompt lengths, the states they continue, the canonical chunk and
 the tile, on a llama and a gemma3_text (sliding window shorter than the histories) in float32 and
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstate import Session
-from kvstate.batch import BatchRequest, Done, Scheduler
-from kvstate.engine import prefill
+from kvstate.batch import BatchRequest, Done, Scheduler, batch_settings
+from kvstate.engine.batched import prefill
 from kvstate.errors import ScheduleWarning
 from tiny import assert_same_state, prompt, tiny_model
 
@@ -96,7 +96,7 @@ def test_a_step_admits_its_prompts_in_one_packed_forward_and_defers_a_shared_chu
     run = prefill.Tiled.run
     monkeypatch.setattr(prefill.Tiled, "run",
                         lambda self, engine, pieces: forwards.append(len(pieces)) or run(self, engine, pieces))
-    scheduler = Scheduler(model, rows=4, canonical_chunk=8)
+    scheduler = Scheduler(model, batch_settings(model, rows=4, canonical_chunk=8))
     system = prompt(16, seed=5)[0]  # two whole chunks shared by the last two prompts
     requests = [BatchRequest(prompt(5 + 3 * i, seed=i)[0], max_new_tokens=2) for i in range(4)]
     requests += [BatchRequest(torch.cat([system, prompt(4 + i, seed=9 + i)[0]]), max_new_tokens=2) for i in range(2)]
@@ -116,7 +116,7 @@ def test_a_step_admits_its_prompts_in_one_packed_forward_and_defers_a_shared_chu
 
 
 def test_the_head_runs_in_the_decodes_tile_and_the_body_in_the_prefills():
-    from kvstate._compat import kernels
+    from kvstate.engine.batched import kernels
 
     if not kernels.available():
         pytest.skip("this torch has no oneDNN linear kernels")
@@ -130,7 +130,7 @@ def test_the_head_runs_in_the_decodes_tile_and_the_body_in_the_prefills():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_after_the_probe_the_tiled_prefill_skips_the_tiling_mode_with_the_same_bits(arch):
-    from kvstate._compat import kernels
+    from kvstate.engine.batched import kernels
 
     if not kernels.available():
         pytest.skip("this torch has no oneDNN linear kernels: the tiling mode computes the tiles")
@@ -152,7 +152,7 @@ def test_after_the_probe_the_tiled_prefill_skips_the_tiling_mode_with_the_same_b
 def test_after_the_census_a_prefill_runs_all_its_rows_in_one_call_with_the_tiles_bits(dtype, monkeypatch):
     # oneDNN's prepacked kernels give a row the bits of its tile for any row count (probed per count, rows_free),
     # so the body's products take all rows at once: the weights read once, not once a tile
-    from kvstate._compat import kernels
+    from kvstate.engine.batched import kernels
 
     if not kernels.available():
         pytest.skip("this torch has no oneDNN linear kernels")

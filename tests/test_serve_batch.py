@@ -270,8 +270,8 @@ def test_batch_prepack_chooses_the_tiles_kernels_and_either_answers_as_plain_gen
     """--batch-prepack on (the default) runs the tiles on prepacked weights, off on torch's F.linear; the prompts
     of a step are prefilled in 32-row tiles, or (--batch-prefill-rows 0) each in plain forwards: other bits,
     each as exact (greedy text equals plain generate's, concurrent answers equal alone)."""
-    from kvstate._compat.kernels import available
     from kvstate.cli import _parser
+    from kvstate.engine.batched.kernels import available
 
     model, tokenizer = tiny
     parse = _parser().parse_args
@@ -281,7 +281,7 @@ def test_batch_prepack_chooses_the_tiles_kernels_and_either_answers_as_plain_gen
     for prepack, rows in ((True, 32), (False, 32), (True, 0)):  # 0: each prompt in plain forwards of its own
         server = make_server(model, tokenizer, max_batch=4, batch_prepack=prepack, batch_prefill_rows=rows)
         assert bool(server.runner.scheduler._packed.linears) is (prepack and available())
-        assert server.runner.scheduler.prefill_rows == server.runner.kernels["prefill_rows"] == rows
+        assert server.runner.scheduler.settings.prefill_rows == server.runner.settings.prefill_rows == rows
         with live(server) as url:
             together: list = [None] * 4
             threads = [threading.Thread(target=lambda i=i, out=together: out.__setitem__(i, ask(client(url), 2 * i,
@@ -299,15 +299,61 @@ def test_a_server_batches_by_default_on_a_gpu_and_serves_one_at_a_time_on_a_cpu(
     """--max-batch unset: the device's default (16 on CUDA, where a decode step reads the weights once whatever its
     rows; 1 on a CPU), and the canonical chunk the device's too (64 on a CPU without marks)."""
     from kvstate.cli import _parser
-    from kvstate.serve.batching import BatchRunner
     from kvstate.serve.server import default_batch
 
     model, tokenizer = tiny
     assert _parser().parse_args(["serve"]).max_batch is None
     assert (default_batch("cuda"), default_batch("cpu"), default_batch("mps")) == (16, 1, 1)
     server = Server(model, tokenizer, "tiny:llama", Settings(turn_marks=False))
-    assert server.max_batch == 1 and not isinstance(server.runner, BatchRunner) and server.canonical_chunk == 64
+    assert server.max_batch == 1 == server.runner.settings.batching.max_batch and server.canonical_chunk == 64
     server.close()
     batched = Server(model, tokenizer, "tiny:llama", Settings(max_batch=4))
-    assert batched.max_batch == 4 and isinstance(batched.runner, BatchRunner)
+    assert batched.max_batch == 4 == batched.runner.settings.batching.max_batch
     batched.close()
+
+
+SEEDED = [{"temperature": 0.9, "top_p": 0.95, "seed": 11}, {"temperature": 1.3, "seed": 5},
+          {"temperature": 0.7, "top_p": 0.6, "seed": 2024, "extra_body": {"top_k": 20}},
+          {"temperature": 1.0, "seed": 7, "logprobs": True, "top_logprobs": 2}]
+
+
+def test_a_seeded_sampled_answer_is_the_same_at_max_batch_one_and_eight(tiny):
+    """One seed rule: a request's seed draws what ``torch.manual_seed(seed); model.generate(...)`` draws (the
+    sampler's generator seeded so, at every batch size), so a seeded sampled request gets the same answer from a
+    one-at-a-time server and from a batched one serving it among others; both are plain generate's."""
+    import torch
+
+    model, tokenizer = tiny
+    renderer = Renderer(tokenizer)
+
+    def answer(url: str, i: int) -> tuple:
+        messages = [{"role": "user", "content": f"Tell me about {TOPICS[i]}."}]
+        r = client(url).chat.completions.create(model="tiny:llama", messages=messages, max_tokens=12, **SEEDED[i])
+        lp = r.choices[0].logprobs
+        return r.choices[0].message.content, None if lp is None else [t.model_dump() for t in lp.content]
+
+    answers = {}
+    for max_batch in (1, 8):
+        server = make_server(model, tokenizer, max_batch=max_batch, batch_gather_ms=500)
+        with live(server) as url:
+            got: list = [None] * len(SEEDED)
+            threads = [threading.Thread(target=lambda i=i, out=got: out.__setitem__(i, answer(url, i)))
+                       for i in range(len(SEEDED))]
+            fillers = [threading.Thread(target=lambda i=i: ask(client(url), 2 * i, False)) for i in range(3)]
+            for t in [*threads, *fillers]:
+                t.start()
+            for t in [*threads, *fillers]:
+                t.join(timeout=300)
+            assert server.runner.peak == (1 if max_batch == 1 else 7), server.runner.peak
+        answers[max_batch] = got
+    # the same tokens; logprobs are each decode kernel's (one-row, or 16-row tiles: equal to rounding)
+    tokens = {n: [(text, lp and [t["token"] for t in lp]) for text, lp in got] for n, got in answers.items()}
+    assert tokens[1] == tokens[8]
+    for i, body in enumerate(SEEDED):  # the oracle: plain generate, seeded with the global generator
+        ids = torch.tensor([renderer.chat([{"role": "user", "content": f"Tell me about {TOPICS[i]}."}]).ids])
+        torch.manual_seed(body["seed"])
+        new = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=12,
+                             temperature=body["temperature"], top_p=body.get("top_p", 1.0),
+                             top_k=body.get("extra_body", {}).get("top_k", 0))[0, ids.shape[1]:]
+        text = tokenizer.decode(new.tolist(), skip_special_tokens=True)
+        assert answers[1][i][0] == text.split("\nUser:")[0], i

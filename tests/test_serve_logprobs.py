@@ -307,7 +307,9 @@ def test_the_servers_streamer_sends_only_final_text(kind, case, logprobs):
     """The server's streamer, fed one token at a time: text (or per-token pieces with logprobs) goes out only
     once final, never a replacement character of a split character nor the start of a stop string, and
     what went out is the answer (and its logprobs)."""
-    from kvstate.serve.runner import Job, _Streamer
+    from kvstate.serve.logprobs import step_of
+    from kvstate.serve.runner import Job
+    from kvstate.serve.streaming import Streamer
 
     tokenizer = _tokenizer(kind)
     generated, stop = ANSWERS[case]
@@ -319,13 +321,11 @@ def test_the_servers_streamer_sends_only_final_text(kind, case, logprobs):
     out: list = []
     job = Job("default", None, request, on_text=None if logprobs else out.append,  # type: ignore[arg-type]
               on_token=(lambda piece, item: out.append((piece, item))) if logprobs else None)
-    streamer = _Streamer(tokenizer, job)
-    streamer.put(torch.tensor([1, 2]))  # the history echo
+    streamer = Streamer(tokenizer, job)
     torch.manual_seed(0)
     for token in tokens:
-        if logprobs is not None:
-            streamer.put_logits(torch.randn(1, len(tokenizer)))
-        streamer.put(torch.tensor([token]))
+        step = None if logprobs is None else step_of(torch.randn(len(tokenizer)), token, logprobs)
+        streamer.add(token, step)
         pieces_so_far = [p if isinstance(p, str) else p[0] for p in out]
         assert "\ufffd" not in "".join(pieces_so_far)  # no answer here holds one
         assert not stop or stop not in "".join(pieces_so_far)

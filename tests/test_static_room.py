@@ -1,4 +1,4 @@
-"""A decode writes each step's K/V into room reserved for the answer (``kvstate._compat.room``): the buffers keep
+"""A decode writes each step's K/V into room reserved for the answer (``kvstate.engine.room``): the buffers keep
 their addresses from step to step, as a captured CUDA graph needs, and nothing is concatenated. It must change
 no bit: the answer, every step's logits and the state after it equal the decode that concatenates (transformers'
 own ``DynamicLayer.update``), in every family and dtype; and the state owns contiguous K/V, no room."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstate import Session
-from kvstate._compat import room
+from kvstate.engine import room
 from tiny import assert_same_state, prompt, tiny_model
 
 FAMILIES = ["llama", "gemma3_text", "qwen3_vl", "lfm2", "mamba"]

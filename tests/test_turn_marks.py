@@ -114,14 +114,15 @@ def test_marks_travel_in_state_files_and_another_schedule_starts_over(tmp_path):
 def test_the_default_chunk_holds_a_turn_with_marks_and_a_short_tail_without(tmp_path):
     """C defaults to 256 with marks (a turn starts on a cut, so C only has to hold the turn) and to 64 without
     (every turn re-feeds the tail since the last multiple of C); a loaded state keeps its own C."""
-    from kvstate.batch import Scheduler
+    from kvstate.batch import Scheduler, batch_settings
     from kvstate.schedule import MARKED_CHUNK, POSITION_CHUNK
 
     model = model_in("llama")
     assert (MARKED_CHUNK, POSITION_CHUNK) == (256, 64)
     assert Session(model).canonical_chunk == 64 and Session(model, canonical_marks=MARKS).canonical_chunk == 256
     assert Session(model, canonical_chunk=C, canonical_marks=MARKS).canonical_chunk == C
-    assert Scheduler(model, canonical_marks=MARKS).canonical_chunk == 256 and Scheduler(model).canonical_chunk == 64
+    assert Scheduler(model, batch_settings(model, canonical_marks=MARKS)).canonical_chunk == 256
+    assert Scheduler(model).canonical_chunk == 64
     s = Session(model, canonical_marks=MARKS)
     turn = user_turn(200, seed=4)  # 202 tokens: one forward at C = 256, as the cold run
     run(s, turn)
@@ -137,10 +138,10 @@ def test_the_server_takes_256_with_the_templates_marks_and_64_without():
 
     model, tokenizer = load("tiny:llama")
     marked, plain = Server(model, tokenizer, "t"), Server(model, tokenizer, "t", Settings(turn_marks=False))
-    assert marked.marks and (marked.canonical_chunk, marked.runner.canonical_chunk) == (256, 256)
-    assert not plain.marks and (plain.canonical_chunk, plain.runner.canonical_chunk) == (64, 64)
+    assert marked.marks and (marked.canonical_chunk, marked.runner.settings.canonical_chunk) == (256, 256)
+    assert not plain.marks and (plain.canonical_chunk, plain.runner.settings.canonical_chunk) == (64, 64)
     off = Server(model, tokenizer, "t", Settings(canonical_chunk=0))
-    assert off.runner.canonical_chunk == 0
+    assert off.runner.settings.canonical_chunk == 0
     for server in (marked, plain, off):
         server.close()
 
@@ -244,10 +245,10 @@ def test_a_request_sent_while_a_settle_waits_runs_first_and_the_settle_is_kept(m
     again, so its chat's next turn still reuses everything before the new user message."""
     from tests.serving import chat_turn, client, live, make_server, reference
 
-    from kvstate.serve import runner
+    from kvstate.serve import settle
     from kvstate.serve.cli import load
 
-    monkeypatch.setattr(runner, "SETTLE_GRACE", 60.0)
+    monkeypatch.setattr(settle, "SETTLE_GRACE", 60.0)
     model, tokenizer = load("tiny:llama")
     server = make_server(model, tokenizer, max_batch=max_batch)
     chats = {name: [{"role": "user", "content": f"I am {name}. Where is the sea?"}] for name in ("Ada", "Ben")}
@@ -259,11 +260,11 @@ def test_a_request_sent_while_a_settle_waits_runs_first_and_the_settle_is_kept(m
             answer, _ = chat_turn(api, messages, stream=False, max_tokens=8)
             assert answer == reference(model, tokenizer, prompts[name].ids, 8)
             messages.append({"role": "assistant", "content": answer})
-        assert len(server.runner._unsettled) == 2  # neither settled yet: the model thread waits for a request
-        monkeypatch.setattr(runner, "SETTLE_GRACE", 0.0)
+        assert len(server.runner.settler.waiting) == 2  # neither settled yet: the model thread waits for a request
+        monkeypatch.setattr(settle, "SETTLE_GRACE", 0.0)
         server.runner._arrived.set()  # end the 60 s wait (the settles are kept), then run them with no grace
-        server.runner._executor.submit(server.runner._settle_idle).result()
-        assert not server.runner._unsettled
+        server.runner._executor.submit(server.runner.settler.settle_idle).result()
+        assert not server.runner.settler.waiting
         for name, messages in chats.items():
             settled = server.renderer.following(prompts[name], messages[-1]["content"])
             messages.append({"role": "user", "content": "And the sky?"})
@@ -284,10 +285,10 @@ def test_a_client_that_never_pauses_reuses_as_much_as_one_that_pauses(max_batch,
     plain ``model.generate``'s on the rendered history (on another instance of the model)."""
     from tests.serving import chat_turn, client, live, make_server, reference
 
-    from kvstate.serve import runner
+    from kvstate.serve import settle
     from kvstate.serve.cli import load
 
-    monkeypatch.setattr(runner, "SETTLE_GRACE", 60.0)
+    monkeypatch.setattr(settle, "SETTLE_GRACE", 60.0)
     model, tokenizer = load("tiny:llama")
     server = make_server(model, tokenizer, max_batch=max_batch)
     messages, turns = [{"role": "system", "content": "You are terse."}], []
@@ -309,24 +310,24 @@ def test_a_client_that_never_pauses_reuses_as_much_as_one_that_pauses(max_batch,
 
 def test_a_waiting_settle_lets_go_of_a_state_the_pool_evicted(monkeypatch):
     """A settle kept for later holds its state only while the pool does: once the pool evicts it, the runner drops
-    it too (``_forget_unpooled``, before every settling pass), so waiting settles never keep K/V past the pool's
+    it too (``Settler.forget_unpooled``, before every settling pass), so waiting settles never keep K/V past the pool's
     byte budget."""
     from tests.serving import chat_turn, client, live, make_server
 
     from kvstate.serve.cli import load
-    from kvstate.serve.runner import Runner
+    from kvstate.serve.settle import Settler
 
-    monkeypatch.setattr(Runner, "_settle_idle", lambda self: None)  # the settles wait; nothing races the checks
+    monkeypatch.setattr(Settler, "settle_idle", lambda self: None)  # the settles wait; nothing races the checks
     model, tokenizer = load("tiny:llama")
     server = make_server(model, tokenizer)
     with live(server) as url:
         api = client(url)
         chat_turn(api, [{"role": "user", "content": "I am Ada."}], stream=False, max_tokens=8)
-        namespace, ada = server.runner._unsettled[-1].namespace, server.runner._unsettled[-1].state
+        namespace, ada = server.runner.settler.waiting[-1].namespace, server.runner.settler.waiting[-1].state
         server.pool.max_bytes = ada.nbytes * 3 // 2  # room for one such state: the next reply evicts Ada's
         chat_turn(api, [{"role": "user", "content": "I am Ben."}], stream=False, max_tokens=8)
-        ben = server.runner._unsettled[-1].state
-        assert len(server.runner._unsettled) == 2
+        ben = server.runner.settler.waiting[-1].state
+        assert len(server.runner.settler.waiting) == 2
         assert server.pool.holds(namespace, ben) and not server.pool.holds(namespace, ada)
-        server.runner._executor.submit(server.runner._forget_unpooled).result()  # on the model thread, as it runs
-        assert len(server.runner._unsettled) == 1 and server.runner._unsettled[0].state is ben
+        server.runner._executor.submit(server.runner.settler.forget_unpooled).result()  # on the model thread
+        assert len(server.runner.settler.waiting) == 1 and server.runner.settler.waiting[0].state is ben

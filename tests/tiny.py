@@ -96,7 +96,7 @@ def count_forwards(model):
 
 def wait_quiet(model, gap: float = 0.2, timeout: float = 30.0) -> None:
     """Return once ``model`` ran no forward for ``gap`` seconds: a server settles a finished reply on its
-    model thread after a short grace (``kvstate.serve.runner.SETTLE_GRACE``), which a test counting the
+    model thread after a short grace (``kvstate.serve.settle.SETTLE_GRACE``), which a test counting the
     forwards of its own next request must not count."""
     import time
 

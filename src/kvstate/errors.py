@@ -90,10 +90,6 @@ class DefaultModelError(KVStateError):
     """An embedded model (the default Gemma-3-270M, or SmolLM2-135M) could not be located or loaded."""
 
 
-class VerificationError(KVStateError):
-    """``kvstate verify`` found a kvstate path that differs from the fresh reference."""
-
-
 class StateFileError(KVStateError):
     """A state file is truncated, corrupted, of another format version, or malformed."""
 

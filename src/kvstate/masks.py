@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from . import _compat
 from ._compat.attention import mask_format
+from ._compat.core import attention_implementation, decoder_layers
+from ._compat.generation import own_thread
 from .errors import UnsupportedError
 from .layers import AttentionLayerState, LayerState
 
@@ -43,16 +44,16 @@ def layer_masks(model: Any, layers: tuple[LayerState, ...], queries: Any) -> Ite
     ``queries.current`` holds the positions ``[B, Q(, R)]`` of the tokens in the forward
     that is running (the engine's ``Recorder`` sets it before the decoder runs).
     """
-    backend = mask_format(_compat.attention_implementation(model))
+    backend = mask_format(attention_implementation(model))
     if backend not in _BACKENDS:
         raise UnsupportedError("compressed states need per-layer masks", expected=_BACKENDS, found=backend,
                                fix="load the model with attn_implementation='sdpa' or 'eager'")
     plan = _Plan(layers, queries, backend)
     handles = []
     try:
-        for i, decoder_layer in enumerate(_compat.decoder_layers(model)):
+        for i, decoder_layer in enumerate(decoder_layers(model)):
             if isinstance(layers[i], AttentionLayerState):
-                handles.append(decoder_layer.register_forward_pre_hook(_compat.own_thread(plan.layer_hook(i)),
+                handles.append(decoder_layer.register_forward_pre_hook(own_thread(plan.layer_hook(i)),
                                                                        with_kwargs=True))
         yield
     finally:

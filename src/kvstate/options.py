@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from ._compat.generation import prepare_generation_config
 from .errors import GenerationOptionError, InputError, UnsupportedError
 
 # generate() parameters that are not generation-config fields; they pass through unchanged.
@@ -85,7 +85,7 @@ def resolve(model: torch.nn.Module, kwargs: dict[str, Any]) -> GenerateOptions:
                                    fix=f"call model.generate directly for {key}")
     config_kwargs = {k: v for k, v in kwargs.items() if k not in PASS_THROUGH}
     try:
-        config, model_kwargs = _compat.prepare_generation_config(model, kwargs.get("generation_config"),
+        config, model_kwargs = prepare_generation_config(model, kwargs.get("generation_config"),
                                                                  config_kwargs)
     except (TypeError, ValueError, AttributeError) as exc:
         raise InputError("invalid generation options", found=f"{type(exc).__name__}: {exc}",

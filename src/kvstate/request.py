@@ -21,7 +21,6 @@ import torch
 
 from .adapters.binding import Binding
 from .compress.during import Budget, plan_rounds, split_options
-from .engine.values import Feed
 from .errors import (
     BatchMismatchError,
     EmptyStateError,
@@ -38,6 +37,19 @@ from .protocols import PrefixQuery
 from .state import MediaItem, State
 
 IdsLike = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Feed:
+    """New tokens for the model: ``ids`` ``[B, Q]``, ``mask`` ``[B, T + Q]`` over processed + new
+    slots, their ``positions`` ``[B, Q(, R)]``, the model inputs that belong to them (pixels), and
+    the media ``spans`` ``[start, end)`` among them, as absolute slots (never split by a chunk)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    inputs: Mapping[str, torch.Tensor]
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,6 +246,19 @@ def mask_difference(expected: torch.Tensor, found: torch.Tensor) -> str:
     first = ", ".join(f"row {b} slot {t}: {int(found[b, t])} (state: {int(expected[b, t])})"
                       for b, t in where[:3].tolist())
     return f"{len(where)} of {expected.numel()} slots differ; {first}{', ...' if len(where) > 3 else ''}"
+
+
+def check_given(settings: object, kind: type, keywords: Mapping[str, object],
+                defaults: Mapping[str, object]) -> Any:
+    """``settings=`` (an instance of ``kind``) given instead of the setting keywords, which stay at ``defaults``."""
+    if not isinstance(settings, kind):
+        raise InputError("settings= takes a kvstate.settings.Settings", expected=kind.__name__,
+                         found=type(settings).__name__, fix="pass kvstate.settings.Settings(...), or the keywords")
+    given = sorted(k for k, v in keywords.items() if v != defaults[k])
+    if given:
+        raise InputError("pass either settings= or the setting keywords", expected="one of the two",
+                         found=f"settings= and {given}", fix="put those values into the Settings")
+    return settings
 
 
 def check_many(sessions: Sequence[tuple[object, object]], n_ids: int) -> None:

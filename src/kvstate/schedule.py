@@ -59,11 +59,10 @@ MIN_SEGMENT = 8  # a mark closer than this to the previous segment start (a BOS 
 # docs/gpu.md). Cutting at positions, a resume re-feeds the tail since the last multiple of C (so C is small) and a
 # cold prefill pays for small chunks (so not too small); with turn marks a turn starts on a cut, so C only needs to
 # hold a turn: up to C tokens, one forward.
-# * cpu (bench/bench_canonical.py, 2 cores): a forward costs about its tokens, so a small C is cheap: 64, and 256
-#   with turn marks.
-# * cuda (one H200, an 8B shape in bf16, 4k-token history): an eager forward costs 30-60 ms of kernel launches
-#   whatever its length, so the forward count decides: C = 512 made the cold prefill 7x cheaper than C = 64
-#   (579 vs 3,987 ms) for +6 ms on a 16-token warm turn (92 vs 86 ms). ``scripts/device_run.py`` measures it again.
+# * cpu (bench/bench_canonical.py): a forward costs about its tokens, so a small C is cheap: 64, and 256 with
+#   turn marks.
+# * cuda: an eager forward costs a fixed price of kernel launches whatever its length, so the forward count
+#   decides: 512 (docs/benchmarks.md; ``scripts/device_run.py`` measures it again).
 # Other devices take the CPU's values until they are measured.
 POSITION_CHUNK = 64
 MARKED_CHUNK = 256

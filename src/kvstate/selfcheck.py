@@ -34,14 +34,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import _compat, verdict_cache
+from . import verdict_cache
+from ._compat.core import observe_layout
 from ._compat.scan import mixers
 from .adapters import Adapter
 from .adapters.base import registered
 from .adapters.binding import Binding, bound
 from .adapters.structural import StructuralAdapter, structural_caps
-from .engine import Engine, FeedSettings
+from .engine import Engine
 from .errors import UnsupportedError, UnsupportedModelError
+from .settings import Settings
 from .state import State
 
 PROBE_VERSION = 4  # bump when the probe changes, so cached verdicts are redone
@@ -49,7 +51,7 @@ PROBE_VERSION = 4  # bump when the probe changes, so cached verdicts are redone
 _WINDOW_FIELDS = ("sliding_window", "attention_window_size", "keep_window_size", "index_topk", "window_size",
                   "local_window_size", "attention_chunk_size")
 _MODES = ("exact", "exact-scan", "stepwise", "refused")
-_SETTINGS = FeedSettings(chunk_size=64, checkpoint_every=None, max_checkpoints=4)
+_SETTINGS = Settings(chunk_size=64, canonical_chunk=0, max_checkpoints=4)
 
 
 @dataclass(frozen=True)
@@ -86,13 +88,13 @@ def adapter_for(model: torch.nn.Module) -> Adapter:
 
 def structural_adapter(model: torch.nn.Module) -> StructuralAdapter:
     """The structural adapter before the self-check: capabilities from the signature and config, the
-    cache layout from one short forward (``_compat.observe_layout``)."""
+    cache layout from one short forward (``_compat.core.observe_layout``)."""
     try:
         caps = structural_caps(model)
     except UnsupportedError as exc:
         raise UnsupportedModelError(str(exc).split("; ")[0], found=exc.found, fix=exc.fix) from exc
     try:
-        specs = _compat.observe_layout(model, _random_ids(model, 4))
+        specs = observe_layout(model, _random_ids(model, 4))
     except UnsupportedError as exc:
         raise UnsupportedModelError(str(exc).split("; ")[0], found=exc.found, fix=exc.fix) from exc
     except Exception as exc:  # the model cannot run on a plain transformers cache

@@ -12,6 +12,7 @@ the state's schedule (``kvstate.settings``).
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -31,7 +32,7 @@ from .request import Extension, IdsLike, Request
 from .resume import ResumePlan
 from .schedule import Canonical
 from .selfcheck import bind, vocab_size
-from .settings import SessionSettings, check_continues, resolve
+from .settings import Settings, check_continues, fitted, resolve
 from .state import MediaItem, State
 
 
@@ -39,7 +40,7 @@ class Session:
     """Owns the generation state of one conversation batch on one model (one thread at a time; sessions sharing a
     model may run in different threads: the engine serializes their runs).
 
-    Args (``None``: the given ``state``'s own, else the default; every setting: ``kvstate.settings.SessionSettings``):
+    Args (``None``: the given ``state``'s own, else the default; every setting: ``kvstate.settings.Settings``):
         model: a transformers causal LM whose family kvstate supports; ``tokenizer``: only hashed into the fingerprint.
         canonical_chunk: ``C`` of the canonical schedule (warm = cold bit for bit); 0: off. Default: the device's.
         canonical_marks: token ids that start a turn (``kvstate.text.turn_marks``): cuts also fall there.
@@ -48,6 +49,8 @@ class Session:
         store, sources: ``PrefixCache`` s asked for prefixes and offered new states (a ``PrefixStore``, a pool).
         state: start from this state (checked against the model). fingerprint: ``kvstate.fingerprint(model,
             tokenizer)`` computed once by the caller (a server's sessions).
+        settings: a ``kvstate.settings.Settings`` made by the caller (a ``Scheduler``'s, a server's), instead of
+            the setting keywords above.
     """
 
     def __init__(self, model: torch.nn.Module, *, tokenizer: object | None = None, chunk_size: int = 512,
@@ -55,16 +58,20 @@ class Session:
                  checkpoint_every: int | None = None, store: PrefixCache | None = None,
                  sources: Sequence[PrefixCache] = (), state: State | None = None,
                  canonical_marks: Sequence[int] | None = None, prefill_rows: int | None = None, prepack: bool = True,
-                 invariant: bool = True, fingerprint: Fingerprint | None = None) -> None:
+                 invariant: bool = True, fingerprint: Fingerprint | None = None,
+                 settings: Settings | None = None) -> None:
         checks.check_model_object(model)
         check_session_args(tokenizer, state, (*([] if store is None else [store]), *sources))
         self.model = model
         self._binding = bind(model)
         self._engine = Engine(self._binding)
-        self.settings: SessionSettings = resolve(
-            model, state, stepwise=self._binding.caps.stepwise, chunk_size=chunk_size, canonical_chunk=canonical_chunk,
-            canonical_marks=canonical_marks, sliding_reserve=sliding_reserve, max_checkpoints=max_checkpoints,
-            checkpoint_every=checkpoint_every, prefill_rows=prefill_rows, prepack=prepack, invariant=invariant)
+        keywords = dict(chunk_size=chunk_size, canonical_chunk=canonical_chunk, canonical_marks=canonical_marks,
+                        sliding_reserve=sliding_reserve, max_checkpoints=max_checkpoints,
+                        checkpoint_every=checkpoint_every, prefill_rows=prefill_rows, prepack=prepack,
+                        invariant=invariant)
+        stepwise = self._binding.caps.stepwise
+        self.settings: Settings = resolve(model, state, stepwise=stepwise, **keywords) if settings is None else \
+            fitted(model, checks.check_given(settings, Settings, keywords, _DEFAULTS), stepwise=stepwise)
         self.store = store  # may be replaced or set to None later; it is read on every call
         self.sources: tuple[PrefixCache, ...] = tuple(sources)
         self._fingerprint = fingerprint or fingerprint_of(model, tokenizer)
@@ -156,7 +163,7 @@ class Session:
         ``attention_mask`` ``[B, T + Q]`` covers processed + new slots (None: no padding in the new ones);
         ``position_ids`` ``[B, Q]`` must continue the state (checked); ``inputs``: the media of these tokens."""
         state, ext = self._extension(input_ids, attention_mask, position_ids, inputs)
-        new = self._engine.feed(state, ext.feed, self.settings.feed())
+        new = self._engine.feed(state, ext.feed, self.settings)
         self._extended(state, new, ext.media)
         return new.last_logits.clone()  # type: ignore[union-attr]
 
@@ -168,7 +175,7 @@ class Session:
         checks.check_many([(s.model, s.settings) for s in sessions], len(input_ids))
         planned = [s._extension(ids, None, None, {}) for s, ids in zip(sessions, input_ids, strict=True)]
         new = sessions[0]._engine.feed_many([p[0] for p in planned], [p[1].feed for p in planned],
-                                            sessions[0].settings.feed()) if sessions else []
+                                            sessions[0].settings) if sessions else []
         for session, (old, ext), state in zip(sessions, planned, new, strict=True):
             session._extended(old, state, ext.media)
 
@@ -184,7 +191,7 @@ class Session:
     def run(self, input_ids: IdsLike, attention_mask: torch.Tensor | None = None, **generate_kwargs: Any) -> Outcome:
         """``generate``, returning the whole ``Outcome`` (new ids, output, slots reused, ``finish_reason`` s)."""
         request, plan = self._planned(input_ids, attention_mask, generate_kwargs)
-        outcome = self._engine.run(plan, request, self.settings.feed())
+        outcome = self._engine.run(plan, request, self.settings)
         self._offer(outcome, request)
         self._commit(outcome.state, plan)
         return outcome
@@ -210,7 +217,7 @@ class Session:
         if span is None:
             return 0
         ids = state.tokens if history is None else history[None]
-        self._commit(self._engine.refeed(state, ids, *span, self.settings.feed()))
+        self._commit(self._engine.refeed(state, ids, *span, self.settings))
         return span[1] - span[0]
 
     # ----- internals ---------------------------------------------------------------------
@@ -258,7 +265,7 @@ class Session:
     def _schedule(self, batch_size: int | None = None) -> Canonical:
         batch = self._state.batch_size if batch_size is None else batch_size
         s = self.settings
-        return Canonical(s.canonical_chunk, self._engine.kernels(batch, s.feed()), s.canonical_marks)
+        return Canonical(s.canonical_chunk, self._engine.kernels(batch, s), s.canonical_marks)
 
     def _ids(self, input_ids: IdsLike) -> torch.Tensor:
         return checks.as_ids(input_ids, self.device, vocab_size(self.model))
@@ -275,3 +282,7 @@ class Session:
             return self._empty(batch_size)
         checks.check_batch(state, batch_size)
         return state
+
+
+# what Session's keywords are when not given: a caller passing ``settings=`` leaves them so
+_DEFAULTS = {name: p.default for name, p in inspect.signature(Session.__init__).parameters.items()}

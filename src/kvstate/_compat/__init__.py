@@ -3,28 +3,8 @@
 ``versions`` holds the tested window (checked on ``import kvstate``), ``core`` the cache and
 model-side helpers, ``generation`` the seams of ``generate``, ``own_cache`` the models with a cache class of their own,
 ``scan`` the Mamba selective scan, ``watch`` the attention listener that compression scores with,
-``attention`` the attention path of kvstate's forwards (deterministic kernels on CUDA), ``packed`` the batched
-decode forward, ``pool`` its streams' K/V (one buffer a layer), ``room`` the in-place appends of caches it cannot
-pool and ``kernels`` its tiles' prepacked products (continuous batching). ``core`` loads
-on first attribute access, so the version gate runs before torch or transformers import.
+``attention`` the attention path of kvstate's forwards and the one rule that picks each call's kernel, ``appends``
+where a decode's K/V appends land in a cache layer, ``onednn`` torch's private oneDNN linear ops. Import a name
+from its module (``from kvstate._compat.core import layer_specs``): this package imports nothing itself, so
+``import kvstate`` runs the version gate before torch or transformers load.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_SUBMODULES = ("attention", "core", "generation", "kernels", "own_cache", "packed", "pool", "room", "scan", "versions",
-               "watch")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES or name.startswith("__"):  # let the import system load submodules itself
-        raise AttributeError(name)
-    for sub in ("core", "generation", "own_cache"):
-        module = importlib.import_module(f"{__name__}.{sub}")
-        if hasattr(module, name):
-            break
-    value = getattr(module, name)
-    globals()[name] = value
-    return value

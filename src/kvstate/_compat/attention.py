@@ -17,7 +17,11 @@ and mask alone:
 * calls with a positional bias, a soft cap, sinks or dropout run transformers' own ``sdpa`` function
   restricted to the math kernel.
 
-Which kernel a forward took is a function of its shape, so a cold run and a warm one take the same.
+``choose`` is the one rule for every attention call kvstate decides, on any device: these CUDA kernels, and
+the decode rows of a packed forward (``kvstate.engine.batched``), which run the grouped form or one pooled
+call per pool where that computes what the row's own call would; every other call runs the backend's own
+function (``own``: CPU kernels repeat their bits). Which kernel a forward took is a function of its shape,
+so a cold run and a warm one take the same.
 The path is part of a state's canonical identity (``kernels``: ``State.canonical_device`` records it), read
 from the backend the model was configured with (``configured_implementation``), never from the name swapped in
 while it runs. On CUDA that identity also names the GPU (``identity``): flash's split of the keys depends on
@@ -55,22 +59,46 @@ NOISE = 1e-3  # relative to the largest attention output of the call: small, lik
 _LOCAL = threading.local()  # this thread's mask classifications and kernel counts (``deterministic``)
 
 
+MATH_DEVICES = {"cuda"}  # device types where kvstate names each kernel: PyTorch's pick for a masked call can be cuDNN
+REDUCED = (torch.bfloat16, torch.float16)  # where the grouped decode form is the faster CPU kernel
+
+
 @dataclass(frozen=True)
 class Path:
-    """The kernel one attention call runs (``flash``, ``math``, ``sdpa-math``: transformers' function on
-    the math kernel) and the form its mask takes (``none``: every key visible; ``lower_right``: causal,
-    aligned to the last key; ``dense``: the mask tensor)."""
+    """How one attention call runs: its ``kernel`` (``flash``, ``math``, ``sdpa-math``: transformers' function on
+    the math kernel; ``sdpa``: PyTorch's SDPA, its own pick of kernel; ``own``: the backend's function as
+    transformers calls it), the form its mask takes (``none``: every key visible; ``lower_right``: causal,
+    aligned to the last key; ``dense``: the mask tensor, additive; ``bool``: a boolean mask tensor), and the
+    call's ``form``: ``call`` (the call as the model makes it), ``grouped`` (a packed decode row, the query heads
+    of each K/V head as the rows of one query) or ``pooled`` (every decode row of a pool in one call;
+    ``kvstate.engine.batched.packed`` and ``pool``)."""
 
     kernel: str
     mask: str
+    form: str = "call"
 
 
-def choose(device: str, dtype: torch.dtype, head_dim: int, mask: str, extras: bool = False) -> Path:
-    """The kernel of one attention call on ``device`` (a device type) with ``mask`` one of ``none``,
-    ``causal`` (exactly lower-right causal) or ``dense`` (anything else); ``extras``: a positional bias,
-    soft cap, sinks or dropout. Pure: a function of these values only (see the module docstring)."""
-    if device != "cuda":
-        raise ValueError(f"kvstate runs the attention of its own choice on CUDA only, not on {device}")
+def choose(device: str, dtype: torch.dtype, head_dim: int, mask: str, extras: bool = False, *,
+           backend: str = NAME, groups: int = 1, decode: str | None = None,
+           free: Callable[[Path], bool] | None = None) -> Path:
+    """The path of one attention call: the one rule for every attention kvstate runs (module docstring).
+
+    The call runs on ``device`` (a device type) in ``dtype`` with heads of ``head_dim`` (the wider of the query's
+    and the value's); ``mask`` is ``none``, ``causal`` (exactly lower-right causal) or ``dense`` (anything else);
+    ``extras``: a positional bias, soft cap, sinks, dropout or attention weights asked for; ``backend``: the
+    attention implementation the model runs (``sdpa``, ``NAME`` on CUDA, ``eager``...); ``groups``: query heads
+    per K/V head (0: not a whole number). ``decode`` marks a decode row of a packed forward whose tile is not
+    ``Session``'s one row: ``pooled`` where its stream holds a pool slot, else ``row``. ``free(path)``: the pool's
+    padding probe of a candidate pooled path, a measurement asked only where the rest allows one. Pure otherwise."""
+    sdpa = backend in ("sdpa", NAME) and not extras and groups > 0
+    if decode == "pooled" and sdpa and free is not None:
+        pooled = Path("math", "dense", "pooled") if device in MATH_DEVICES else Path("sdpa", "bool", "pooled")
+        if free(pooled):
+            return pooled
+    if decode is not None and sdpa and backend == "sdpa" and dtype in REDUCED and groups > 1:
+        return Path("sdpa", "none", "grouped")
+    if device not in MATH_DEVICES or backend != NAME:
+        return Path("own", mask)
     if extras:
         return Path("sdpa-math", "dense" if mask == "dense" else mask)
     plain = mask in ("none", "causal")

@@ -1,4 +1,4 @@
-"""Cache and model-side helpers over transformers internals (5.14 through 5.24; ``generation`` holds
+"""Cache and model-side helpers over transformers internals (5.14 through 5.25; ``generation`` holds
 the seams of ``generate``).
 
 What moves between transformers minor releases, and how this module follows it:
@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,8 +62,8 @@ _SPECS: dict[int, tuple[weakref.ref[Any], str, tuple[tuple[str, int | None], ...
 def layer_specs(config: object) -> list[tuple[str, int | None]]:
     """``(kind, window)`` per decoder layer, decided exactly as transformers decides it.
 
-    Remembered per config object while its attributes are unchanged: building the probe cache
-    costs ~0.3 ms, and every session and load asks (the load budget)."""
+    Remembered per config object while its attributes are unchanged: every session and load asks, and
+    building the probe cache costs more than the lookup."""
     try:
         key = repr(sorted(vars(config).items(), key=lambda item: item[0]))
     except TypeError:  # no __dict__: nothing to remember it by
@@ -433,6 +434,27 @@ def configured_implementation(model: Any) -> str:
             break
         name = before
     return name
+
+
+def attention_function(module: Any, name: str) -> Callable[..., Any]:
+    """The attention function ``module`` runs under backend ``name``: the registered one, or for ``eager`` the
+    eager attention of the module's own modeling file (softcaps, sinks and all), else Llama's."""
+    if name != "eager":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS[name]
+    found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if found is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as found
+    return found  # type: ignore[no-any-return]
+
+
+def register_attention(name: str, function: Callable[..., Any]) -> None:
+    """Register ``function`` in transformers' ``AttentionInterface`` as backend ``name`` (no mask function:
+    transformers builds no mask for it)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, function)
 
 
 def rope_inv_freq(model: Any) -> torch.Tensor:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedError
+from .core import attention_function
 
 NAME = "kvstate_watch"
 # listener(layer, query [B, Hq, q, D], weights [B, Hq, q, K], scaling, rope (cos, sin) [B, q, Dr] or None)
@@ -40,10 +40,7 @@ def _register() -> None:
 
 def _family_eager(module: Any) -> Callable[..., Any]:
     """The eager attention of ``module``'s own modeling file (softcaps, sinks and all), else Llama's."""
-    found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if found is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward as found
-    return found
+    return attention_function(module, "eager")
 
 
 def _watched_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from .._compat import core, generation
 from ..capabilities import Capabilities
 from ..layers import (
     AttentionLayerState,
@@ -42,7 +42,7 @@ class Adapter:
 
     def layer_specs(self, model: torch.nn.Module) -> list[tuple[str, int | None]]:
         """``(kind, window)`` per cache layer, as the config declares them."""
-        return _compat.layer_specs(self.text_config(model))
+        return core.layer_specs(self.text_config(model))
 
     def empty_layers(self, model: torch.nn.Module, sliding_reserve: int) -> tuple[LayerState, ...]:
         """One empty per-layer state per cache layer (``layer_specs``)."""
@@ -124,23 +124,23 @@ class Adapter:
 
     # ----- moving state in and out of the model -------------------------------------------
     def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
-        return _compat.build_cache(layers, self.text_config(model))
+        return core.build_cache(layers, self.text_config(model))
 
     def read_cache(self, model: torch.nn.Module, cache: Any, layers: tuple[LayerState, ...],
                    positions: torch.Tensor, tokens_seen: int) -> tuple[LayerState, ...]:
-        return _compat.read_cache(cache, layers, positions, tokens_seen)
+        return core.read_cache(cache, layers, positions, tokens_seen)
 
     def empty_cache(self, model: torch.nn.Module, batch_size: int) -> Any:
         """The cache ``generate`` is called with; the replaced prefill hands it the real one."""
-        return _compat.empty_cache(self.text_config(model))
+        return core.empty_cache(self.text_config(model))
 
     def cache_kwarg(self, model: torch.nn.Module) -> str:
         """The keyword the cache travels in, for ``forward`` and ``generate``."""
-        return self.caps.cache_kwarg or _compat.cache_kwarg(model) or _compat.CACHE_KWARG
+        return self.caps.cache_kwarg or core.cache_kwarg(model) or core.CACHE_KWARG
 
     def lm_output(self, model: torch.nn.Module, logits: torch.Tensor, cache: Any) -> Any:
         """The model output ``generate``'s replaced prefill returns: ``logits`` ``[B, 1, V]`` and the cache."""
-        return _compat.lm_output(logits, cache, self.cache_kwarg(model))
+        return generation.lm_output(logits, cache, self.cache_kwarg(model))
 
     def forward_inputs(self, model: torch.nn.Module, before: torch.Tensor, ids: torch.Tensor,
                        inputs: dict[str, Any]) -> dict[str, Any]:

@@ -123,8 +123,8 @@ def legacy_weights_digest(model: torch.nn.Module) -> str:
 def tokenizer_hash(tokenizer: object) -> str:
     """SHA-256 of the tokenizer's vocabulary (token → id), sorted.
 
-    Kept per tokenizer object while its length (vocabulary plus added tokens) stays the same: for Gemma 3's
-    262,144 entries the hash took 0.9 s, paid by every ``Session`` made with that tokenizer. Adding tokens
+    Kept per tokenizer object while its length (vocabulary plus added tokens) stays the same: a large
+    vocabulary's hash would otherwise be paid by every ``Session`` made with that tokenizer. Adding tokens
     changes the length, so the hash is taken again; transformers has no verb that edits an entry in place."""
     try:
         size = len(tokenizer)  # type: ignore[arg-type]
@@ -146,7 +146,7 @@ def weights_key(model: torch.nn.Module) -> tuple:
     """What changes when a weight is replaced or edited in place: identity, storage and version counter.
 
     Walks the modules' own tables instead of ``named_parameters``: this runs on every verb, and
-    the named walk costs ~5x more (0.46 vs 0.10 ms on Gemma-3-270M).
+    the named walk costs several times more (docs/benchmarks.md).
     """
     out = []
     stack, seen = [model], {id(model)}
@@ -168,8 +168,8 @@ _UNCHANGED = threading.local()  # keys: {id(model): (model, weights_key)} inside
 @contextmanager
 def unchanged(model: torch.nn.Module) -> Iterator[None]:
     """Inside, on this thread, ``fingerprint(model)`` walks ``model``'s tensors once: for a run of kvstate verbs
-    that cannot edit the weights between them. A scheduler step admitting 16 prompts checked the weights
-    48 times (three verbs each), about 65 ms of a 650 ms step of the default model in bfloat16."""
+    that cannot edit the weights between them (a scheduler step admitting many prompts runs three verbs for
+    each)."""
     if getattr(_UNCHANGED, "keys", None) is not None:  # nested: the outer scope's key holds
         yield
         return

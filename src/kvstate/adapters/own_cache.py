@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from .._compat import own_cache
 from ..layers import LayerState
 from .base import Capabilities
 from .recurrent import RecurrentAdapter
@@ -27,11 +27,11 @@ class MiniMaxAdapter(RecurrentAdapter):
         super().__init__(name="minimax")
 
     def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
-        return _compat.minimax_cache(layers, self.text_config(model))
+        return own_cache.minimax_cache(layers, self.text_config(model))
 
     def read_cache(self, model: torch.nn.Module, cache: Any, layers: tuple[LayerState, ...],
                    positions: torch.Tensor, tokens_seen: int) -> tuple[LayerState, ...]:
-        return _compat.read_minimax(cache, layers, positions, tokens_seen)
+        return own_cache.read_minimax(cache, layers, positions, tokens_seen)
 
     def empty_cache(self, model: torch.nn.Module, batch_size: int) -> Any:
         return self.build_cache(model, self.empty_layers(model, 0), batch_size)
@@ -59,11 +59,11 @@ class XLSTMAdapter(_RecurrentOnly):
         super().__init__(Capabilities(name="xlstm", position_ids=False, padding=False, logits_to_keep=False))
 
     def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
-        return _compat.xlstm_cache(layers, self.text_config(model), batch_size, next(model.parameters()))
+        return own_cache.xlstm_cache(layers, self.text_config(model), batch_size, next(model.parameters()))
 
     def read_cache(self, model: torch.nn.Module, cache: Any, layers: tuple[LayerState, ...],
                    positions: torch.Tensor, tokens_seen: int) -> tuple[LayerState, ...]:
-        return _compat.read_xlstm(cache, tokens_seen)
+        return own_cache.read_xlstm(cache, tokens_seen)
 
     def empty_cache(self, model: torch.nn.Module, batch_size: int) -> Any:
         return None  # as plain generate starts: its compile check reads attributes xLSTMCache lacks
@@ -78,17 +78,17 @@ class RWKVAdapter(_RecurrentOnly):
 
     def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
         hidden = int(self.text_config(model).hidden_size)
-        return _compat.rwkv_state(layers, batch_size, hidden, model.get_input_embeddings().weight)  # type: ignore[operator]
+        return own_cache.rwkv_state(layers, batch_size, hidden, model.get_input_embeddings().weight)  # type: ignore[operator]
 
     def read_cache(self, model: torch.nn.Module, cache: Any, layers: tuple[LayerState, ...],
                    positions: torch.Tensor, tokens_seen: int) -> tuple[LayerState, ...]:
-        return _compat.read_rwkv(cache, tokens_seen)
+        return own_cache.read_rwkv(cache, tokens_seen)
 
     def empty_cache(self, model: torch.nn.Module, batch_size: int) -> Any:
         return None  # as plain generate starts; the replaced prefill hands it the real state
 
     def lm_output(self, model: torch.nn.Module, logits: torch.Tensor, cache: Any) -> Any:
-        return _compat.rwkv_output(logits, cache)
+        return own_cache.rwkv_output(logits, cache)
 
     def prepare(self, model: torch.nn.Module) -> None:
-        _compat.rwkv_rescale(model)
+        own_cache.rwkv_rescale(model)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from .._compat.core import rope_index, set_rope_deltas
 from ..errors import InputError, UnsupportedError
 from .base import Adapter, Capabilities
 from .fingerprinting import media_digest
@@ -59,7 +59,7 @@ class QwenVLAdapter(Adapter):
         if not bool(types.any()) or (inputs.get("image_grid_thw") is None and inputs.get("video_grid_thw") is None):
             flat = super().chunk_positions(model, next_position, ids, new_mask, inputs)
             return flat[..., None].expand(*flat.shape, 3).contiguous()
-        positions = _compat.rope_index(model, ids, types, new_mask, inputs.get("image_grid_thw"),
+        positions = rope_index(model, ids, types, new_mask, inputs.get("image_grid_thw"),
                                        inputs.get("video_grid_thw"), inputs.get("second_per_grid_ts"))
         positions = positions + next_position[None, :, None]  # [3, B, Q], from the row's next position
         return positions.permute(1, 2, 0).masked_fill(~new_mask[..., None], 0).contiguous()
@@ -226,10 +226,10 @@ class QwenVLAdapter(Adapter):
         return {"rope_deltas": (next_position - tokens_seen)[:, None]}
 
     def restore_extras(self, model: torch.nn.Module, extras: dict[str, torch.Tensor]) -> None:
-        _compat.set_rope_deltas(model, extras.get("rope_deltas"))
+        set_rope_deltas(model, extras.get("rope_deltas"))
 
     def reset_model(self, model: torch.nn.Module) -> None:
-        _compat.set_rope_deltas(model, None)
+        set_rope_deltas(model, None)
 
 
 def _token(model: torch.nn.Module, kind: int) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from .._compat import core
 from .._compat.scan import available as scan_available
 from .._compat.scan import scans_from_cache
 from .._compat.versions import continues_in_chunks
@@ -73,13 +73,13 @@ class RecurrentGemmaAdapter(RecurrentAdapter):
         super().__init__(stepwise=True, name="recurrent-gemma")
 
     def layer_specs(self, model: torch.nn.Module) -> list[tuple[str, int | None]]:
-        return _compat.recurrent_gemma_specs(self.text_config(model))
+        return core.recurrent_gemma_specs(self.text_config(model))
 
     def build_cache(self, model: torch.nn.Module, layers: tuple[LayerState, ...], batch_size: int) -> Any:
         cache = super().build_cache(model, tuple(
             RecurrentLayerState({}, {}, 0) if isinstance(layer, RecurrentLayerState) else layer for layer in layers),
             batch_size)
-        blocks = _compat.recurrent_gemma_blocks(model)
+        blocks = core.recurrent_gemma_blocks(model)
         recurrent = [(blocks[i], layer) for i, layer in enumerate(layers) if isinstance(layer, RecurrentLayerState)]
         if any(layer.tokens_seen == 0 for _, layer in recurrent):
             self.zero_modules(model, batch_size)  # never a stale conv window from another conversation
@@ -92,7 +92,7 @@ class RecurrentGemmaAdapter(RecurrentAdapter):
     def read_cache(self, model: torch.nn.Module, cache: Any, layers: tuple[LayerState, ...],
                    positions: torch.Tensor, tokens_seen: int) -> tuple[LayerState, ...]:
         attention = super().read_cache(model, cache, layers, positions, tokens_seen)
-        blocks = _compat.recurrent_gemma_blocks(model)
+        blocks = core.recurrent_gemma_blocks(model)
         return tuple(
             RecurrentLayerState({0: blocks[i].conv1d_state.clone()}, {0: blocks[i].rg_lru.recurrent_states.clone()},
                                 tokens_seen) if isinstance(layer, RecurrentLayerState) else new
@@ -101,10 +101,10 @@ class RecurrentGemmaAdapter(RecurrentAdapter):
     def zero_modules(self, model: torch.nn.Module, batch_size: int) -> None:
         """Zero the module states before a prefill from an empty state (no stale conv window)."""
         param = next(model.parameters())
-        _compat.recurrent_gemma_zero(model, batch_size, param.device, param.dtype)
+        core.recurrent_gemma_zero(model, batch_size, param.device, param.dtype)
 
     def reset_model(self, model: torch.nn.Module) -> None:
-        for block in _compat.recurrent_gemma_blocks(model):
+        for block in core.recurrent_gemma_blocks(model):
             if block is not None:
                 block.conv1d_state = None
                 block.rg_lru.recurrent_states = None

@@ -1,7 +1,7 @@
 """The structural adapter: any causal decoder whose whole state transformers' cache holds.
 
 No per-family knowledge: each layer's kind and window come from the transformers
-cache-layer objects the config builds (``_compat.layer_specs``), each layer's K and V
+cache-layer objects the config builds (``_compat.core.layer_specs``), each layer's K and V
 widths from what a forward actually stored, and what the model can do from its
 ``forward`` signature plus the self-check (``kvstate.selfcheck``), which decides
 whether a multi-token continuation is exact, whether only one token per forward is,
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from .._compat.core import CACHE_KWARG, cache_kwarg, layer_specs
 from .._compat.scan import scans_from_cache
 from ..errors import UnsupportedModelError
 from .base import Adapter, Capabilities
@@ -26,7 +26,7 @@ from .base import Adapter, Capabilities
 
 class StructuralAdapter(Adapter):
     """An adapter derived from a model's structure: ``specs`` (kind and window per cache layer)
-    and ``kv_shapes`` come from forwards it ran (``_compat.observe_layout``, ``selfcheck.kv_shapes``)."""
+    and ``kv_shapes`` come from forwards it ran (``_compat.core.observe_layout``, ``selfcheck.kv_shapes``)."""
 
     def __init__(self, caps: Capabilities, specs: list[tuple[str, int | None]],
                  kv_shapes: list[tuple[int, int, int] | None] | None = None, scan: bool = False) -> None:
@@ -67,15 +67,15 @@ def structural_caps(model: torch.nn.Module) -> Capabilities:
     config = model.config  # type: ignore[union-attr]
     model_type = str(getattr(config, "model_type", type(model).__name__))
     params = inspect.signature(model.forward).parameters
-    if _compat.cache_kwarg(model) is None:
+    if cache_kwarg(model) is None:
         raise UnsupportedModelError(f"{model_type} does not take a transformers cache in forward()",
-                                    expected=f"a forward with a `{_compat.CACHE_KWARG}` argument",
+                                    expected=f"a forward with a `{CACHE_KWARG}` argument",
                                     found=", ".join(list(params)[:8]), fix="kvstate cannot hold this model's state")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{model_type} is an encoder-decoder", expected="a decoder-only causal LM",
                                     found="config.is_encoder_decoder = True",
                                     fix="kvstate holds decoder state only; use the model's ForCausalLM decoder")
-    kinds = [kind for kind, _ in _compat.layer_specs(config.get_text_config(decoder=True))]
+    kinds = [kind for kind, _ in layer_specs(config.get_text_config(decoder=True))]
     if "indexed_attention" in kinds:
         raise UnsupportedModelError(
             f"{model_type} uses dynamic sparse attention", expected="attention over every stored slot",

@@ -1,12 +1,13 @@
-"""Choosing each request's next token from its own logits row, with its own generator (continuous batching).
+"""Choosing each request's next token from its own logits row, with its own generator.
 
-Everything here sees one request's logits ``[V]`` only, so a token and its log-probabilities
-depend on that row and the request's ``torch.Generator`` alone: a seeded request draws the same
-tokens served alone or in any batch. A request's logits processors (``logit_bias``, penalties:
-transformers' own classes or any callable of ``generate``'s signature) run on its row and its own
-ids, in the order ``generate`` runs them, before the token is chosen. Log-probabilities are
-those of the model's distribution (``log_softmax`` of the raw logits in float32), before
-processors, temperature and truncation, as OpenAI's ``logprobs`` report them.
+Everything here sees one request's logits ``[V]`` only, so a token and its log-probabilities depend on that
+row and the request's ``torch.Generator`` alone: a seeded request draws the same tokens served alone or in any
+batch. The draw is ``generate``'s: the request's logits processors (``logit_bias``, penalties: transformers' own
+classes or any callable of ``generate``'s signature) on its row and its own ids, then transformers' temperature,
+top-k, top-p and min-p warpers in ``generate``'s order, then ``torch.multinomial`` over the softmax; with the
+generator seeded by the request's seed, that is the token ``torch.manual_seed(seed); model.generate(...)``
+draws from the same logits. Log-probabilities are those of the model's distribution (``log_softmax`` of the
+raw logits in float32), before processors, temperature and truncation, as OpenAI's ``logprobs`` report them.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ BLOCK = 1024  # first_max's block: 256 block maxima for the default model's 262,
 def first_max(scores: torch.Tensor) -> int:
     """``int(scores.argmax())`` for ``scores`` ``[V]`` (the first maximal index, generate's greedy choice) in
     vectorized passes: the maximum, the first block of ``BLOCK`` holding it, then that block's argmax.
-    On this CPU ``argmax`` (and ``max(-1)``) over 262k float32 logits took 250-430 us, ``amax`` 12 us:
-    an index-tracking reduction does not vectorize; 16 rows a step paid about 7 ms of a 100 ms step."""
+    An index-tracking reduction over a large vocabulary does not vectorize on the CPU; ``amax`` does
+    (docs/benchmarks.md)."""
     blocks = scores.shape[-1] // BLOCK
     top = scores.amax()
     if blocks < 2 or bool(top.isnan()):  # argmax takes NaN as the maximum; amax's blocks would not find it
@@ -98,6 +99,7 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.history = list(history)  # with processors: the request's ids and its tokens so far (what they read)
         self.device = device
+        self.warpers = [] if sampling.greedy else warpers(sampling)
 
     def choose(self, logits: torch.Tensor, logprobs: torch.Tensor | None = None) -> Choice:
         """The next token for ``logits`` ``[V]``; ``logprobs``: their ``log_softmax`` in float32 where the caller
@@ -126,19 +128,27 @@ class Sampler:
         return scores[0]
 
     def _draw(self, scores: torch.Tensor) -> int:
-        s = self.sampling
-        scores = scores / s.temperature
-        if s.top_k and s.top_k < scores.shape[-1]:
-            kth = scores.topk(s.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, -math.inf)
-        if s.top_p < 1:
-            ordered, order = scores.sort(descending=True)
-            cumulative = ordered.softmax(-1).cumsum(-1)
-            drop = cumulative - ordered.softmax(-1) >= s.top_p  # keep the smallest prefix reaching top_p
-            scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
-        if s.min_p:
-            from transformers import MinPLogitsWarper  # generate's own rule, after top-p as generate runs it
+        """``generate``'s sampled token: its warpers on ``scores`` ``[1, V]`` (a request's ids are not read by
+        them), the softmax, one ``multinomial`` draw from the request's generator."""
+        scores = scores[None]
+        for warper in self.warpers:
+            scores = warper(None, scores)  # type: ignore[arg-type]
+        probs = torch.nn.functional.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, num_samples=1, generator=self.generator))
 
-            scores = MinPLogitsWarper(s.min_p)(None, scores[None])[0]  # type: ignore[arg-type]
-        probs = scores.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+def warpers(sampling: Sampling) -> list[Processor]:
+    """transformers' warpers ``generate`` builds for ``sampling`` (``_get_logits_processor``): temperature (unless
+    1), top-k (unless 0), top-p (below 1), min-p (unless 0), in that order."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    out: list[Processor] = []
+    if sampling.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k:
+        out.append(TopKLogitsWarper(top_k=sampling.top_k))
+    if sampling.top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=sampling.top_p))
+    if sampling.min_p:
+        out.append(MinPLogitsWarper(min_p=sampling.min_p))
+    return out

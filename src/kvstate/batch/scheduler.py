@@ -7,7 +7,7 @@ than ``max_batch`` run, then runs one decode step for every running stream:
 * **admission** plans each request as a ``Session`` with the scheduler's ``prefill_rows`` does
   (``Session.take_prefix``: its prefix sources, validation), feeds the rest of every history
   admitted in the step together (``Session.extend_many``: the chunks of a round in one tiled
-  forward, each chunk with the bits it gets alone; ``kvstate.engine.prefill``), then runs
+  forward, each chunk with the bits it gets alone; ``kvstate.engine.batched.prefill``), then runs
   ``Session.run`` on each history, which finds it fed and picks the first token from its logits.
   So the prefilled ``State`` is that ``Session``'s bit for bit. Media prompts and non-canonical
   feeds run ``Session.run`` alone. A prompt that shares a whole chunk with one admitted in the
@@ -16,7 +16,7 @@ than ``max_batch`` run, then runs one decode step for every running stream:
   the schedule, about ``prefill_tokens`` tokens a step: the same forwards, spread over steps, so one
   long prompt never holds the running streams for its whole prefill;
 * **a decode step** feeds every stream's last token in one packed forward (attention-only
-  families) or one forward per stream (the rest; ``kvstate.engine.decode``) and picks each
+  families) or one forward per stream (the rest; ``kvstate.engine.batched.decode``) and picks each
   stream's next token with its own ``Sampler``.
 
 Why a row is what it is alone: a prompt's chunk is tiled and attends per prompt; a packed forward has
@@ -38,20 +38,21 @@ from typing import Any
 import torch
 
 from ..adapters.fingerprinting import unchanged
-from ..engine import Engine, FeedSettings
-from ..engine.decode import Packed, Single, Stream, Unpackable, packable
+from ..engine import Engine
+from ..engine.batched.decode import Packed, Single, Stream, Unpackable, packable
 from ..errors import InputError
 from ..options import end_ids
 from ..protocols import PrefixCache
-from ..request import check_marks
+from ..request import check_given, check_marks
 from ..schedule import default_chunk
+from ..settings import Batching, Settings
 from ..state import State
-from .events import MAX_TOP_LOGPROBS, BatchRequest, Completion, Done, Event, Failed, Token, int_in
+from .events import MAX_TOP_LOGPROBS, BatchRequest, Completion, Done, Event, Failed, Token
 from .prefixes import RecentPrompts
 from .sampling import Choice, Sampler, rows_logprobs
 
 __all__ = ["MAX_TOP_LOGPROBS", "BatchRequest", "Completion", "Done", "Event", "Failed", "Scheduler", "Token",
-           "generate_many"]
+           "batch_settings", "generate_many"]
 
 
 class _Job:
@@ -73,62 +74,26 @@ class Scheduler:
 
     Args:
         model: a transformers causal LM kvstate supports.
-        max_batch: streams decoding at once; more requests wait in FIFO order.
-        rows: the tile of the packed forward: it always has a multiple of ``rows`` rows, and matrix
-            products run ``rows`` rows at a time. Answers are the same for any batch under one ``rows``.
-        invariant: False packs exactly the running rows with plain kernels (faster when few streams
-            run; a row's bits then depend on its batch). For measuring the invariance tax.
-        prepack: the tile's products run on weights prepacked for ``rows`` rows (oneDNN, CPU fp32 and
-            bf16, ``rows > 1``; ``kvstate._compat.kernels``): a decode step of the default model about
-            20% faster in fp32, for a copy of the linear weights (1.1 GB there). False: ``F.linear``'s
-            kernels (other bits, as another ``rows`` gives).
-        prefill_rows: the prefill's tile: prompt chunks run in tiled forwards whose products take this many
-            rows at a time (``kvstate.engine.prefill``), and the chunks of the prompts admitted in one step
-            share one forward, each with the bits it gets alone; the states are ``Session(prefill_rows=...)``'s.
-            0: each prompt in plain forwards of its own (``Session``'s default kernels).
-        prefill_tokens: a step feeds about this many prompt tokens (one canonical chunk at least): it
-            admits prompts until that many were admitted, and a longer history is fed in pieces over
-            several steps, so the running streams' next tokens never wait for a burst of prefills or one
-            long prefill. None: admit every request that fits, each history whole.
-        share_prefixes: a prompt resumes from the longest prefix it shares with the last ``max_batch``
-            admitted prompts (``kvstate.batch.prefixes``; bitwise the cold answer). A server whose
-            requests belong to different keys turns it off and uses one pool namespace per key.
-        static_shapes: every packed decode step attends over its pool's whole capacity and all of its
-            slots, so the steps between two growths of a pool have one set of shapes on buffers that do not
-            move (what a captured CUDA graph replays). The same bits (the pooled call is used only where
-            the padding probe holds up to that capacity); eagerly it reads the unused room too.
-        canonical_chunk, canonical_marks, chunk_size, sources, tokenizer: as for ``Session``.
+        settings: how it feeds, plans and batches (``kvstate.settings.Settings``, its ``batching`` the scheduler's
+            own; ``batch_settings`` makes one from keywords). None: ``batch_settings(model)``.
+        sources: prefix caches every request resumes from (after its own), as for ``Session``.
+        tokenizer, fingerprint: hashed into the states' fingerprint (``kvstate.fingerprint(model, tokenizer)``),
+            or that fingerprint computed once by the caller.
     """
 
-    def __init__(self, model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
-                 prepack: bool = True, prefill_rows: int = 32, prefill_tokens: int | None = None,
-                 share_prefixes: bool = True,
-                 canonical_chunk: int | None = None, chunk_size: int = 512, canonical_marks: Sequence[int] = (),
-                 sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None,
-                 static_shapes: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, settings: Settings | None = None, *,
+                 sources: Sequence[PrefixCache] = (), tokenizer: object | None = None, fingerprint: Any = None) -> None:
         from ..adapters.fingerprinting import fingerprint as digest
         from ..selfcheck import bind
 
-        budget = 1 if prefill_tokens is None else prefill_tokens
-        for name, value, low in (("max_batch", max_batch, 1), ("rows", rows, 1), ("prefill_tokens", budget, 1),
-                                 ("prefill_rows", prefill_rows, 0)):
-            if not int_in(value, low, None):
-                raise InputError(f"Scheduler {name} must be an int >= {low}", expected=f">= {low}",
-                                 found=repr(value), fix=f"pass {name}=8, say")
-        self.model, self.max_batch, self.prefill_tokens = model, max_batch, prefill_tokens
-        self.canonical_marks = check_marks(canonical_marks)
-        device = next(model.parameters()).device.type
-        chunk = canonical_chunk
-        self.canonical_chunk = default_chunk(self.canonical_marks, device) if chunk is None else chunk
-        self.chunk_size = chunk_size
-        self.sources = (*sources, *((RecentPrompts(max_batch),) if share_prefixes else ()))
+        self.settings = batch_settings(model) if settings is None else check_given(settings, Settings, {}, {})
+        self.model, batching = model, self.settings.batching
+        self.sources = (*sources, *((RecentPrompts(batching.max_batch),) if batching.share_prefixes else ()))
         self.fingerprint = fingerprint or digest(model, tokenizer)
         self.engine = Engine(bind(model))
-        self._packed = Packed(self.engine, rows, invariant, prepack, fixed=static_shapes)
-        self.prefill_rows, self._kernels = prefill_rows, (prepack, invariant)
-        self._single = Single(self.engine, FeedSettings(chunk_size, canonical=self.canonical_chunk,
-                                                        marks=self.canonical_marks, tile=prefill_rows,
-                                                        prepack=prepack, invariant=invariant))
+        s = self.settings
+        self._packed = Packed(self.engine, batching.rows, s.invariant, s.prepack, fixed=batching.static_shapes)
+        self._single = Single(self.engine, s)
         self._handles = itertools.count()
         self._waiting: deque[_Job] = deque()
         self._feeding: deque[_Job] = deque()  # admitted; their histories are fed in pieces (FIFO)
@@ -140,6 +105,11 @@ class Scheduler:
     def busy(self) -> bool:
         """Requests wait or run."""
         return bool(self._waiting or self._feeding or self._running)
+
+    @property
+    def canonical_chunk(self) -> int:
+        """``C`` of the scheduler's schedule (0: off), as ``Session.canonical_chunk``."""
+        return self.settings.canonical_chunk
 
     @property
     def running(self) -> int:
@@ -219,7 +189,7 @@ class Scheduler:
         # being fed, the oldest one piece at least (none starves): a step feeds the budget plus one chunk.
         # Text prompts and pieces are fed together after admission (``_prefill``: packed where tiled)
         spent, started, work = 0, set(), []  # prompt tokens fed; histories whose first piece it fed; (job, end)
-        while self._waiting and len(self._running) + len(self._feeding) + len(work) < self.max_batch \
+        while self._waiting and len(self._running) + len(self._feeding) + len(work) < self.settings.batching.max_batch \
                 and self._room(spent):
             job = self._waiting[0]
             try:
@@ -263,19 +233,19 @@ class Scheduler:
     # ----- internals -----------------------------------------------------------------------------
     def _room(self, spent: int) -> bool:
         """Whether this step may feed more prompt tokens after ``spent``."""
-        return self.prefill_tokens is None or spent == 0 or spent < self.prefill_tokens
+        budget = self.settings.batching.prefill_tokens
+        return budget is None or spent == 0 or spent < budget
 
     def _marks(self, request: BatchRequest) -> tuple[int, ...]:
         """The canonical marks ``request``'s history is fed with: its own, or the scheduler's."""
-        return self.canonical_marks if request.marks is None else request.marks
+        return self.settings.canonical_marks if request.marks is None else request.marks
 
     def _session(self, request: BatchRequest) -> Any:
         from ..session import Session
 
+        settings = replace(self.settings, canonical_marks=self._marks(request))
         return Session(self.model, state=request.state, sources=(*request.sources, *self.sources),
-                       chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk,
-                       canonical_marks=self._marks(request), prefill_rows=self.prefill_rows,
-                       prepack=self._kernels[0], invariant=self._kernels[1], fingerprint=self.fingerprint)
+                       fingerprint=self.fingerprint, settings=settings)
 
     def _pieces(self, job: _Job, spent: int) -> bool:
         """Whether ``job``'s history is fed in pieces: text longer than this step may feed. Its session then
@@ -283,7 +253,7 @@ class Scheduler:
         the engine would feed the rest with: none where that feed does not follow the canonical schedule (a
         compressed state, one-token-per-forward families...), whose chunks pieces would change, so the rest
         then runs at once (``job.end`` None)."""
-        request, budget = job.request, self.prefill_tokens
+        request, budget = job.request, self.settings.batching.prefill_tokens
         ids = torch.as_tensor(request.ids, dtype=torch.long).reshape(1, -1)
         if budget is None or ids.shape[1] <= budget - spent or request.inputs:
             return False
@@ -318,7 +288,7 @@ class Scheduler:
         ids = torch.as_tensor(job.request.ids, dtype=torch.long).reshape(1, -1)
         job.session, job.ids = self._session(job.request), ids.to(next(self.model.parameters()).device)
         job.reused = T = job.session.take_prefix(job.ids)
-        settings = replace(self._single.settings, marks=self._marks(job.request))
+        settings = replace(self.settings, canonical_marks=self._marks(job.request))
         cuts = self.engine.canonical_cuts(job.session.state, job.ids[:, T:], settings)
         job.end = None if cuts is None else ids.shape[1]
         return cuts
@@ -329,7 +299,7 @@ class Scheduler:
         session, ids = job.session, job.ids
         assert session is not None and ids is not None
         T, L = session.state.tokens_seen, ids.shape[1]
-        left = (self.prefill_tokens or L) - spent
+        left = (self.settings.batching.prefill_tokens or L) - spent
         end: int | None = job.end
         if job.cuts and left < L - T:
             end = job.cuts.popleft()
@@ -445,9 +415,26 @@ class Scheduler:
         self._stopping.clear()
 
 
-def generate_many(model: torch.nn.Module, requests: Sequence[BatchRequest], **settings: Any) -> list[Completion]:
-    """Answer every request, batched (``Scheduler(model, **settings)``); completions in request order."""
-    scheduler = Scheduler(model, **settings)
+def batch_settings(model: torch.nn.Module, *, max_batch: int = 16, rows: int = 16, invariant: bool = True,
+                   prepack: bool = True, prefill_rows: int = 32, prefill_tokens: int | None = None,
+                   share_prefixes: bool = True, canonical_chunk: int | None = None, chunk_size: int = 512,
+                   canonical_marks: Sequence[int] = (), static_shapes: bool = False) -> Settings:
+    """A ``Scheduler``'s ``Settings`` from keywords, with its own defaults: prefill chunks in tiles of 32 rows, decode
+    steps in tiles of 16. What each means: ``kvstate.settings.Settings`` and ``Batching`` (``rows``: the decode's
+    tile; ``prefill_tokens``, ``share_prefixes``, ``static_shapes``, ``max_batch``: ``Batching``'s);
+    ``canonical_chunk`` None: the device's default (``kvstate.schedule.default_chunk``)."""
+    marks = check_marks(canonical_marks)
+    chunk = default_chunk(marks, next(model.parameters()).device.type) if canonical_chunk is None else canonical_chunk
+    batching = Batching(max_batch, rows, prefill_tokens, share_prefixes, static_shapes)
+    return Settings(chunk_size, chunk, marks, prefill_rows=prefill_rows, prepack=prepack, invariant=invariant,
+                    batching=batching)
+
+
+def generate_many(model: torch.nn.Module, requests: Sequence[BatchRequest], *, sources: Sequence[PrefixCache] = (),
+                  fingerprint: Any = None, **keywords: Any) -> list[Completion]:
+    """Answer every request, batched (``Scheduler(model, batch_settings(model, **keywords))``); completions in
+    request order."""
+    scheduler = Scheduler(model, batch_settings(model, **keywords), sources=sources, fingerprint=fingerprint)
     handles = [scheduler.submit(r) for r in requests]
     done = {}
     for event in scheduler.run():

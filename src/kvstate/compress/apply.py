@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .. import _compat
+from .._compat.core import rope_inv_freq
 from ..errors import InputError, UnsupportedError
 from ..layers import AttentionLayerState, LayerState
 from ..protocols import AttentionObserver
@@ -158,7 +158,7 @@ def rerotate(model: Any, state: State) -> State:
                                "with 1-D positions", found=sorted(slots), fix="drop ReRotate or PerLayerBudget")
     if not torch.equal(state.positions, torch.arange(T, device=state.device).expand_as(state.positions)):
         raise UnsupportedError("ReRotate needs a history fed at positions 0..T-1", fix="drop ReRotate")
-    inv_freq = _compat.rope_inv_freq(model)
+    inv_freq = rope_inv_freq(model)
     (S,) = slots
     target = torch.arange(S, device=state.device).expand(state.batch_size, S)
     new_layers = tuple(layer.with_slots(rotate(layer.keys, target - layer.positions, inv_freq),  # type: ignore[arg-type]

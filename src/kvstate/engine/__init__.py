@@ -3,8 +3,9 @@ and the schedules it runs: canonical prefill chunks (``kvstate.schedule``), budg
 compression rounds (``budgeted``), and batch-invariant decode steps of many conversations
 (``decode``, with ``invariant``'s tiled matrix products; continuous batching)."""
 
+from ..request import Feed
 from .core import Engine
 from .recorder import Forward, Recorder, model_lock
-from .values import Feed, FeedSettings, Outcome, finish_reasons
+from .values import Outcome, finish_reasons
 
-__all__ = ["Engine", "Feed", "FeedSettings", "Forward", "Outcome", "Recorder", "finish_reasons", "model_lock"]
+__all__ = ["Engine", "Feed", "Forward", "Outcome", "Recorder", "finish_reasons", "model_lock"]

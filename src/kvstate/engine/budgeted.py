@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ..request import Feed
+from ..settings import Settings
 from ..state import State
-from .values import Feed, FeedSettings, Outcome, finish_reasons
+from .values import Outcome, finish_reasons
 
 if TYPE_CHECKING:
     from ..options import GenerateOptions
@@ -31,15 +33,15 @@ class Engine(Protocol):
 
     model: torch.nn.Module
 
-    def feed(self, state: State, feed: Feed, settings: FeedSettings) -> State: ...
+    def feed(self, state: State, feed: Feed, settings: Settings) -> State: ...
     def feed_for(self, state: State, ids: torch.Tensor, mask: torch.Tensor, inputs: ModelInputs) -> Feed: ...
     def generate(self, start: State, feed: Feed | None, history: torch.Tensor, mask: torch.Tensor,
-                 options: GenerateOptions, settings: FeedSettings) -> tuple[State, State, torch.Tensor, object]: ...
+                 options: GenerateOptions, settings: Settings) -> tuple[State, State, torch.Tensor, object]: ...
     def observe(self, state: State, ids: torch.Tensor, listener: AttentionListener, *, rerun: int = 0,
                 chunk_size: int = 512) -> None: ...
 
 
-def run_budgeted(engine: Engine, start: State, feed: Feed | None, request: Request, settings: FeedSettings,
+def run_budgeted(engine: Engine, start: State, feed: Feed | None, request: Request, settings: Settings,
                  reused: int) -> Outcome:
     """Rounds of ``generate`` from ``start`` plus ``feed`` (see the module docstring)."""
     budget = request.budget
@@ -64,7 +66,7 @@ def run_budgeted(engine: Engine, start: State, feed: Feed | None, request: Reque
     return Outcome(state, prefilled, new, new, reused, finish_reasons(new, options, request.ids.shape[1]))
 
 
-def _one_more(engine: Engine, state: State, token: torch.Tensor, settings: FeedSettings) -> State:
+def _one_more(engine: Engine, state: State, token: torch.Tensor, settings: Settings) -> State:
     """``state`` after feeding the round's last token ``[1, 1]`` (the next round starts from its logits)."""
     ones = torch.ones(1, state.tokens_seen + 1, dtype=torch.bool, device=token.device)
     return engine.feed(state, engine.feed_for(state, token, ones, {}), settings)

@@ -34,21 +34,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import _compat
-from .._compat import attention, room
+from .._compat import attention
+from .._compat.core import CACHE_KWARG
+from .._compat.generation import replaced_prefill, without_logits
 from .._compat.watch import watching
 from ..adapters.binding import Binding, Live
 from ..errors import GenerationOptionError, KVStateError, UnsupportedError
 from ..layers import FULL_ATTENTION, SLIDING_ATTENTION, LayerState
 from ..masks import layer_masks, needs_masks
 from ..options import GenerateOptions
+from ..request import Feed
 from ..schedule import Canonical
+from ..settings import Settings
 from ..state import State, next_position_after
+from . import room
+from .batched.prefill import Piece, Tiled, tiled_for
 from .budgeted import run_budgeted
 from .feeding import FeedRun, canonical_ends, history
-from .prefill import Piece, Tiled, tiled_for
 from .recorder import Forward, Recorder, model_lock
-from .values import Feed, FeedSettings, Outcome, finish_reasons
+from .values import Outcome, finish_reasons
 
 if TYPE_CHECKING:
     from ..identity import Fingerprint
@@ -86,11 +90,12 @@ class Engine:
         return Feed(ids, mask, positions, MappingProxyType(dict(inputs)), inside)
 
     # ----- runs ------------------------------------------------------------------------------
-    def feed(self, state: State, feed: Feed, settings: FeedSettings) -> State:
-        """The state after forwarding ``feed``; ``state.last_logits`` then holds the last position's logits."""
-        return self.feed_many([state], [feed], settings)[0]
+    def feed(self, state: State, feed: Feed, settings: Settings, logits: bool = True) -> State:
+        """The state after forwarding ``feed``; ``state.last_logits`` then holds the last position's logits
+        (``logits=False``: none; the last chunk skips the output head too, its K/V the same bits)."""
+        return self.feed_many([state], [feed], settings, logits)[0]
 
-    def run(self, plan: ResumePlan, request: Request, settings: FeedSettings) -> Outcome:
+    def run(self, plan: ResumePlan, request: Request, settings: Settings) -> Outcome:
         """One planned ``generate`` call: feed the plan's suffix of ``request.ids``, then decode."""
         start = plan.start
         T = start.tokens_seen
@@ -110,7 +115,7 @@ class Engine:
         return outcome.recorded(start, request.media, settings.max_checkpoints)
 
     def generate(self, start: State, feed: Feed | None, history: torch.Tensor, mask: torch.Tensor,
-                 options: GenerateOptions, settings: FeedSettings) -> tuple[State, State, torch.Tensor, object]:
+                 options: GenerateOptions, settings: Settings) -> tuple[State, State, torch.Tensor, object]:
         """``model.generate`` over ``history`` ``[B, L]``, resuming from ``start`` plus ``feed``.
 
         ``feed`` is the unprocessed suffix (None when ``start`` has processed all of
@@ -143,7 +148,7 @@ class Engine:
                 return self.runtime.lm_output(prefilled.last_logits[:, None, :], live.cache)  # type: ignore[index]
 
             hooks.enter_context(attention.deterministic(self.model))  # every decode step too
-            with _compat.replaced_prefill(self.model, prefill), _refused_at_entry(run):
+            with replaced_prefill(self.model, prefill), _refused_at_entry(run):
                 output = self.model.generate(**call, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
             new = sequences[:, history.shape[1]:]
@@ -153,15 +158,15 @@ class Engine:
             self.runtime.restore(state.extras)
         if not isinstance(output, torch.Tensor):
             output.sequences = new
-            setattr(output, _compat.CACHE_KWARG, None)  # the state is the cache; never hand out its tensors
+            setattr(output, CACHE_KWARG, None)  # the state is the cache; never hand out its tensors
         return state, prefilled, new, output
 
-    def refeed(self, state: State, ids: torch.Tensor, start: int, end: int, settings: FeedSettings) -> State:
+    def refeed(self, state: State, ids: torch.Tensor, start: int, end: int, settings: Settings) -> State:
         """``state`` cut back to ``start`` slots and fed the history ``ids[:, start:end]`` (``[1, L]``) again under
         ``settings``: a decoded answer recomputed in canonical chunks (``Session.settle``); media records kept."""
         base = state.truncated(start)
         feed = self.feed_for(base, ids[:, start:end], torch.ones_like(ids[:, :end], dtype=torch.bool), {})
-        settled = self.feed(base, feed, replace(settings, logits=False))  # K/V only: the next call feeds on
+        settled = self.feed(base, feed, settings, logits=False)  # K/V only: the next call feeds on
         return replace(settled.with_checkpoint(settings.max_checkpoints), media=state.media)
 
     def observe(self, state: State, ids: torch.Tensor, listener: Listener, *, rerun: int = 0,
@@ -193,7 +198,8 @@ class Engine:
         with self.lock, torch.no_grad(), watching(self.model, counted):
             speed = self.seconds_per_token  # eager scoring forwards say nothing of a prefill's cost
             try:
-                self._run_feed(base, self.feed_for(base, ids, mask, {}), FeedSettings(chunk_size), chunk_size)
+                self._run_feed(base, self.feed_for(base, ids, mask, {}), Settings(chunk_size, canonical_chunk=0),
+                               chunk_size)
             finally:
                 self.seconds_per_token = speed
                 self.runtime.restore(state.extras)
@@ -204,23 +210,25 @@ class Engine:
             self.runtime.reset()
 
     # ----- internals ---------------------------------------------------------------------------
-    def _run_feed(self, state: State, feed: Feed, settings: FeedSettings, chunk_size: int) -> State:
+    def _run_feed(self, state: State, feed: Feed, settings: Settings, chunk_size: int) -> State:
         run = self._feed_run(state, feed, settings, chunk_size)
         self._drive([run], settings)
         return run.state
 
-    def feed_many(self, states: list[State], feeds: list[Feed], settings: FeedSettings) -> list[State]:
+    def feed_many(self, states: list[State], feeds: list[Feed], settings: Settings,
+                  logits: bool = True) -> list[State]:
         """``feed`` of each ``feeds[i]`` after ``states[i]``, in lockstep: with a prefill tile
-        (``settings.tile``) the chunks of one round that fit run in one packed forward (at most
-        ``MAX_PACKED`` rows), each with the bits it gets alone (``kvstate.engine.prefill``)."""
+        (``settings.prefill_rows``) the chunks of one round that fit run in one packed forward (at most
+        ``MAX_PACKED`` rows), each with the bits it gets alone (``kvstate.engine.batched.prefill``)."""
         with self.lock, torch.no_grad():
-            runs = [self._feed_run(s, f, settings, settings.chunk_size) for s, f in zip(states, feeds, strict=True)]
+            runs = [self._feed_run(s, f, settings, settings.chunk_size, logits)
+                    for s, f in zip(states, feeds, strict=True)]
             self._drive(runs, settings)
             for run in runs[-1:]:
                 self.runtime.restore(run.state.extras)  # the instance agrees with the last state
         return [run.state for run in runs]
 
-    def _drive(self, runs: list[FeedRun], settings: FeedSettings) -> None:
+    def _drive(self, runs: list[FeedRun], settings: Settings) -> None:
         """Every run's chunks, a round at a time: the chunks that fit the prefill tiles in shared tiled forwards,
         the others in plain forwards of their own."""
         tiles = self.tiles(settings)
@@ -238,14 +246,17 @@ class Engine:
             for run, chunk in plain:
                 run.advance(self._forward(run.state, *chunk))
 
-    def _feed_run(self, state: State, feed: Feed, settings: FeedSettings, chunk_size: int) -> FeedRun:
-        return FeedRun(self.binding, state, feed, settings, chunk_size, self.kernels(state.batch_size, settings))
+    def _feed_run(self, state: State, feed: Feed, settings: Settings, chunk_size: int,
+                  logits: bool = True) -> FeedRun:
+        label = self.kernels(state.batch_size, settings)
+        return FeedRun(self.binding, state, feed, settings, chunk_size, label, logits)
 
-    def tiles(self, settings: FeedSettings) -> Tiled | None:
+    def tiles(self, settings: Settings) -> Tiled | None:
         """The prefill tiles of ``settings`` (None: plain forwards)."""
-        return tiled_for(self, settings.tile, settings.prepack, settings.invariant) if settings.tile else None
+        return tiled_for(self, settings.prefill_rows, settings.prepack, settings.invariant) \
+            if settings.prefill_rows else None
 
-    def kernels(self, batch_size: int, settings: FeedSettings) -> str:
+    def kernels(self, batch_size: int, settings: Settings) -> str:
         """The label of the kernels a feed of ``batch_size`` rows runs its chunks on under ``settings``, as
         canonical states record it: the device (the GPU's identity on CUDA) and attention path
         (``kvstate._compat.attention.kernels``), plus the prefill tile where the family runs one."""
@@ -253,11 +264,11 @@ class Engine:
         tiles = self.tiles(settings) if batch_size == 1 else None
         return device if tiles is None or not tiles.usable(self) else tiles.label(device)
 
-    def canonical_cuts(self, state: State, ids: torch.Tensor, settings: FeedSettings) -> list[int] | None:
+    def canonical_cuts(self, state: State, ids: torch.Tensor, settings: Settings) -> list[int] | None:
         """The chunk ends (absolute; the last is ``T + Q``) of ``feed`` over the text ids ``[1, Q]`` after
         ``state``; None where that feed does not follow the canonical schedule (``feeding.canonical_ends``).
         ``kvstate.batch`` feeds a long history up to these cuts, a piece a step."""
-        schedule = Canonical(settings.canonical, marks=settings.marks)
+        schedule = Canonical(settings.canonical_chunk, marks=settings.canonical_marks)
         spans = tuple((m.start, m.end) for m in state.media)
         return canonical_ends(self.binding, state, ids, settings, schedule, history(state, ids, settings), spans,
                               self.kernels(state.batch_size, settings))
@@ -275,7 +286,7 @@ class Engine:
                 kwargs["position_ids"] = self.runtime.model_positions(positions)
             recorder = Recorder(self.runtime, state.next_position)
             begin = time.perf_counter()
-            head = nullcontext() if logits else _compat.without_logits(self.model)
+            head = nullcontext() if logits else without_logits(self.model)
             with recorder.attached(self.model), self._masks(state.layers, recorder), self.runtime.forward_context(), \
                     attention.deterministic(self.model), head:
                 self.model(**kwargs)

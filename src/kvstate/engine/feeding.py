@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..request import Feed
 from ..schedule import Canonical
+from ..settings import Settings
 from ..state import State
-from .values import Feed, FeedSettings
 
 if TYPE_CHECKING:
     from ..adapters.binding import Binding
@@ -30,11 +31,12 @@ Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "ModelInputs", bool]
 class FeedRun:
     """The chunks of ``feed`` after ``state`` (see the module docstring); ``state`` is the latest state."""
 
-    def __init__(self, binding: Binding, state: State, feed: Feed, settings: FeedSettings, chunk_size: int,
-                 label: str) -> None:
+    def __init__(self, binding: Binding, state: State, feed: Feed, settings: Settings, chunk_size: int,
+                 label: str, logits: bool = True) -> None:
         self.binding, self.state, self.feed, self.settings, self.chunk_size = binding, state, feed, settings, chunk_size
+        self.logits = logits  # False: the last chunk skips the output head too (a settle: the next call feeds on)
         self.T, self.Q = state.tokens_seen, feed.ids.shape[1]
-        self.schedule = Canonical(settings.canonical, marks=settings.marks)
+        self.schedule = Canonical(settings.canonical_chunk, marks=settings.canonical_marks)
         self.history = history(state, feed.ids, settings)
         self.spans = (*((m.start, m.end) for m in state.media), *feed.spans)
         self.ends = canonical_ends(binding, state, feed.ids, settings, self.schedule, self.history, self.spans, label)
@@ -57,7 +59,7 @@ class FeedRun:
             self.end = min(start + size, Q)
         end = self.end
         inputs = feed.inputs if self.ends is None else self._inputs(start, end)
-        last = end >= Q and self.settings.logits
+        last = end >= Q and self.logits
         return feed.ids[:, start:end], feed.mask[:, :T + end], feed.positions[:, start:end], inputs, last
 
     def _size(self, remaining: int) -> int:
@@ -86,8 +88,8 @@ class FeedRun:
             # the history ends inside an incomplete turn mark
             self.ends.pop(0)
             kept = schedule.keeps(T + start, T + end, self.history) if end >= Q else T + end
-            state = replace(state, canonical=kept, canonical_chunk=settings.canonical,
-                            canonical_device=self.label, canonical_marks=settings.marks)
+            state = replace(state, canonical=kept, canonical_chunk=settings.canonical_chunk,
+                            canonical_device=self.label, canonical_marks=settings.canonical_marks)
         every = settings.checkpoint_every
         # at every cut, the feed's end too when it is one whatever follows: a resume restarts there
         cut = self.ends is not None and (end < Q or schedule.last_cut(T + end, self.spans, self.history) == T + end)
@@ -96,24 +98,24 @@ class FeedRun:
         self.state, self.start = state, end
 
 
-def canonical_ends(binding: Binding, state: State, ids: torch.Tensor, settings: FeedSettings, schedule: Canonical,
+def canonical_ends(binding: Binding, state: State, ids: torch.Tensor, settings: Settings, schedule: Canonical,
                    history: torch.Tensor | None, spans: tuple[tuple[int, int], ...], label: str) -> list[int] | None:
     """The chunk ends (absolute) of a feed of ``ids`` ``[B, Q]`` after ``state`` under the canonical ``schedule``,
     on the kernels ``label``; None when the schedule does not apply: it is off, the family feeds one token per
     forward, or the feed starts off a canonical cut (of these kernels)."""
     if not schedule.enabled or binding.caps.stepwise or state.is_compressed:
         return None
-    if settings.marks and ids.shape[0] != 1:  # one row's marks are not another's
+    if settings.canonical_marks and ids.shape[0] != 1:  # one row's marks are not another's
         return None
     T = state.tokens_seen
-    if T and (state.canonical_for(settings.canonical, label, settings.marks) != T
+    if T and (state.canonical_for(settings.canonical_chunk, label, settings.canonical_marks) != T
               or schedule.last_cut(T, spans, history) != T):
         return None
     return schedule.cuts(T, T + ids.shape[1], spans, history)
 
 
-def history(state: State, ids: torch.Tensor, settings: FeedSettings) -> torch.Tensor | None:
+def history(state: State, ids: torch.Tensor, settings: Settings) -> torch.Tensor | None:
     """The ids ``[L]`` the turn marks are found in (row 0), or None without marks."""
-    if not settings.marks:
+    if not settings.canonical_marks:
         return None
     return torch.cat([state.tokens[0], ids[0]])

@@ -1,45 +1,14 @@
-"""The values the engine's schedules take and give: a feed, its settings, and a run's outcome."""
+"""What the engine's runs give: a run's ``Outcome`` and each row's finish reason. (What they take: a ``Feed``,
+a ``Request`` and a ``ResumePlan``, values of the layers below, and the ``Settings``.)"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..options import GenerateOptions, end_ids
 from ..state import MediaItem, State
-
-
-@dataclass(frozen=True)
-class Feed:
-    """New tokens for the model: ``ids`` ``[B, Q]``, ``mask`` ``[B, T + Q]`` over processed + new
-    slots, their ``positions`` ``[B, Q(, R)]``, the model inputs that belong to them (pixels), and
-    the media ``spans`` ``[start, end)`` among them, as absolute slots (never split by a chunk)."""
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-    positions: torch.Tensor
-    inputs: Mapping[str, torch.Tensor]
-    spans: tuple[tuple[int, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class FeedSettings:
-    """How ``feed`` splits its work: the canonical chunk ``C`` (0: off), the longest forward when
-    the schedule is off, checkpoint spacing and checkpoints kept, the schedule's turn marks, and
-    the prefill tile: chunks run in packed forwards whose products take ``tile`` rows at a time
-    (0: plain forwards; ``kvstate.engine.prefill``), on prepacked weights with ``prepack``."""
-
-    chunk_size: int = 512
-    checkpoint_every: int | None = None
-    max_checkpoints: int = 16
-    canonical: int = 0
-    marks: tuple[int, ...] = ()
-    tile: int = 0
-    prepack: bool = True
-    invariant: bool = True  # False: pieces packed with plain kernels (the invariance tax's baseline)
-    logits: bool = True  # False: the last chunk skips the output head too (a settle: the next call feeds on)
 
 
 @dataclass(frozen=True)

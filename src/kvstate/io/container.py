@@ -136,7 +136,7 @@ def _same_size(planned: bytes, final: bytes) -> bytes:
 
 def _keep_replaced(path: Path) -> Path | None:
     """A second name for the file ``path`` is about to replace, so that the rename does not free its
-    blocks (6 ms for 31 MB on ext4) while the caller waits; ``_discard`` frees them on kvstate's I/O
+    blocks while the caller waits (docs/benchmarks.md); ``_discard`` frees them on kvstate's I/O
     thread. A crash in between leaves a ``.<name>.<pid>.<id>.old`` file beside it."""
     if not path.is_file():
         return None
@@ -252,9 +252,8 @@ def _read_exactly(f: Any, n: int, path: Path) -> bytes:
 
 def _read_span(fd: int, target: memoryview, offset: int, path: Path, hasher: Any) -> None:
     """Fill ``target`` with the file's bytes from ``offset`` on, in pieces hashed while they are still
-    in cache: one pass over memory. Measured on two cores against reading everything first and
-    hashing on two threads afterwards, this was faster (2.6 vs 2.8 ms for 31 MB; the unverified
-    safetensors read took 2.4), since hashing from cache costs little next to the copy."""
+    in cache: one pass over memory, faster than reading everything first and hashing on two threads
+    afterwards (docs/benchmarks.md), since hashing from cache costs little next to the copy."""
     for i in range(0, len(target), CHUNK):
         piece = target[i:i + CHUNK]
         done = 0

@@ -30,8 +30,8 @@ _HUGE_PAGE = 2**21
 def prefer_huge_pages(data: torch.Tensor) -> None:
     """Ask Linux to back ``data`` with 2 MiB pages (``MADV_HUGEPAGE``), where transparent huge pages are
     on "madvise". When malloc hands a large load fresh memory, faulting it in 4 KiB pages costs more
-    than the read itself (31 MB: ~12 ms against ~3 ms; memory malloc reuses is already mapped and is
-    unaffected). Advice only: any failure leaves the read as it was."""
+    than the read itself (docs/benchmarks.md; memory malloc reuses is already mapped and is unaffected).
+    Advice only: any failure leaves the read as it was."""
     libc = _libc()
     start = -(-data.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
     end = (data.data_ptr() + data.numel()) // _HUGE_PAGE * _HUGE_PAGE

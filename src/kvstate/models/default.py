@@ -92,7 +92,7 @@ def load_default_model(
     minute); later calls load that cache in a few seconds. `cache_dir` replaces
     the user cache dir (`platformdirs.user_cache_dir("kvstate")`). Every call builds
     a new model instance; the tokenizer is loaded once per process and shared
-    (parsing its 262k-token vocabulary takes about 3 s; kvstate never changes it).
+    (parsing its 262k-token vocabulary takes seconds; kvstate never changes it).
     """
     folder = default_model_folder(cache_dir, progress)
     return load_folder(folder, check_tokenizer, dtype, progress, attn_implementation)

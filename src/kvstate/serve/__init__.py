@@ -45,9 +45,9 @@ def run(server: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str =
     from .shutdown import Draining
 
     app = create_app(server)
-    # The ~400k objects of torch, transformers and the model live as long as the process: frozen, a full garbage
-    # collection no longer walks them (measured with the default model: 210 ms each, which stalled a batched
-    # decode step to 340 ms; the Python docs' advice for a process that forks or runs long after start-up)
+    # The objects of torch, transformers and the model live as long as the process: frozen, a full garbage
+    # collection no longer walks them, and stalls no decode step (docs/benchmarks.md; the Python docs' advice
+    # for a process that forks or runs long after start-up)
     gc.freeze()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=server.settings.shutdown_timeout + Draining.MARGIN)

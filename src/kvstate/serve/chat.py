@@ -59,14 +59,14 @@ class Prompt:
 
 
 class Renderer:
-    """Renders chat messages and prompts for one tokenizer (and, for image models, its processor)."""
+    """Renders chat messages and prompts for one tokenizer (for image models, with its image placeholder)."""
 
-    def __init__(self, tokenizer: Any, *, image_placeholder: str | None = None, processor: Any = None,
-                 max_image_bytes: int = 8 << 20, vocab: int | None = None) -> None:
+    def __init__(self, tokenizer: Any, *, image_placeholder: str | None = None, max_image_bytes: int = 8 << 20,
+                 vocab: int | None = None) -> None:
         self.tokenizer, self.vocab = tokenizer, vocab
         self.template = getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE
         self.default_stop = FALLBACK_STOP if self.template is FALLBACK_TEMPLATE else ()
-        self.image_placeholder, self.processor = image_placeholder, processor
+        self.image_placeholder = image_placeholder
         self.max_image_bytes = max_image_bytes
 
     def chat(self, messages: Any) -> Prompt:

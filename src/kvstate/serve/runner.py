@@ -1,19 +1,19 @@
-"""The one thread that runs the model: a bounded FIFO of generation jobs.
+"""The one thread that runs the model: a bounded queue of requests over one ``kvstate.batch.Scheduler``.
 
-What runs in parallel: HTTP parsing, authentication, chat rendering, tokenization
-and streaming to clients run on the server's event loop, for any number of
-requests at once. Model work runs here, one request at a time, in arrival order,
-with torch's intra-op threads inside each forward. There is no batching across
-requests, so every answer is the answer its request would get alone. A request
-that finds ``max_queue`` jobs waiting or running gets a 429 at once.
+What runs in parallel: HTTP parsing, authentication, chat rendering, tokenization and streaming to clients
+run on the server's event loop, for any number of requests at once. Model work runs here, on one thread, in
+the scheduler's steps: at each step boundary the thread takes the requests that arrived, drops those whose
+clients left, admits waiting prompts (their prefill) and runs one decode step for every running answer,
+handing each token to its request's ``streaming.Streamer``. ``Settings.batching.max_batch`` answers decode
+together: with 1 (a CPU's default) requests run one at a time, in arrival order, on ``Session``'s own kernels;
+with more they share forwards, and each answer is still bit for bit what it gets alone (``docs/batching.md``).
+A request whose options the scheduler's sampler cannot serve runs through ``Session.generate`` between two
+steps, alone (``kvstate.serve.alone``). A request that finds ``max_queue`` jobs waiting or running gets a 429.
 
-Each job builds a ``Session`` on the shared model whose prefix sources are its
-namespace of the ``StatePool`` and its store (``kvstate.resume`` picks among them),
-and runs it; the session offers the new state back to both. The outcome carries
-the slots reused and the finish reason (and, when a request asks for logprobs, generate's raw
-step logits, reduced here to ``logprobs.TokenLogprob`` s), so the runner only formats. A cancelled
-job (the client went away) stops at its next token by raising from the streamer:
-``Session.generate`` is transactional, so nothing of the cancelled call is kept anywhere.
+Every request resumes from its namespace of the ``StatePool`` and its store (``kvstate.resume`` picks among
+them); its prompt's state and, after the answer, the conversation's are offered back to both, and the reply is
+settled into canonical chunks when the model is idle (``kvstate.serve.settle``). A cancelled request (the
+client went away) leaves at the next step and commits nothing.
 """
 
 from __future__ import annotations
@@ -25,24 +25,28 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
-import torch
-
-from ..protocols import PrefixQuery
-from ..schedule import Canonical
-from ..session import Session
+from ..batch import BatchRequest, Done, Failed, Scheduler, Token
+from ..batch.scheduler import Completion
+from ..protocols import PrefixCache, PrefixQuery
+from ..resume import offer
+from ..settings import Settings
+from .alone import Halt, StopCriteria, generate_alone, refused
+from .batching import batch_request
 from .chat import Prompt
-from .errors import BadRequest, HTTPError
-from .logprobs import Reporter, Step, TokenLogprob, compute, step_of
+from .errors import HTTPError
+from .logprobs import TokenLogprob, build, compute
 from .metrics import Clock, Metrics
 from .params import Request
 from .pool import StatePool
+from .settle import Settler
+from .streaming import Cancelled, Streamer
 
+__all__ = ["Cancelled", "Host", "Job", "Result", "Runner", "shutting_down"]
 
-class Cancelled(Exception):
-    """The client disconnected; the job stops without committing anything."""
+GATHER_CAP = 10  # a burst is gathered for at most this many quiet gaps (``Runner._gather``)
 
 
 def shutting_down() -> HTTPError:
@@ -51,18 +55,9 @@ def shutting_down() -> HTTPError:
                      fix="retry on another replica, or once this one is back", headers={"Retry-After": "5"})
 
 
-# The stop-string tables kept for reuse: each is vocabulary x stop length int32 (129 MiB for 4 stops of 32
-# characters on a 262k vocabulary), so they are bounded in bytes as well as in number
-STOP_TABLES_BYTES = 512 << 20
-
-# How long an idle model waits before settling a reply: a client that sends its next request as soon as
-# a reply ends gets it to the runner within a few ms here (rendering and tokenizing included)
-SETTLE_GRACE = 0.05
-
-
 @dataclass(eq=False)
 class Job:
-    """One request's work. ``on_text`` (called on the worker thread) receives answer text as it is final."""
+    """One request's work. ``on_text`` (called on the model thread) receives answer text as it is final."""
 
     namespace: str
     prompt: Prompt
@@ -78,34 +73,6 @@ class Job:
     clock: Clock = field(default_factory=Clock)  # its times, for ``Metrics`` (arrival: when the job is made)
 
 
-@dataclass(frozen=True, eq=False)  # compared by identity: the deque removes this entry, not an equal one
-class Unsettled:
-    """A reply waiting for its settle: its conversation's ``namespace``, the ``state`` after it, and the ids the
-    next turn begins with (``through``, None: settle the decoded tokens up to the last cut)."""
-
-    namespace: str
-    state: Any
-    through: list[int] | None = None
-    marks: tuple[int, ...] = ()  # the schedule the reply was fed with, and is settled with
-
-    def continued_by(self, ids: list[int]) -> bool:
-        """Whether a prompt of ``ids`` continues this reply: it begins with ``through`` (or the state's tokens)
-        and goes on past them."""
-        known = self._known()
-        return len(ids) > len(known) and ids[:len(known)] == known
-
-    def settles_for(self, ids: list[int], chunk: int) -> bool:
-        """Whether, for a prompt of ``ids`` that continues this reply, settling first moves where its resume
-        restarts: to the settle's end (a cut of the prompt's history), past the last cut before the reply's
-        decoded tokens. Not when the prompt goes on inside the reply's last segment (a raw prompt that
-        continues the answer's line): the settled slots would be fed again."""
-        schedule, known = Canonical(chunk, marks=self.marks), len(self._known())
-        return schedule.last_cut(known, ids=ids) > schedule.last_cut(min(self.state.canonical, known), ids=ids)
-
-    def _known(self) -> list[int]:
-        return list(self.through) if self.through is not None else self.state.tokens[0].tolist()
-
-
 @dataclass(frozen=True)
 class Result:
     text: str
@@ -117,32 +84,56 @@ class Result:
     logprobs: tuple[TokenLogprob, ...] | None = None  # when the request asked for them
 
 
-class Runner:
-    """Runs ``Job`` s on one model, one at a time; ``store_for(namespace)`` gives each namespace's store."""
+class Host(Protocol):
+    """What the runner needs of its server: the model, the pool, each namespace's store, the metrics, and the ids
+    the next turn of a reply begins with (``following``: None where no template renders them)."""
 
-    def __init__(self, model: Any, tokenizer: Any, pool: StatePool, store_for: Callable[[str], Any],
-                 metrics: Metrics, max_queue: int = 16, chunk_size: int = 512, canonical_chunk: int = 64,
-                 canonical_marks: tuple[int, ...] = (), follow: Callable[[Job, str], Any] | None = None) -> None:
+    model: Any
+    tokenizer: Any
+    pool: StatePool
+    metrics: Metrics
+
+    def store_for(self, namespace: str) -> PrefixCache | None: ...
+
+    def following(self, prompt: Prompt, text: str) -> list[int] | None: ...
+
+
+class _Active:
+    """A job inside the scheduler: its future, its streamer and when it started."""
+
+    def __init__(self, job: Job, future: concurrent.futures.Future[Result], streamer: Streamer) -> None:
+        self.job, self.future, self.streamer = job, future, streamer
+        self.started = time.perf_counter()
+        self.halted = False  # ended by the shutdown deadline (``Runner.halt``)
+
+
+class Runner:
+    """Runs ``Job`` s on the host's model (see the module docstring); ``gather``: seconds of quiet that end a burst
+    of arrivals at an idle model (``_gather``)."""
+
+    def __init__(self, host: Host, settings: Settings, max_queue: int = 16, gather: float = 0.02) -> None:
         from ..adapters.fingerprinting import fingerprint
 
-        self.model, self.tokenizer, self.pool, self.store_for = model, tokenizer, pool, store_for
-        self.metrics, self.max_queue, self.chunk_size = metrics, max_queue, chunk_size
-        # turn marks: a settled answer ends where the next turn's cut is (``follow(job, text)``: those ids)
-        self.canonical_chunk, self.canonical_marks, self.follow = canonical_chunk, canonical_marks, follow
-        self.fingerprint = fingerprint(model, tokenizer)
-        self.kernels: dict[str, Any] = {}  # Session's prefill kernels (BatchRunner: the scheduler's)
+        self.host, self.settings, self.max_queue, self.gather = host, settings, max_queue, gather
+        self.fingerprint = fingerprint(host.model, host.tokenizer)
+        # prefixes are shared through each key's pool namespace (and store), never across keys
+        self.scheduler = Scheduler(host.model, replace(settings, batching=replace(settings.batching,
+                                                                                  share_prefixes=False)),
+                                   fingerprint=self.fingerprint)
+        self.settler = Settler(host.model, host.pool, settings, self.fingerprint, self._idle_for, host.store_for)
+        self.stops = StopCriteria(host.tokenizer)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstate-model")
+        self._inbox: deque[tuple[Job, concurrent.futures.Future[Result]]] = deque()
+        self._active: dict[int, _Active] = {}
+        self._looping = False
         self._pending = 0
         self._jobs: set[Job] = set()  # queued or running, so close() can cancel them
-        # replies whose settle waits for an idle model (``_settle_idle``) or their conversation's next request
-        # (``_settle_for``); past 16 the oldest is dropped. Read and written on the model thread only
-        self._unsettled: deque[Unsettled] = deque(maxlen=16)
         self._arrived = threading.Event()  # set by every submit: a settle waiting for its grace yields
         self._closing = False
         self._draining = False  # a graceful stop began: no new job is accepted (``stop_accepting``)
         self._halted = threading.Event()  # its deadline passed: running answers end at their next token (``halt``)
         self._lock = threading.Lock()
-        self._stops: dict[tuple[str, ...], Any] = {}  # StopStringCriteria by stop strings (``_stop_criterion``)
+        self.peak = 0  # the most requests that ever decoded together
 
     @property
     def pending(self) -> int:
@@ -150,25 +141,17 @@ class Runner:
         return self._pending
 
     def submit(self, job: Job) -> concurrent.futures.Future[Result]:
-        """Queue ``job``; a full queue is a 429 before anything is queued."""
+        """Queue ``job``; a full queue is a 429 (a draining server a 503) before anything is queued."""
+        future: concurrent.futures.Future[Result] = concurrent.futures.Future()
         with self._lock:
             self._count(job)
-        self._arrived.set()
-        future = self._executor.submit(self._run, job)
+            self._inbox.append((job, future))
+            self._arrived.set()
+            start, self._looping = not self._looping, True
         future.add_done_callback(lambda _: self._done(job))
+        if start:
+            self._executor.submit(self._loop)
         return future
-
-    def _count(self, job: Job) -> None:
-        """Count ``job`` as waiting or running, or raise the 429 of a full queue (holds ``_lock``)."""
-        if self._draining:
-            raise shutting_down()
-        if self._pending >= self.max_queue:
-            raise HTTPError(f"the server is busy: {self._pending} requests are queued or running "
-                            f"(limit {self.max_queue})", status=429, code="rate_limit_exceeded",
-                            fix="retry after a moment", headers={"Retry-After": "1"})
-        self._pending += 1
-        self._jobs.add(job)
-        self.metrics.queued(job.clock)
 
     def drain(self) -> None:
         """Wait until the work queued so far, replies and their settling included, has run."""
@@ -181,135 +164,19 @@ class Runner:
             self._draining = True
         self._arrived.set()  # a settle waiting for its grace returns
 
+    def settle_pending(self) -> None:
+        """At the end of a graceful stop (no request left): settle the replies still waiting and write them to the
+        store (``Settler.settle_all``). Nothing past the shutdown deadline (``halt``): the operator is waiting."""
+        if self._halted.is_set():
+            return
+        with contextlib.suppress(RuntimeError):  # the executor was shut down already: nothing can run
+            self._executor.submit(self.settler.settle_all).result()
+
     def halt(self) -> None:
         """End every running answer at its next token, as a length limit would (``finish_reason`` ``length``,
         its state kept and offered to the pool and the store); jobs not started yet get a 503."""
         self._halted.set()
         self._arrived.set()
-
-    def _stop_criterion(self, stops: tuple[str, ...]) -> Any:
-        """transformers' ``StopStringCriteria`` for ``stops``, built once: ``generate(stop_strings=...)`` builds
-        it on every call, which reads and sorts the whole vocabulary (0.3 to 0.8 s a request for Gemma's
-        262k tokens, more than the turn's forward). It holds tables only, so one serves every request, and
-        ``generate`` ORs the criteria it is given with its own: the same stops as ``stop_strings``."""
-        from transformers import StopStringCriteria
-
-        with self._lock:
-            found = self._stops.pop(stops, None) or StopStringCriteria(self.tokenizer, list(stops))
-            self._stops[stops] = found  # the newest last; the oldest evicted past 16 sets or STOP_TABLES_BYTES
-            while len(self._stops) > 16 or (len(self._stops) > 1 and sum(
-                    getattr(c.embedding_vec, "nbytes", 0) for c in self._stops.values()) > STOP_TABLES_BYTES):
-                self._stops.pop(next(iter(self._stops)))
-        return found
-
-    def _marks(self, job: Job) -> tuple[int, ...]:
-        return self.canonical_marks if job.marks is None else job.marks
-
-    def _through(self, job: Job, text: str) -> Any:
-        """The ids the next turn begins with (``settle(through=...)``), when marks make that useful: a turn or
-        a line starts right after them."""
-        if not self._marks(job) or self.follow is None:
-            return None
-        try:
-            return self.follow(job, text)
-        except Exception:  # an optimisation: without it the next turn re-feeds the answer itself
-            logging.getLogger("kvstate.serve").warning("rendering the next turn's history failed", exc_info=True)
-            return None
-
-    def _defer_settle(self, job: Job, state: Any, text: str) -> None:
-        """Queue the settle of ``job``'s reply ``text`` (its state ``state``) for when the model is idle, or for
-        the conversation's next request, whichever comes first."""
-        if self.canonical_chunk and self.pool.max_bytes:  # a pool of 0 bytes: no reuse, nothing to settle for
-            self._unsettled.append(Unsettled(job.namespace, state, self._through(job, text), self._marks(job)))
-
-    def _settle_idle(self) -> None:
-        """Settle the waiting replies, newest first, while no request waits. Each first waits ``SETTLE_GRACE``
-        for a request: one sent as soon as a reply ends runs first instead of waiting for a settle, which is
-        one forward. If it continues a waiting reply (the chat's next turn), ``_settle_for`` settles that one
-        before it; another chat's request does not wait for a settle it does not need. Settled here, a state
-        goes to the store too: a restarted server, or another one on the same store, resumes from it."""
-        while True:
-            self._forget_unpooled()
-            if not self._unsettled or not self._idle_for(SETTLE_GRACE):
-                return
-            self._settle(self._unsettled.pop(), store=True)
-
-    def settle_pending(self) -> None:
-        """At the end of a graceful stop (no request left): settle the replies still waiting for it and write them
-        to the store, so a restarted server reuses as much as one that never stopped (the pool goes with the
-        process). Nothing past the shutdown deadline (``halt``): the operator is waiting for the exit."""
-        if self._halted.is_set():
-            return
-        with contextlib.suppress(RuntimeError):  # the executor was shut down already: nothing can run
-            self._executor.submit(self._settle_all).result()
-
-    def _settle_all(self) -> None:
-        self._forget_unpooled()
-        while self._unsettled:
-            self._settle(self._unsettled.pop(), store=True)
-
-    def _settle_for(self, job: Job) -> None:
-        """Before ``job`` runs: settle the waiting reply that its prompt continues (same namespace; the ids the
-        settle feeds through, or the reply's own tokens, begin the prompt), and pool the settled state. The
-        conversation's next request then resumes from it whatever the client's timing: an agent that asks again
-        as soon as a reply arrives reuses as much as one that pauses, and the same forwards run, in this
-        request's time instead of the idle model's."""
-        for entry in reversed(self._unsettled):  # the newest first: it is the longest of its conversation
-            if entry.namespace == job.namespace and entry.continued_by(job.prompt.ids):
-                self._unsettled.remove(entry)  # its conversation went on: the idle model need not settle it
-                if entry.settles_for(job.prompt.ids, self.canonical_chunk):
-                    self._settle(entry)
-                return
-
-    def _forget_unpooled(self) -> None:
-        """Drop the waiting settles of states the pool no longer holds: their chat went on (a newer state covers
-        them) or the pool evicted them, and holding them here would keep their K/V past the pool's budget."""
-        held = [entry for entry in self._unsettled if self.pool.holds(entry.namespace, entry.state)]
-        self._unsettled.clear()
-        self._unsettled.extend(held)
-
-    def _idle_for(self, seconds: float) -> bool:
-        """Whether no request arrives (and the runner is not closing) within ``seconds``."""
-        self._arrived.clear()  # before reading the flags: a submit or close after this sets it again
-        return not (self._busy() or self._arrived.wait(seconds) or self._busy())
-
-    def _busy(self) -> bool:
-        return bool(self._pending) or self._closing or self._draining
-
-    def _settle(self, entry: Unsettled, store: bool = False) -> None:
-        """After a reply: recompute its decoded tokens in canonical chunks, so the next turn's pool hit
-        re-feeds only the tail since the last cut (the canonical schedule); the settled state joins the pool and,
-        with ``store``, the namespace's store. Runs on the model thread between jobs; a failure here costs the next
-        turn that re-feed, never an answer."""
-        try:
-            session = Session(self.model, state=entry.state, **self._session_settings(entry.marks))
-            if session.settle(entry.through):
-                self.pool.put(entry.namespace, session.state)
-                if store:
-                    self._store(entry.namespace, session.state)
-        except Exception:  # an optimisation: the unsettled state is in the pool already; say why it failed
-            logging.getLogger("kvstate.serve").warning("settling a reply failed", exc_info=True)
-
-    def _store(self, namespace: str, state: Any) -> None:
-        """Offer a settled ``state`` to ``namespace``'s store (its aligned prefixes, by the store's policy; a
-        failing store warns and counts, as every store write does)."""
-        sink = self.store_for(namespace)
-        if sink is not None:
-            media = tuple((m.start, m.digest) for m in state.media)
-            sink.offer([state], PrefixQuery(self.fingerprint, state.tokens.cpu(), media))
-
-    def _session_settings(self, marks: tuple[int, ...]) -> dict[str, Any]:
-        """What every ``Session`` of this runner is built with, for a history fed with ``marks``: its states are
-        one another's (and the scheduler's, for ``BatchRunner``), so each resumes from the others' canonical
-        slots."""
-        return dict(chunk_size=self.chunk_size, canonical_chunk=self.canonical_chunk, canonical_marks=marks,
-                    fingerprint=self.fingerprint, **self.kernels)
-
-    def _done(self, job: Job) -> None:
-        with self._lock:
-            self._pending -= 1
-            self._jobs.discard(job)
-        self.metrics.released(job.clock)
 
     def close(self) -> None:
         """Cancel what is queued or running (each stops at its next token, committing nothing) and wait."""
@@ -319,171 +186,222 @@ class Runner:
             self._closing = True
         self._arrived.set()  # a settle waiting for its grace returns, and no other starts
         self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._lock:  # jobs whose loop never started (the executor dropped it)
+            left, self._inbox = list(self._inbox), deque()
+        for _, future in left:
+            future.set_exception(Cancelled())
 
-    def _run(self, job: Job) -> Result:
-        if job.cancelled.is_set():
-            raise Cancelled
-        if self._halted.is_set():
+    # ----- the queue -----------------------------------------------------------------------------------
+    def _count(self, job: Job) -> None:
+        """Count ``job`` as waiting or running, or raise the 429 of a full queue (holds ``_lock``)."""
+        if self._draining:
             raise shutting_down()
-        self.metrics.started(job.clock)
-        self._settle_for(job)
-        started = time.perf_counter()
-        ids = torch.tensor([job.prompt.ids], dtype=torch.long)
-        store = self.store_for(job.namespace)
-        marks = self._marks(job)
-        sources = [self.pool.source(job.namespace, marks), *(() if store is None else (store,))]
-        session = Session(self.model, sources=sources, **self._session_settings(marks))
-        streamer = _Streamer(self.tokenizer, job, self.metrics)
-        options = dict(job.request.options)
-        if job.request.seed is not None:
-            torch.manual_seed(job.request.seed)
-        halt = _Halt(self._halted)
-        options["stopping_criteria"] = [*options.get("stopping_criteria", ()), halt]
+        if self._pending >= self.max_queue:
+            raise HTTPError(f"the server is busy: {self._pending} requests are queued or running "
+                            f"(limit {self.max_queue})", status=429, code="rate_limit_exceeded",
+                            fix="retry after a moment", headers={"Retry-After": "1"})
+        self._pending += 1
+        self._jobs.add(job)
+        self.host.metrics.queued(job.clock)
+
+    def _done(self, job: Job) -> None:
+        with self._lock:
+            self._pending -= 1
+            self._jobs.discard(job)
+        self.host.metrics.released(job.clock)
+
+    def _idle_for(self, seconds: float) -> bool:
+        """Whether no request arrives (and the runner is not closing or draining) within ``seconds``."""
+        self._arrived.clear()  # before reading the flags: a submit or close after this sets it again
+        return not (self._busy() or self._arrived.wait(seconds) or self._busy())
+
+    def _busy(self) -> bool:
+        return bool(self._pending) or self._closing or self._draining
+
+    # ----- the model thread ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        """Steps while anything waits or runs; then settles the waiting replies and returns the thread."""
+        while True:
+            self._gather()
+            with self._lock:
+                new = list(self._inbox)
+                self._inbox.clear()
+                if not new and not self.scheduler.busy:
+                    self._looping = False
+                    break
+            for job, future in new:
+                self._take(job, future)
+            for handle, active in self._active.items():
+                if active.job.cancelled.is_set():
+                    self.scheduler.cancel(handle)
+                elif self._halted.is_set() and not active.halted:  # ends at the step boundary, state kept
+                    active.halted = True
+                    self.scheduler.stop(handle)
+            self.peak = max(self.peak, self.scheduler.running)
+            try:
+                for event in self.scheduler.stepping():
+                    self._dispatch(event)
+            except Exception as exc:  # a shared forward failed: every running request fails with it
+                logging.getLogger("kvstate.serve").error("a model step failed", exc_info=True)
+                self._fail_all(exc)
+            self._admitted()
+        self.settler.settle_idle()
+
+    def _gather(self) -> None:
+        """At an idle model, let a burst of requests arrive before the first step: clients that send together
+        (one per user of an app, a benchmark's streams) otherwise get the first request prefilled and decoded
+        alone while the rest queue behind that step. Waits while requests keep arriving less than ``gather``
+        apart (at most ``GATHER_CAP`` gaps), never past a full batch; a lone request pays one ``gather``. Busy,
+        nothing waits: arrivals join at the next step boundary."""
+        if self.gather <= 0 or self.scheduler.busy:
+            return
+        for _ in range(GATHER_CAP):
+            with self._lock:  # nothing arrived (the loop is about to end): nothing to gather for
+                if not self._inbox or len(self._inbox) >= self.settings.batching.max_batch or self._closing:
+                    return
+                self._arrived.clear()  # a submit after this sets it again
+            if not self._arrived.wait(self.gather):
+                return
+
+    def _take(self, job: Job, future: concurrent.futures.Future[Result]) -> None:
+        """Hand ``job`` to the scheduler, or run it alone now when its options are not the sampler's."""
+        if job.cancelled.is_set():
+            future.set_exception(Cancelled())
+            return
+        if self._halted.is_set():
+            future.set_exception(shutting_down())
+            return
+        self.settler.settle_for(job.namespace, job.prompt.ids)  # the scheduler resumes from that settle
         try:
-            if "stop_strings" in options:  # refused as generate(stop_strings=...) would: no token spells one
-                options["stopping_criteria"].append(self._stop_criterion(tuple(options.pop("stop_strings"))))
-            outcome = session.run(ids, streamer=streamer, **options, **job.inputs)
-        except (ValueError, TypeError) as exc:
-            if streamer.tokens:  # a failure mid-answer is the server's, not the request's
-                raise
-            # transformers validates some options only when generate builds its processors (5.14 refuses a
-            # logit_bias on token 0, say): still the request's mistake, and nothing was committed
-            raise BadRequest(f"invalid generation options: {exc}") from exc
+            request = self._request(job)
+        except Exception as exc:
+            future.set_exception(refused(exc) if _refused(exc) else exc)
+            return
+        if request is None:
+            try:
+                future.set_result(self._alone(job))
+            except Exception as exc:
+                future.set_exception(exc)
+            return
+        handle = self.scheduler.submit(request)
+        self._active[handle] = _Active(job, future, Streamer(self.host.tokenizer, job, self.host.metrics))
+
+    def _admitted(self) -> None:
+        """Tell ``Metrics`` which requests the scheduler admitted (``Metrics.started``: the end of their queue time,
+        seen at their first event or at the end of the step that admitted them)."""
+        for handle, active in self._active.items():
+            if active.job.clock.started is None and self.scheduler.admitted(handle):
+                self.host.metrics.started(active.job.clock)
+
+    def _request(self, job: Job) -> BatchRequest | None:
+        """``job`` as the scheduler's request (None: its options run alone); its stop strings checked as
+        ``generate`` checks them."""
+        options = job.request.options
+        if options.get("stop_strings"):
+            self.stops.get(tuple(options["stop_strings"]))
+        request = batch_request(self.host.model, job.prompt.ids, options, job.request.seed, job.request.logprobs)
+        if request is None:
+            return None
+        return replace(request, inputs=job.inputs, sources=self._sources(job), marks=self._marks(job))
+
+    def _alone(self, job: Job) -> Result:
+        """``job`` through ``Session.generate`` now, between two steps (``kvstate.serve.alone``)."""
+        from ..session import Session
+
+        self.host.metrics.started(job.clock)
+        started = time.perf_counter()
+        settings = replace(self.settings, canonical_marks=self._marks(job))
+        session = Session(self.host.model, sources=self._sources(job), fingerprint=self.fingerprint,
+                          settings=settings)
+        streamer, halt = Streamer(self.host.tokenizer, job, self.host.metrics), Halt(self._halted)
+        outcome = generate_alone(session.run, job.prompt.ids, {**job.request.options, **job.inputs},
+                                 job.request.seed, streamer, halt, self.stops)
         tokens = outcome.tokens[0].tolist()
         text, stopped = streamer.final(tokens)
         self._defer_settle(job, outcome.state, text)
-        with contextlib.suppress(RuntimeError):  # the executor is shutting down: nothing to settle for
-            self._executor.submit(self._settle_idle)
         finish = "stop" if stopped else "length" if halt.fired else outcome.finish_reason[0]
         k = job.request.logprobs
         logprobs = streamer.logprobs if k is None or streamer.complete else \
-            compute(outcome.output.logits, tokens, k, self.tokenizer, text)
-        result = Result(text, finish, len(job.prompt.ids), len(tokens), outcome.reused,
-                        time.perf_counter() - started, logprobs)
-        self.metrics.finished(job.clock, result)
+            compute(outcome.output.logits, tokens, k, self.host.tokenizer, text)  # type: ignore[attr-defined]
+        return self._result(job, text, finish, len(tokens), outcome.reused, started, logprobs)
+
+    def _dispatch(self, event: Token | Done | Failed) -> None:
+        active = self._active.get(event.handle)
+        if active is None:
+            return
+        self.host.metrics.started(active.job.clock)  # its first event: admitted (a no-op after that)
+        if isinstance(event, Token):
+            try:
+                active.streamer.add(event.choice.token, (event.choice.logprob, event.choice.top))
+            except Cancelled:
+                self.scheduler.cancel(event.handle)
+                return
+            if active.streamer.stopped:
+                self.scheduler.stop(event.handle)  # the answer is complete; it keeps its state, as generate's stop
+        elif isinstance(event, Done):
+            del self._active[event.handle]
+            self._finish(active, event.completion)
+        else:  # the request's own mistake is a 400, as generate's; anything else a 500
+            del self._active[event.handle]
+            active.future.set_exception(refused(event.error) if _refused(event.error) else event.error)
+
+    def _finish(self, active: _Active, completion: Completion) -> None:
+        job = active.job
+        if completion.finish_reason == "cancelled":  # a halted request still waiting for its prompt: not started
+            active.future.set_exception(shutting_down() if active.halted else Cancelled())
+            return
+        tokens = list(completion.tokens)
+        text, stopped = active.streamer.final(tokens)
+        # the halt stops a request at a step boundary, before that step's tokens: no end id came with it
+        finish = "stop" if stopped else "length" if active.halted else completion.finish_reason
+        if completion.state is not None:
+            self._offer(job, completion.state)
+            self._defer_settle(job, completion.state, text)
+        k = job.request.logprobs
+        logprobs = active.streamer.logprobs if k is None or active.streamer.complete else build(
+            tokens, lambda i: (completion.logprobs[i], completion.top_logprobs[i]), self.host.tokenizer, text)
+        result = self._result(job, text, finish, len(tokens), completion.reused, active.started, logprobs)
+        active.future.set_result(result)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for handle in self.scheduler.abort():
+            active = self._active.pop(handle, None)
+            if active is not None:
+                active.future.set_exception(exc)
+
+    # ----- what every answer shares ------------------------------------------------------------------------
+    def _marks(self, job: Job) -> tuple[int, ...]:
+        return self.settings.canonical_marks if job.marks is None else job.marks
+
+    def _sources(self, job: Job) -> tuple[PrefixCache, ...]:
+        """Where ``job`` resumes from, and what its states are offered to: its namespace's pool, then its store."""
+        store = self.host.store_for(job.namespace)
+        return (self.host.pool.source(job.namespace, self._marks(job)), *(() if store is None else (store,)))
+
+    def _offer(self, job: Job, state: Any) -> None:
+        """Offer the conversation's state after a scheduled answer to its pool and store, as ``Session.run`` offers
+        it (its prompt's state was offered when it was admitted)."""
+        query = PrefixQuery(self.fingerprint, state.tokens.cpu(), tuple((m.start, m.digest) for m in state.media))
+        offer(self._sources(job), (state,), query, self.scheduler.engine.seconds_per_token)
+
+    def _defer_settle(self, job: Job, state: Any, text: str) -> None:
+        """Queue the settle of ``job``'s reply ``text``, through the ids its next turn begins with where marks make
+        that useful (a turn or a line starts right after them)."""
+        through = None
+        if self._marks(job):
+            try:
+                through = self.host.following(job.prompt, text)
+            except Exception:  # an optimisation: without it the next turn re-feeds the answer itself
+                logging.getLogger("kvstate.serve").warning("rendering the next turn's history failed", exc_info=True)
+        self.settler.defer(job.namespace, state, through, self._marks(job))
+
+    def _result(self, job: Job, text: str, finish: str, tokens: int, reused: int, started: float,
+                logprobs: tuple[TokenLogprob, ...] | None) -> Result:
+        result = Result(text, finish, len(job.prompt.ids), tokens, reused, time.perf_counter() - started, logprobs)
+        self.host.metrics.finished(job.clock, result)
         return result
 
 
-class _Halt:
-    """A stopping criterion that ends the answer once the server's shutdown deadline passed (``Runner.halt``);
-    ``fired`` says whether it did."""
-
-    def __init__(self, halted: threading.Event) -> None:
-        self.halted, self.fired = halted, False
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Halt:  # a copy must watch the same deadline and report here
-        return self
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        self.fired = self.fired or self.halted.is_set()
-        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
-
-
-class _Streamer:
-    """A transformers streamer that turns new tokens into final text: it holds back an incomplete
-    character and any tail that may still become a stop string, and cuts the answer at the first stop.
-    With ``logprobs`` it also takes each token's step (``put_logits``: the raw logits, from the engine;
-    ``put_step``: computed, from the batched scheduler) and reports tokens (``logprobs.Reporter``)."""
-
-    def __init__(self, tokenizer: Any, job: Job, metrics: Metrics | None = None) -> None:
-        self.tokenizer, self.job, self.metrics = tokenizer, job, metrics
-        self.stop = job.request.stop
-        self.tokens: list[int] = []
-        self.sent = 0
-        self._prompt_seen = False
-        self._decoded: tuple[int, str, bool] = (0, "", False)  # (tokens, text, stopped) of the last decode
-        self.k = job.request.logprobs
-        self.reporter = None if self.k is None else Reporter(tokenizer)
-        self.complete = self.k is not None  # every token came with its step
-        self._step: Step | torch.Tensor | None = None  # the next token's step, or the logits [V] it comes from
-
-    def put_logits(self, logits: torch.Tensor | None) -> None:
-        """The raw logits ``[1, V]`` the next token is chosen from."""
-        self._step = None if logits is None else logits[0]
-
-    def put_step(self, step: Step) -> None:
-        """The next token's logprob and top alternatives, computed by the caller."""
-        self._step = step
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.job.cancelled.is_set():
-            raise Cancelled
-        if not self._prompt_seen:  # generate echoes the history first
-            self._prompt_seen = True
-            return
-        new = value.reshape(-1).tolist()
-        if new and self.metrics is not None:
-            self.metrics.first_token(self.job.clock)  # once: later calls return at once
-        self._report(new)
-        self.tokens.extend(new)
-        if self.job.on_text is None and self.job.on_token is None:
-            return
-        text, stopped = self._text(self.tokens)
-        ready = len(text) if stopped else len(text) - self._held(text)
-        if self.job.on_token is not None and self.reporter is not None and self.complete:
-            for piece, item in self.reporter.ready(text, ready):
-                self.job.on_token(piece, item)
-        elif self.job.on_text is not None and ready > self.sent:
-            self.job.on_text(text[self.sent:ready])
-            self.sent = ready
-
-    def _report(self, new: list[int]) -> None:
-        """Give the reporter the new token with its step (a put without one leaves the report incomplete)."""
-        step, self._step = self._step, None
-        if self.reporter is None or not self.complete:
-            return
-        if step is None or len(new) != 1:
-            self.complete = False
-            return
-        token = new[0]  # computed now: holding each step's logits [V] would cost V floats per token
-        self.reporter.add(token, step if isinstance(step, tuple) else step_of(step, token, self.k))  # type: ignore[arg-type]
-
-    def end(self) -> None:
-        """Nothing here: ``final`` sends the rest once the state is committed."""
-
-    def final(self, tokens: list[int]) -> tuple[str, bool]:
-        """The whole answer (cut at a stop string, and whether one was found); sends what is left."""
-        text, stopped = self._text(tokens)
-        if self.reporter is not None and self.complete and tokens == self.tokens:
-            rest = self.reporter.rest(text)
-            if self.job.on_token is not None:
-                for piece, item in rest:
-                    self.job.on_token(piece, item)
-        else:
-            self.complete = False
-        if self.job.on_text is not None and len(text) > self.sent:
-            self.job.on_text(text[self.sent:])
-        return text, stopped
-
-    @property
-    def logprobs(self) -> tuple[TokenLogprob, ...] | None:
-        """The reported tokens, once ``final`` ran with every step (None without logprobs)."""
-        return None if self.reporter is None else tuple(self.reporter.items)
-
-    @property
-    def stopped(self) -> bool:
-        """Whether the answer so far holds a stop string (decoded once per token, whoever asks)."""
-        return bool(self.stop) and self._text(self.tokens)[1]
-
-    def _text(self, tokens: list[int]) -> tuple[str, bool]:
-        if self._decoded[0] == len(tokens) and tokens is self.tokens:
-            return self._decoded[1:]  # type: ignore[return-value]
-        reporter = self.reporter
-        shared = reporter is not None and self.complete and tokens == reporter.tokens
-        text = reporter.decoded if shared else self.tokenizer.decode(tokens, skip_special_tokens=True)  # type: ignore[union-attr]
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        text, stopped = (text[:min(cuts)], True) if cuts else (text, False)
-        if tokens is self.tokens:
-            self._decoded = (len(tokens), text, stopped)
-        return text, stopped
-
-    def _held(self, text: str) -> int:
-        """Characters at the end of ``text`` not yet final: a partial UTF-8 character (U+FFFD for each byte token
-        so far), or a stop string's start."""
-        held = len(text) - len(text.rstrip("\ufffd"))  # a character split over 3 or 4 byte tokens shows several
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    held = max(held, k)
-                    break
-        return held
+def _refused(error: BaseException) -> bool:
+    """Whether ``error`` is the request's own (generation options transformers or kvstate refused: a 400)."""
+    return isinstance(error, (ValueError, TypeError)) and not isinstance(error, HTTPError)

@@ -9,6 +9,8 @@ from typing import Any
 
 from ..errors import InputError
 from ..schedule import default_chunk
+from ..settings import Batching
+from ..settings import Settings as EngineSettings
 from ..store import PrefixStore
 from ..text import line_marks
 from .chat import Prompt, Renderer
@@ -34,13 +36,13 @@ class Settings:
     chunk_size: int = 512
     canonical_chunk: int | None = None  # the schedule's C (kvstate.schedule.default_chunk); 0 turns it off
     turn_marks: bool = True  # cut the schedule where the chat template starts a user turn (kvstate.schedule)
-    # > 1: requests decode together (kvstate.serve.batching); None: the device's (``default_batch``)
+    # > 1: requests decode together (kvstate.serve.runner); None: the device's (``default_batch``)
     max_batch: int | None = None
-    prefill_per_step: int = 512  # batched: prompt tokens a step feeds, about (kvstate.batch.Scheduler.prefill_tokens)
+    prefill_per_step: int = 512  # batched: prompt tokens a step feeds, about (kvstate.settings.Batching)
     batch_invariant: bool = True  # False: plain kernels in the batched forward (measures the invariance tax)
-    batch_prepack: bool = True  # the tiles on prepacked weights (kvstate.batch.Scheduler.prepack)
-    batch_prefill_rows: int = 32  # the prefill's tile; 0: each prompt in plain forwards (Scheduler.prefill_rows)
-    batch_gather_ms: int = 20  # an idle batched server admits a burst together (BatchRunner._gather); 0: off
+    batch_prepack: bool = True  # the tiles on prepacked weights (kvstate.settings.Settings.prepack)
+    batch_prefill_rows: int = 32  # the prefill's tile; 0: each prompt in plain forwards (Settings.prefill_rows)
+    batch_gather_ms: int = 20  # an idle batched server admits a burst together (Runner._gather); 0: off
     reuse: bool = True  # False: no pool and no store, every request runs cold (verify --against's cold twin)
     shutdown_timeout: float = 20.0  # a graceful stop's seconds for running answers, then they end (``Server.stop``)
 
@@ -85,21 +87,14 @@ class Server:
         device = next(model.parameters()).device.type
         self.canonical_chunk = default_chunk(self.marks, device) if chunk is None else chunk
         self.max_batch = default_batch(device) if settings.max_batch is None else settings.max_batch
-        args = (model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue, settings.chunk_size,
-                self.canonical_chunk)
-        turns = dict(canonical_marks=self.marks, follow=lambda job, text: self.renderer.following(job.prompt, text))
-        if self.max_batch > 1:
-            from .batching import BatchRunner
-
-            self.runner: Runner = BatchRunner(*args, max_batch=self.max_batch,
-                                              invariant=settings.batch_invariant, prepack=settings.batch_prepack,
-                                              prefill_rows=settings.batch_prefill_rows,
-                                              prefill_tokens=settings.prefill_per_step,
-                                              gather=settings.batch_gather_ms / 1000, **turns)
-        else:
-            self.runner = Runner(*args, **turns)
+        self.runner = Runner(self, engine_settings(settings, self.canonical_chunk, self.marks, self.max_batch),
+                             settings.max_queue, settings.batch_gather_ms / 1000)
         self.started = int(time.time())
         self.stopping = threading.Event()  # a graceful stop began (``stop``): new requests get a 503
+
+    def following(self, prompt: Prompt, text: str) -> list[int] | None:
+        """The ids the next turn of ``prompt``'s reply ``text`` begins with (``Renderer.following``)."""
+        return self.renderer.following(prompt, text)
 
     def marks_for(self, chat: bool) -> tuple[int, ...]:
         """The canonical schedule's marks for a chat's prompt (turn marks) or a completions prompt (line marks)."""
@@ -198,6 +193,17 @@ class Server:
 # weight once whatever its rows, so batching is nearly free; on a CPU one request at a time stays the default
 # (the batched decoder's tiles cost a lone request, measured in docs/batching.md).
 DEVICE_BATCH = {"cuda": 16}
+
+
+def engine_settings(settings: Settings, canonical_chunk: int, marks: tuple[int, ...], max_batch: int) -> EngineSettings:
+    """The one ``kvstate.settings.Settings`` a server runs with: its feed and schedule, and its batching. One request
+    at a time (``max_batch`` 1) runs ``Session``'s own kernels (one-row decode tiles, plain prefill forwards) and
+    feeds each history whole; batched, the tiles and the per-step prefill budget of ``settings``."""
+    if max_batch == 1:
+        return EngineSettings(settings.chunk_size, canonical_chunk, marks, batching=Batching(1, rows=1))
+    return EngineSettings(settings.chunk_size, canonical_chunk, marks, prefill_rows=settings.batch_prefill_rows,
+                          prepack=settings.batch_prepack, invariant=settings.batch_invariant,
+                          batching=Batching(max_batch, prefill_tokens=settings.prefill_per_step))
 
 
 def default_batch(device: str) -> int:

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .. import _compat
 from .._compat import attention
+from .._compat.core import attention_implementation
 from ..errors import InputError
 from ..selfcheck import adapter_for
 from .contract import (
@@ -67,7 +67,7 @@ def verify(model: Any, input_ids: torch.Tensor, *, new_tokens: int = 16, name: s
     if fault == "zero-rope-deltas" and (adapter_for(model).synthetic_image(model) is None or fresh is None):
         raise InputError("the zero-rope-deltas fault needs a multimodal model and a fresh instance",
                          expected="a Qwen-VL model and fresh=...", found=type(model).__name__)
-    attn = _compat.attention_implementation(model)
+    attn = attention_implementation(model)
     with ExitStack() as planted:
         if fault == "nondeterministic-attention":  # run-dependent noise in every attention output, fresh models too
             planted.enter_context(attention.noisy(model))

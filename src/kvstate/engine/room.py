@@ -1,26 +1,21 @@
-"""Room to grow: a packed decode appends each step's slot in place (continuous batching), for a cache that
-``kvstate._compat.pool`` cannot hold (and for one-row tiles, whose decode stays ``Session``'s).
+"""Room to grow: a decode appends each step's K/V in place instead of concatenating (``Session``'s decode, and
+a packed decode's caches that ``kvstate.engine.batched.pool`` does not hold).
 
-transformers' ``DynamicLayer.update`` concatenates, so every decode step copies each layer's whole
-K/V. Measured here for 16 streams x 18 layers of the default model (K and V, one slot each): 30 ms
-a step at 350 slots, 145 ms at 1,000, 323 ms at 2,000, where the step's matrix products take
-about 120 ms. ``reserve`` gives a cache's plain and recording-sliding layers room for more slots:
-their appends then write into the room, and the layer's keys and values are views of it. The
-values are the same; a layer with several K/V heads now attends over a strided view, as a sliding
-layer's window always did (``tests/test_batch.py`` checks one-row tiles against ``Session``'s
-decode on such layers). ``compact`` copies each view out once when the stream ends, so no state
-keeps the unused room alive. Other layer kinds keep concatenating.
+transformers' ``DynamicLayer.update`` concatenates, so every decode step copies each layer's whole K/V, a
+cost that grows with the history (``docs/benchmarks.md``). ``reserve`` gives a cache's plain and recording
+sliding layers room for the answer's slots (``kvstate._compat.appends``): their appends write into it, and the
+layer's keys and values are views of it, the same values (a layer with several K/V heads attends over a
+strided view, as a sliding window always did). ``compact`` copies each view out once when the decode ends,
+so no state keeps the unused room alive. Other layer kinds keep concatenating.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .core import _RecordingSlidingLayer
+from .._compat import appends
 
 
 class _Room:
@@ -50,40 +45,23 @@ def _with_room(t: torch.Tensor, extra: int) -> torch.Tensor:
     return out
 
 
-def _plain(layer: Any, room: _Room, keys: torch.Tensor, values: torch.Tensor, *args: Any,
-           **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``DynamicLayer.update`` (transformers' own class): every slot."""
-    layer.keys, layer.values = room.append(keys, values)
-    return layer.keys, layer.values
-
-
 def reserve(cache: Any, extra: int) -> None:
     """Give each filled plain or recording-sliding layer of ``cache`` (a ``DynamicCache`` kvstate built) room
     for ``extra`` more slots: its appends then write in place (the layer objects are this cache's own). A
     sliding layer keeps its own ``update`` (the visible window) and only stores into the room. Caches of other
-    classes (a family's own, RWKV's state list) keep their appends."""
-    if not isinstance(cache, DynamicCache):
-        return
-    for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, _RecordingSlidingLayer) or not layer.is_initialized \
-                or layer.keys is None or layer.keys.dim() != 4:
-            continue
-        room = layer.room = _Room(layer.keys, layer.values, extra)
-        if type(layer) is _RecordingSlidingLayer:
-            layer.store = room.append
-        else:
-            layer.update = functools.partial(_plain, layer, room)
+    classes (a family's own, RWKV's state list) keep their appends (``kvstate._compat.appends``)."""
+    for layer in appends.layers(cache):
+        if appends.movable(layer):
+            layer.room = _Room(layer.keys, layer.values, extra)
+            appends.redirect(layer, layer.room.append)
 
 
 def compact(cache: Any) -> None:
     """Copy the slots of each layer that grew into its room out of it (contiguous, as concatenation leaves them),
     so no state keeps the room alive, and end the growth; a layer that appended nothing is left as it was."""
-    if not isinstance(cache, DynamicCache):
-        return
-    for layer in cache.layers:
+    for layer in appends.layers(cache):
         room = layer.__dict__.pop("room", None)
-        layer.__dict__.pop("store", None)
-        layer.__dict__.pop("update", None)
+        appends.restore(layer)
         if room is not None and room.grown:
             layer.keys = layer.keys.clone(memory_format=torch.contiguous_format)
             layer.values = layer.values.clone(memory_format=torch.contiguous_format)

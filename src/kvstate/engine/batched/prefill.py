@@ -1,25 +1,16 @@
-"""Prefill chunks in tiles: one chunk's forward, or the chunks of many conversations packed into one
-forward, with the same bits for each (continuous batching).
+"""Prefill chunks in tiles: the chunks of many conversations packed into one forward, each with its bits alone.
 
-A ``Piece`` is one conversation's chunk: its state before the chunk and the chunk's ids. ``Tiled``
-runs any number of pieces as one packed forward of batch 1 (``kvstate._compat.packed``): piece ``i``'s
-rows are a segment of the packed sequence, every matrix product outside attention runs in tiles of
-``rows`` rows (on weights prepacked for the tile where oneDNN has them; ``kvstate.engine.invariant``),
-and attention runs per piece over its own K/V with a causal (and sliding-window) mask built from the
-piece alone. So a piece's K/V and logits do not depend on which pieces share its forward, and one
-piece alone is the same computation: a ``Session`` whose feeds run their chunks this way
-(``FeedSettings.tile``) computes the bits a ``Scheduler`` computes for the same history packed with
-others. The output head runs on the pieces' last rows only (``logits_to_keep`` as indices), in tiles.
+``Tiled`` runs ``Piece`` s (a conversation's state and its chunk's ids) as one packed forward of batch 1
+(``packed``): a piece's rows are a segment of the sequence, products run in tiles of ``rows`` rows
+(``invariant``, prepacked where oneDNN has kernels), and each piece attends over its own K/V with a causal
+(and sliding-window) mask of its own. So a piece's K/V and logits do not depend on its companions, and a
+``Session`` whose chunks run this way (``Settings.prefill_rows``) computes what a ``Scheduler`` computes for
+the same history packed with others. The output head runs on the pieces' last rows only, in tiles.
 
-Pieces must be attention-only, uncompressed, of batch 1 with no padding, with explicit position ids and
-no model inputs but the ids (``Tiled.fits``); the engine runs any other chunk as a plain forward.
-Whether the family fits at all is probed once, on two tokens (``Tiled.usable``), before any state is
-labelled with the tile: the label (``State.canonical_device``, ``kernels_label``) names the kernels. The
-probe runs under the tiling mode, which takes a census: when every product ran on prepacked weights and
-nothing routed rows, the mode had nothing to do, and later forwards skip it (``Tiled.plain``: the same
-calls, without its per-operation cost); each forward of more than one tile then calls every prepacked
-kernel once on all its rows (``Tiled._calls``): those kernels give a row its tile's bits for any row
-count, which ``rows_free`` probes once per count, and the weights are read once instead of once a tile.
+Pieces are attention-only, uncompressed, of batch 1 without padding (``Tiled.fits``); other chunks run as
+plain forwards. Whether a family fits is probed once, on two tokens, before any state is labelled with the
+tile (``kernels_label``, ``State.canonical_device``); the probe's census lets later forwards skip the tiling
+mode and call each prepacked kernel once on all rows (``Tiled._calls``) where that gives the tiles' bits.
 
 Shapes: a piece's ``ids`` ``[1, q]``, ``mask`` ``[1, T + q]``, ``positions`` ``[1, q(, R)]``.
 """
@@ -33,18 +24,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .. import _compat
-from .._compat.attention import deterministic
-from .._compat.kernels import available
-from .._compat.packed import PackedCache, Unpackable, packed
-from ..layers import AttentionLayerState
-from ..state import State
+from ..._compat.attention import deterministic
+from ..._compat.generation import without_logits
+from ...layers import AttentionLayerState
+from ...state import State
+from ..recorder import Forward
 from .invariant import prepacked, rows_free, tail_free, tile_kernels, tiled_linear
-from .recorder import Forward
+from .kernels import available
+from .packed import PackedCache, Unpackable, packed
 
 if TYPE_CHECKING:
-    from ..adapters.binding import Binding, Live, Runtime
-    from ..protocols import ModelInputs
+    from ...adapters.binding import Binding, Live, Runtime
+    from ...protocols import ModelInputs
 
 
 class Engine(Protocol):
@@ -63,23 +54,17 @@ class Engine(Protocol):
     def _advance(self, state: State, fed: torch.Tensor, mask: torch.Tensor, seen: Forward, live: Live) -> State: ...
 
 
-PREFILL_FIX = "pass prefill_rows=0 (Scheduler, Session; kvstate serve --batch-prefill-rows 0)"
+PREFILL_FIX = "pass prefill_rows=0 (Session, batch_settings; kvstate serve --batch-prefill-rows 0)"
 # The output head's tile: a chunk needs its last row's logits only, so the head sees one row per prompt; 16 rows
-# are the packed decode's default tile, whose prepacked head (671 MB for the default model in fp32) serves both.
+# are the packed decode's default tile, whose prepacked head (a copy of the vocabulary's weights) serves both.
 HEAD_ROWS = 16
 
 
 def kernels_label(device: str, rows: int) -> str:
     """The name of the kernels a feed's chunks ran on, as states record it (``State.canonical_device``):
-    the device type, plus the prefill tile where chunks ran in tiles of ``rows`` rows."""
+    the device type, plus the prefill tile where chunks ran in tiles of ``rows`` rows (read back by
+    ``kvstate.settings.tile_of``)."""
     return f"{device}+tile{rows}" if rows else device
-
-
-def tile_of(label: str) -> int:
-    """The prefill tile a kernels label names (``kernels_label``); 0 for plain forwards."""
-    _, _, tail = label.partition("+tile")
-    digits = tail.split("/")[0]
-    return int(digits) if digits.isdigit() else 0
 
 
 @dataclass(frozen=True)
@@ -179,7 +164,7 @@ class Tiled:
             heads = self._padded(len(keep), self.head_rows, self.head_spare) if keep else 0
             if keep:  # the head's rows in whole tiles of its own, the real ones never last (see ``spare``)
                 call["logits_to_keep"] = torch.tensor(keep + [P - 1] * (heads - len(keep)), device=device)
-            head = nullcontext() if keep else _compat.without_logits(engine.model)
+            head = nullcontext() if keep else without_logits(engine.model)
             tiles = tiled_linear(self.rows, P) if self.invariant and not self.plain else nullcontext()
             rows, own = self._calls(kernels, P, heads)
             with engine.lock, torch.no_grad(), deterministic(engine.model), packed(engine.model, cache), \
@@ -199,7 +184,7 @@ class Tiled:
         """The row counts ``prepacked`` calls the kernels with: tiles of ``rows`` (the head's of ``head_rows``),
         or, once the census showed every product on them (``plain``) and ``rows_free`` holds for ``P`` and
         ``heads`` rows, all ``P`` rows (and the head's ``heads``) in one call each: the same bits, the weights
-        read once instead of once a tile (the default model's 416-row prefill: linears 223 -> 166 ms in bf16)."""
+        read once instead of once a tile (``docs/benchmarks.md``)."""
         if not (self.plain and kernels and self.rows < P):
             return self.rows, self.own_rows
         body = {m: k for m, k in kernels.items() if m not in self.own_rows}

@@ -1,41 +1,19 @@
-"""Decode steps for many conversations (``kvstate.batch``): packed into one forward, or one forward each
-(continuous batching).
+"""Decode steps of many conversations: one packed forward for all (``Packed``), or one forward each (``Single``).
 
-A ``Stream`` is one conversation past its prompt: its prefilled ``State`` (with the prompt's
-last logits), the token it feeds next, and whatever its decoder keeps between steps. A decoder
-turns ``n`` streams' next tokens into their logits ``[n, V]`` and, at the end, a stream into the
-``State`` after its answer (the history and every new token but the last, as
-``Session.generate`` leaves it).
+A ``Stream`` is one conversation past its prompt: its prefilled ``State``, the tokens it fed, and what its
+decoder keeps between steps. A decoder turns ``n`` streams' next tokens into their logits ``[n, V]`` and, at
+the end, a stream into the ``State`` after its answer (every new token but the last, as ``Session.generate``
+leaves it).
 
-* ``Packed`` (attention-only families): one forward of batch 1 whose rows are the streams' tokens
-  (``kvstate._compat.packed``). Invariant: the forward always has ``P`` rows, a multiple of the tile
-  ``rows``, every matrix product outside attention runs in tiles of ``rows`` rows
-  (``kvstate.engine.invariant``), and attention is computed per stream over its own K/V with the shapes
-  it has alone (in bfloat16 / float16, for tiles of more than one row, in the grouped-query form of
-  ``kvstate._compat.packed``: the same for a stream alone or batched). A model that cannot be packed so
-  raises ``Unpackable`` at its first packed step, before any stream changed (the scheduler then moves
-  them to ``Single``). CPU element-wise kernels compute the last ``< 64`` elements of a tensor in a
-  scalar loop whose rounding may differ (measured: ``docs/batching.md``); when ``rows`` times some width
-  of the model is not a multiple of 64, that tail could fall on a real row, so ``P`` then keeps a
-  padding row at the end. A forward of exactly ``rows`` rows runs without the tiling mode once the first
-  packed forward's census showed that every product spans all rows and nothing routes rows
-  (``kvstate.engine.invariant``): each product is then one tile, the same call either way, and the
-  mode's per-operation cost (about 10% of a step) is saved. With ``prepack`` (the default; tiles of more
-  than one row, CPU fp32 / bf16) every plain ``nn.Linear`` computes its tiles on its weight prepacked
-  for ``rows`` rows (``kvstate.engine.invariant.prepacked``). Those kernels, on this project's CPU, give a
-  row the same bits for any 2 to ``rows`` rows (``F.linear``'s do not); where the first forward's census
-  shows every product on them, a probe confirms it for each weight (``rows_free``) and every width leaves
-  element-wise kernels no tail (``row_grain``), a step of ``n <= rows`` streams runs ``max(n, 2)`` rows
-  (rounded to the grain) instead of a whole tile: the same bits, and 8 streams of the default model
-  decode about 20% faster. ``invariant=False`` packs ``n`` rows with plain kernels (the invariance
-  tax's baseline; a row's bits then depend on ``n``). For tiles of more than one row the streams' K/V live
-  in pools (``kvstate._compat.pool``; one per length class, so a long stream does not lengthen every
-  slot): one append a layer and step for all streams of a pool, and, where the padding probe holds, one
-  attention call, each stream's entry padded and masked as it is alone (16 streams of the default model
-  in bf16: a step 81 -> 66 ms).
-* ``Single`` (recurrent and hybrid families, compressed states, families whose decode needs
-  more inputs than a token): one ``Engine.feed`` per stream and step, the path
-  ``Session`` takes; trivially invariant, since no forward holds two streams.
+``Packed`` (attention-only families) is batch-invariant by construction: the forward has ``P`` rows, whole
+tiles of ``rows`` (a spare padding row where a width leaves CPU element-wise kernels a scalar tail), its
+matrix products run tile by tile (``invariant``; on prepacked weights with ``prepack``, ``kernels``), and each
+stream attends over its own K/V with the shapes it has alone (``packed``; streams of a pool in one call where
+the padding probe holds, ``pool``). A row's bits are therefore the same alone or batched. Where the first
+forward's census shows the tiling mode had nothing to do, and the prepacked kernels give a row its tile's bits
+for any row count (``rows_free``, ``row_grain``), a step of fewer streams runs fewer rows: the same bits,
+cheaper. A model that cannot be packed raises ``Unpackable`` at its first packed step, before any stream
+changed. ``Single`` (recurrent and hybrid families, compressed states) is ``Engine.feed`` per stream.
 
 Shapes: one stream, one row; ``positions`` ``[1, 1(, R)]``; a step's logits ``[n, V]``.
 """
@@ -46,28 +24,28 @@ from contextlib import ExitStack, nullcontext
 
 import torch
 
-from .._compat.attention import deterministic
-from .._compat.kernels import Kernel, available
-from .._compat.packed import PackedCache, Unpackable, packed
-from .._compat.pool import Pool
-from .._compat.room import compact, reserve
-from ..adapters.binding import Live
-from ..errors import UnsupportedError
-from ..layers import AttentionLayerState
-from ..state import State, next_position_after
-from .core import Engine
+from ..._compat.attention import deterministic
+from ...adapters.binding import Live
+from ...errors import UnsupportedError
+from ...layers import AttentionLayerState
+from ...settings import Settings
+from ...state import State, next_position_after
+from ..core import Engine
+from ..recorder import Forward
+from ..room import compact, reserve
 from .invariant import prepacked, row_grain, rows_free, tail_free, tile_kernels, tiled_linear
-from .recorder import Forward
-from .values import FeedSettings
+from .kernels import Kernel, available
+from .packed import PackedCache, Unpackable, packed
+from .pool import Pool
 
 __all__ = ["Packed", "Single", "Stream", "Unpackable", "packable"]
-PREPACK_FIX = "pass Scheduler(prepack=False) (kvstate serve --batch-prepack off)"
+PREPACK_FIX = "pass batch_settings(model, prepack=False) to the Scheduler (kvstate serve --batch-prepack off)"
 
 
 class Stream:
     """One conversation's decode (see the module docstring); ``state`` is the prefilled state until
     ``Single`` replaces it step by step. ``room``: the slots a packed decode reserves for its appends
-    (the answer's length; ``kvstate._compat.pool``, or ``kvstate._compat.room`` for a cache it cannot pool)."""
+    (the answer's length; ``kvstate.engine.batched.pool``, or ``kvstate.engine.room`` for a cache it cannot pool)."""
 
     def __init__(self, state: State, room: int = 0) -> None:
         self.state, self.room = state, room
@@ -99,7 +77,7 @@ class Packed:
     def __init__(self, engine: Engine, rows: int, invariant: bool = True, prepack: bool = True,
                  fixed: bool = False) -> None:
         self.engine, self.rows, self.invariant, self.fixed = engine, rows, invariant, fixed
-        # the tile's products on prepacked weights (kvstate._compat.kernels); never for one-row tiles
+        # the tile's products on prepacked weights (kvstate.engine.batched.kernels); never for one-row tiles
         self.linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear] \
             if invariant and prepack and rows > 1 and available() else []
         self.spare = not tail_free(engine.model, rows)
@@ -244,7 +222,7 @@ class Packed:
 class Single:
     """Decode steps one stream per forward, through ``Engine.feed`` (see the module docstring)."""
 
-    def __init__(self, engine: Engine, settings: FeedSettings) -> None:
+    def __init__(self, engine: Engine, settings: Settings) -> None:
         self.engine, self.settings = engine, settings
 
     def step(self, streams: list[Stream], tokens: list[int]) -> torch.Tensor:

@@ -1,30 +1,16 @@
-"""Batch-invariant linear layers: every matrix product runs on tiles of exactly ``rows`` rows (continuous batching).
+"""Batch-invariant matrix products: inside ``tiled_linear(rows)`` every product runs on tiles of exactly ``rows`` rows.
 
-A CPU or GPU matrix kernel is chosen by the number of rows: measured on this project's CPU
-(``docs/batching.md``), a row of ``F.linear`` over ``M`` rows differs from the same row over
-``M'`` rows for most ``M != M'`` (fp32 and bf16, 1 and 2 threads). For a *fixed* row count the
-result of a row did not depend on its place among the rows, on the other rows' contents, or on
-zero padding. So inside ``tiled_linear(rows)`` each ``F.linear`` pads its input to a multiple of
-``rows`` and runs one product per tile of ``rows`` rows: a row's bits are those of the tile
-kernel, whoever shares its forward.
+A matrix kernel is chosen by the number of rows, so a row's bits over ``M`` rows differ from its bits over
+``M'``; for a fixed row count they depend neither on the row's place nor on the other rows (measured:
+``docs/batching.md``). So each ``F.linear`` (and an ``[M, K] @ [K, N]`` product: MoE experts over their routed
+rows) pads its input to whole tiles and runs one product per tile: a row's bits are the tile kernel's,
+whoever shares its forward. A product over one term (RoPE's angles) is exact as it is; any other raises
+``Unpackable``. The mode is a ``TorchFunctionMode`` of the calling thread (nothing is patched). It also takes
+a census (``uniform``, ``quiet``): whether every product spanned all rows of the forward and nothing selected
+rows by value, so the decode can skip the mode's per-operation cost where it changes no bit.
 
-Other matrix products outside the per-stream attention: ``[M, K] @ [K, N]`` (MoE experts over the rows
-routed to them) is tiled the same way; a product over one term (RoPE's angles) is exact as it is;
-any other raises ``Unpackable``, and the conversations then decode one per forward.
-
-The mode is a ``torch.overrides.TorchFunctionMode``: it applies to the calling thread only, and only
-inside the ``with`` block (nothing is patched). It costs a Python call per tensor operation (about
-10% of a decode step of the default model), so it also takes a census: ``uniform`` stays True while
-every product outside attention spans all ``packed`` rows of the forward and nothing selects rows by
-value (``topk``, ``nonzero``...: expert routing). A one-tile product is passed through unchanged
-(and every tile is called with the rank of its input), so for such a model a forward of exactly
-``rows`` rows computes the same bits with the mode or without it (``kvstate.engine.decode`` then
-runs those without it).
-
-``prepacked`` runs the plain ``nn.Linear`` modules' tiles on weights prepacked for the tile
-(``kvstate._compat.kernels``: oneDNN on the CPU, about 20% off a decode step of the default model):
-module hooks for one forward, so a forward under the mode and one without it still make the same
-calls, and the census still counts their rows.
+``prepacked`` runs plain ``nn.Linear`` tiles on weights prepacked for the tile (``kernels``), through module
+hooks, so forwards with and without the mode make the same calls.
 """
 
 from __future__ import annotations
@@ -39,16 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .._compat.kernels import Kernel, tile_kernel
-from .._compat.packed import Unpackable, attending
-from ..errors import UnsupportedError
+from ...errors import UnsupportedError
+from .kernels import Kernel, tile_kernel
+from .packed import Unpackable, attending
 
 
 def tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
           kernel: Kernel | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed in tiles of ``rows`` rows (``x`` ``[..., K]``, zero-padded). One
     tile is the plain call; a tile of more is called with ``x``'s rank (``[1, .., 1, rows, K]``), as one
-    tile would be. With ``kernel`` (``kvstate._compat.kernels``), every tile is ``kernel`` on ``[rows, K]``."""
+    tile would be. With ``kernel`` (``kvstate.engine.batched.kernels``), every tile is ``kernel`` on ``[rows, K]``."""
     K = x.shape[-1]
     if kernel is not None:
         out = tiled_mm(x.reshape(-1, K), weight, rows, lambda tile, _: kernel(tile.contiguous(), bias))
@@ -69,7 +55,7 @@ def tiled_mm(a: torch.Tensor, b: torch.Tensor, rows: int,
     if pad:
         a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
     tiles = [product(a[i:i + rows], b) for i in range(0, M + pad, rows)]
-    return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:M]  # one tile: no copy (the head's is 16 MB)
+    return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:M]  # one tile: no copy (the head's is large)
 
 
 def tiled_grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -169,7 +155,7 @@ def tiled_linear(rows: int, packed: int | None = None) -> Iterator[TiledLinear]:
 def prepacked(kernels: Mapping[torch.nn.Module, Kernel], rows: int, mode: TiledLinear | None = None,
               own_rows: Mapping[torch.nn.Module, int] | None = None) -> Iterator[None]:
     """Inside, each module of ``kernels`` (plain ``nn.Linear`` modules, each with its weight's tile kernel from
-    ``kvstate._compat.kernels``) computes its rows with that kernel, in tiles of ``rows`` rows (``own_rows``:
+    ``kvstate.engine.batched.kernels``) computes its rows with that kernel, in tiles of ``rows`` rows (``own_rows``:
     another tile for some modules, made for it), on this thread.
 
     Module hooks, registered for the ``with`` block only: the pre-hook keeps the input and hands the

@@ -1,43 +1,24 @@
-"""A packed forward: the rows of several conversations in one forward of batch 1 (continuous batching): the next
-token of each (a decode step), or a prefill chunk of each.
+"""A packed forward: the rows of several conversations in one forward of batch 1, each seeing only its own K/V.
 
-Conversation ``i``'s rows are a segment ``[start_i, start_i + n_i)`` of one sequence ``[1, P]`` (rows
-after the last segment are padding), each row with its own ``position_ids``. Two transformers seams
-keep the conversations apart:
+Conversation ``i``'s rows are a segment ``[start_i, start_i + n_i)`` of one sequence ``[1, P]`` (rows after the
+last segment are padding), each with its own ``position_ids``: its next token (a decode step) or a prefill
+chunk. Two transformers seams keep the conversations apart, and nothing is patched:
 
-* the cache is a ``PackedCache``: ``update`` hands each conversation's key/value rows
-  ``[1, Hkv, n_i, D]`` to that conversation's own ``DynamicCache`` (what the conversation alone
-  would append) and keeps the K/V each returns (for a sliding layer, the visible window);
-* the attention function ``kvstate_packed`` (registered in ``AttentionInterface`` on first use,
-  never at import) runs the model's own attention once per conversation, over that
-  conversation's K/V only, with the shapes it has alone. One query row sees every key its cache
-  returns (no mask); a chunk of ``n > 1`` rows gets a causal mask built here from ``n``, the key
-  count and the layer's sliding window (``segment_mask``), a function of the segment alone. The
-  backend's name is not a mask function's name, so transformers builds no mask (``masking_utils``
-  exits early for such backends).
+* the cache is a ``PackedCache``: ``update`` hands each conversation's K/V rows ``[1, Hkv, n_i, D]`` to its own
+  ``DynamicCache`` (or, for decode rows of a ``pool.Pool``, writes them into the pool) and keeps what each
+  returns;
+* the attention function ``kvstate_packed`` (registered on first use) runs each conversation's attention over
+  its own K/V with the shapes it has alone: one decode row with no mask, a chunk with a causal (and sliding)
+  mask built from the segment alone (``segment_mask``). Which call a decode row makes, the model's own, the
+  grouped form or a pool's one pooled call, is ``kvstate._compat.attention.choose``'s decision.
 
-  With ``grouped``, a decode row (``n = 1``) of a bfloat16 / float16 model whose backend is sdpa and
-  whose query heads share K/V heads runs the query heads of each K/V head as the rows of one query
-  (``_grouped``: the form transformers' own ``pack_gqa`` takes when a mask is given): the same
-  attention, computed by this CPU's SDPA 4-12x faster than with ``enable_gqa``, which transformers
-  picks without a mask (``docs/batching.md``). Its bits are another kernel's, so the decode only uses
-  it for tiles of more than one row (a one-row tile stays ``Session``'s decode bit for bit).
-
-With ``steps`` (decode rows whose streams hold slots of a ``kvstate._compat.pool.Pool``), ``update``
-writes those rows' K/V into the pool in one call a layer, and, where the pool's padding probe holds for
-the layer's shapes, the attention function computes each pool's rows in one SDPA call (each row's entry
-as it is alone); otherwise each row attends over views of its slots as above.
-
-Segment metadata reaches the attention function through a thread-local set by ``packed``;
-nothing is patched, and the model runs its own backend again when ``packed`` exits. A model that
-does not fit (it asks the cache for one sequence length, attends with K/V other than its cache
+A model that does not fit (it asks the cache for one sequence length, attends with K/V other than its cache
 returned, as MLA does) raises ``Unpackable`` during the forward.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -45,9 +26,10 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedError
-from .attention import deterministic_attention
-from .core import attention_backend, attention_implementation
+from ..._compat import attention
+from ..._compat.attention import Path
+from ..._compat.core import attention_backend, attention_function, attention_implementation, register_attention
+from ...errors import UnsupportedError
 from .pool import Step, attention_free
 
 NAME = "kvstate_packed"
@@ -70,7 +52,7 @@ class PackedCache:
                  segments: Sequence[tuple[int, int]] | None = None, windows: Sequence[int | None] = (),
                  grouped: bool = False, steps: Sequence[Step] = ()) -> None:
         self.caches = list(caches)
-        self.steps = list(steps)  # decode steps over pools (kvstate._compat.pool): their rows skip ``caches``
+        self.steps = list(steps)  # decode steps over pools (kvstate.engine.batched.pool): their rows skip ``caches``
         self.owner = {row: step for step in self.steps for row in step.rows}
         self.grouped = grouped  # decode rows in reduced precision attend in the grouped form (module docstring)
         self.segments = [(i, 1) for i in range(len(self.caches))] if segments is None else list(segments)
@@ -105,21 +87,7 @@ class PackedCache:
 
 @functools.cache
 def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, _packed_attention)
-
-
-def _own_attention(module: Any, name: str) -> Callable[..., Any]:
-    """The attention function ``module`` runs under backend ``name`` (its family's eager one for eager)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if name != "eager":
-        return ALL_ATTENTION_FUNCTIONS[name]
-    found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if found is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward as found
-    return found
+    register_attention(NAME, _packed_attention)
 
 
 def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -130,10 +98,10 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     if layer not in cache.seen:  # K/V that did not come through this forward's cache update (shared layers)
         raise Unpackable("an attention layer attends to K/V its cache update did not return", found=layer,
                          fix="decode one conversation per forward")
-    attend = _own_attention(module, _LOCAL.backend)
-    group = cache.grouped and _groupable(attend, query, key, kwargs)
-    steps = cache.steps if cache.grouped and cache.steps and _poolable(attend, query, key, kwargs, cache.steps) \
-        else []
+    attend = attention_function(module, _LOCAL.backend)
+    pooled_path = _path(query, key, kwargs, "pooled", cache.steps) if cache.grouped and cache.steps else None
+    steps = cache.steps if pooled_path is not None and pooled_path.form == "pooled" else []
+    group = cache.grouped and _path(query, key, kwargs, "row").form == "grouped"
     one = len(steps) == 1 and len(steps[0].rows) == len(cache.segments)  # every row in one pooled call
     pairs = cache.pairs(layer) if cache.verify or not one else None
     if cache.verify:  # before any attention: a model attending with other K/V than its cache's is refused
@@ -143,8 +111,8 @@ def _packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     outs: dict[int, torch.Tensor] = {}  # segment -> [1, n, H, Dv]
     _LOCAL.attending = True
     try:
-        for step in steps:  # each pool's rows in one call (kvstate._compat.pool)
-            pooled = step.attend(layer, query, kwargs.get("scaling"))  # [m, H, Dv]
+        for step in steps:  # each pool's rows in one call (kvstate.engine.batched.pool)
+            pooled = step.attend(layer, query, kwargs.get("scaling"), pooled_path)  # [m, H, Dv]
             outs.update((row, pooled[None, j:j + 1]) for j, row in enumerate(step.rows))
     finally:
         _LOCAL.attending = False
@@ -178,32 +146,24 @@ def _each(module: Any, attend: Callable[..., Any], query: torch.Tensor, cache: P
     return [outs[i] for i in range(len(pairs))]
 
 
-def _poolable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any],
-              steps: Sequence[Step]) -> bool:
-    """Whether the pooled call (``kvstate._compat.pool``) computes what ``attend`` would for decode rows:
-    transformers' sdpa function (on CUDA kvstate's deterministic one, whose pooled call runs the math kernel),
-    no bias, dropout or softcap, query heads a multiple of K/V heads, and the kernel measured free of the
-    padding up to the pools' capacity (``attention_free``)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _path(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any], decode: str,
+          steps: Sequence[Step] = ()) -> Path:
+    """``kvstate._compat.attention.choose`` for this layer's decode rows (``decode``: ``pooled`` for the rows of
+    ``steps``' pools, whose padding probe ``_pool_free`` measures; ``row`` for one row with its own cache)."""
     heads, kv_heads = query.shape[1], key.shape[1]
-    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not kwargs.get("dropout")
-    return (attend in (sdpa_attention_forward, deterministic_attention) and plain
-            and not kwargs.get("output_attentions")
-            and heads % kv_heads == 0 and query.shape[3] == key.shape[3]
-            and attention_free(query.dtype, kv_heads, heads // kv_heads, query.shape[3], query.device,
-                               max(step.pool.keys[0].shape[2] for step in steps)))
+    groups = heads // kv_heads if heads % kv_heads == 0 and query.shape[3] == key.shape[3] else 0
+    extras = bool(kwargs.get("dropout")) or bool(kwargs.get("output_attentions")) or \
+        any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks"))
+    return attention.choose(query.device.type, query.dtype, query.shape[3], "none", extras, backend=_LOCAL.backend,
+                            groups=groups, decode=decode,
+                            free=lambda candidate: _pool_free(candidate, query, kv_heads, groups, steps))
 
 
-def _groupable(attend: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> bool:
-    """Whether the grouped form computes what ``attend`` would for a decode row: transformers' sdpa
-    function in reduced precision, query heads sharing K/V heads, no bias, no dropout, no softcap."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    heads, kv_heads = query.shape[1], key.shape[1]
-    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not kwargs.get("dropout")
-    return (attend is sdpa_attention_forward and query.dtype in (torch.bfloat16, torch.float16) and plain
-            and heads > kv_heads and heads % kv_heads == 0 and not kwargs.get("output_attentions"))
+def _pool_free(path: Path, query: torch.Tensor, kv_heads: int, groups: int, steps: Sequence[Step]) -> bool:
+    """The pools' padding probe (``kvstate.engine.batched.pool.attention_free``) for the pooled ``path``, up to
+    their largest capacity."""
+    return attention_free(query.dtype, kv_heads, groups, query.shape[3], query.device,
+                          max(step.pool.keys[0].shape[2] for step in steps), path)
 
 
 def _grouped(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

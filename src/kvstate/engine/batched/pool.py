@@ -1,28 +1,18 @@
-"""One K/V buffer per attention layer for every stream of packed decode steps (continuous batching).
+"""One K/V buffer per attention layer for every stream of packed decode steps.
 
 A stream that joins a ``Pool`` has a slot ``s``: layer ``l``'s keys are ``keys[l][s, :, :lengths[s][l]]``
-(``[Hkv, n, D]``; values alike). A decode step then costs per layer one ``index_put`` for all streams'
-new K/V (``Step.append``) instead of one append per stream, and, where ``attention_free`` holds, one
-SDPA call for all streams (``Step.attend``) instead of one per stream: measured for 16 streams of the
-default model in bf16, 1.1 -> 0.4 ms of attention a layer.
+(``[Hkv, n, D]``; values alike). A decode step then writes all streams' new K/V with one ``index_put`` a layer
+(``Step.append``) and, where the padding probe holds, attends for all of them in one call (``Step.attend``):
+each stream's entry is its grouped decode attention over its slots, padded to a multiple of ``BUCKET`` and
+masked to what it sees (a sliding layer: its window). Entries of one call are computed independently; what a
+stream's entry shares with the batch is the padded length, so the call is used only where ``attention_free``
+measured that further masked padding changes no bit, for the layer's dtype, heads, width, thread count and
+kernel (``kvstate._compat.attention.choose``'s pooled path). Elsewhere each stream attends over views of its
+slots (``packed``).
 
-Each stream's attention there is its own entry of a batched SDPA call: the grouped decode form of
-``kvstate._compat.packed`` (the ``G`` query heads of each K/V head as ``G`` query rows), over its slots
-padded to a length ``L`` (a multiple of ``BUCKET``) with a boolean mask of the slots it sees (a sliding
-layer: its last ``window`` slots, as ``_RecordingSlidingLayer`` returns them). The entries of a batch are
-computed independently (CPU SDPA splits work by batch entry, head and query block); what differs between
-a stream alone and in a batch is ``L`` (the longest stream's bucket), so the call is used only where
-``attention_free`` measured that padding further with masked slots changes no bit of a row, for the
-layer's dtype, heads and width and the thread count. Elsewhere each stream attends alone over views of
-its slots (the per-stream form of ``kvstate._compat.packed``, the same views a room gave). On CUDA the call
-runs the math kernel (``pooled_sdpa``: PyTorch's own pick for a masked call can be cuDNN, whose runs differ),
-and the probe runs on that kernel there.
-
-The pool's buffers start zeroed (a masked slot must hold a finite value: ``-inf`` plus NaN is NaN), so
-a slot past a stream's length is 0 or an earlier stream's value, never uninitialised memory. Lengths
-change only in ``Step.commit``, after the forward: a forward that fails leaves every stream's length as
-it was (what it wrote past them is never read). ``leave`` copies a stream's slots back into its
-``DynamicCache`` (contiguous, as concatenation leaves them), which is what its final state is read from.
+The buffers start zeroed (a masked slot must hold a finite value), lengths change only in ``Step.commit``
+after the forward (a failed forward leaves every stream as it was), and ``leave`` copies a stream's slots back
+into its own cache, which its final state is read from.
 """
 
 from __future__ import annotations
@@ -31,12 +21,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
-from .core import _RecordingSlidingLayer
+from ..._compat import appends
+from ..._compat.attention import Path, choose
 
 BUCKET = 64  # a step's padded length is a multiple of this (any SIMD width of the kernels' exp loops)
-MATH_DEVICES = {"cuda"}  # device types whose pooled call runs the math kernel (``pooled_sdpa``)
 _FREE: dict[tuple[Any, ...], bool] = {}  # attention_free's verdicts by dtype, heads, width, device and threads
 
 
@@ -60,10 +49,8 @@ class Pool:
     @staticmethod
     def poolable(cache: Any) -> bool:
         """Whether every layer of ``cache`` is a filled plain or recording-sliding layer of one sequence."""
-        return bool(cache.layers) and all(
-            type(layer) in (DynamicLayer, _RecordingSlidingLayer) and layer.is_initialized
-            and layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[0] == 1
-            for layer in cache.layers)
+        layers = appends.layers(cache)
+        return bool(layers) and all(appends.movable(layer) and layer.keys.shape[0] == 1 for layer in layers)
 
     def join(self, cache: Any, room: int) -> int:
         """Copy a ``poolable`` cache's slots into a free slot with room for ``room`` more tokens; its slot."""
@@ -71,8 +58,7 @@ class Pool:
         lengths = [int(layer.keys.shape[-2]) for layer in layers]
         slot = next(s for s in range(len(self.lengths) + 1) if s not in self.lengths)
         if not self.keys:
-            self.windows = [getattr(layer, "sliding_window", None) if type(layer) is _RecordingSlidingLayer else None
-                            for layer in layers]
+            self.windows = [appends.window(layer) for layer in layers]
         self._grow(layers, *self._size(slot + 1, max(lengths) + room))
         for i, layer in enumerate(layers):
             self.keys[i][slot, :, :lengths[i]] = layer.keys[0]
@@ -84,10 +70,9 @@ class Pool:
         """Write the slot's K/V back into ``cache`` (the one it joined with) and free the slot."""
         lengths, added = self.lengths[slot], self.added[slot]
         for i, layer in enumerate(cache.layers):
-            layer.keys = self.keys[i][slot, None, :, :lengths[i]].clone(memory_format=torch.contiguous_format)
-            layer.values = self.values[i][slot, None, :, :lengths[i]].clone(memory_format=torch.contiguous_format)
-            if type(layer) is _RecordingSlidingLayer:
-                layer.cumulative_length += added
+            keys = self.keys[i][slot, None, :, :lengths[i]].clone(memory_format=torch.contiguous_format)
+            values = self.values[i][slot, None, :, :lengths[i]].clone(memory_format=torch.contiguous_format)
+            appends.put_back(layer, keys, values, added)
         self.release(slot)
 
     def release(self, slot: int) -> None:
@@ -161,9 +146,10 @@ class Step:
         start = 0 if window is None else max(0, n - window)
         return (pool.keys[layer][slot, None, :, start:n], pool.values[layer][slot, None, :, start:n])
 
-    def attend(self, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """The grouped decode attention of the pooled rows in one call: ``query`` ``[1, H, P, D]`` -> ``[m, H, Dv]``
-        (row ``rows[j]`` at ``j``)."""
+    def attend(self, layer: int, query: torch.Tensor, scaling: float | None, path: Path | None = None) -> torch.Tensor:
+        """The grouped decode attention of the pooled rows in one call on the pooled ``path`` (``kvstate._compat.
+        attention.choose``; None: the device's): ``query`` ``[1, H, P, D]`` -> ``[m, H, Dv]`` (row ``rows[j]`` at
+        ``j``)."""
         _, mask, L = self._group(layer)
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[3]
@@ -171,7 +157,9 @@ class Step:
         if not self.identity:
             rows = rows.new_zeros(self.span, heads, dim).index_copy_(0, self.index, rows)
         q = rows.view(-1, kv_heads, heads // kv_heads, dim)
-        out = pooled_sdpa(q, keys[:self.span, :, :L], values[:self.span, :, :L], mask, scaling)  # [span, Hkv, G, Dv]
+        path = path or _pooled(query.device, query.dtype, dim, heads // kv_heads)
+        out = pooled_sdpa(q, keys[:self.span, :, :L], values[:self.span, :, :L], mask, scaling, path)
+        # out: [span, Hkv, G, Dv]
         out = out.reshape(self.span, heads, out.shape[-1])
         return out if self.identity else out.index_select(0, self.index)
 
@@ -208,7 +196,7 @@ class Step:
 
 def visible(ends: Sequence[int], L: int, window: int | None, device: torch.device | str) -> torch.Tensor:
     """The mask ``[B, 1, 1, L]`` of the slots each of ``B`` rows sees, its slots ending at ``ends[b]``: all before
-    that end, or with a sliding ``window`` the last ``window`` of them (as ``_RecordingSlidingLayer`` returns)."""
+    that end, or with a sliding ``window`` the last ``window`` of them (as a recording sliding layer returns)."""
     end = torch.tensor(list(ends), device=device)[:, None]
     slot = torch.arange(L, device=device)[None]
     seen = slot < end
@@ -218,31 +206,39 @@ def visible(ends: Sequence[int], L: int, window: int | None, device: torch.devic
 
 
 def pooled_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                scale: float | None) -> torch.Tensor:
-    """The pooled call's kernel, ``[S, Hkv, G, D]`` over ``[S, Hkv, L, D]`` with a boolean ``mask`` ``[S, 1, 1, L]``:
-    SDPA on the CPU; on a device in ``MATH_DEVICES`` (CUDA) the math kernel with the mask made additive, since there
-    PyTorch's own pick for a masked call can be cuDNN, whose runs differ (``kvstate._compat.attention``)."""
-    if q.device.type not in MATH_DEVICES:
+                scale: float | None, path: Path) -> torch.Tensor:
+    """The pooled call, ``[S, Hkv, G, D]`` over ``[S, Hkv, L, D]`` with a boolean ``mask`` ``[S, 1, 1, L]``, on the
+    pooled ``path`` ``kvstate._compat.attention.choose`` gave: PyTorch's SDPA with the boolean mask (the CPU), or
+    aten's math kernel with the mask made additive (CUDA, where PyTorch's own pick can be cuDNN)."""
+    if path.kernel != "math":
         return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
     return torch.ops.aten._scaled_dot_product_attention_math(q, keys, values, additive, scale=scale)[0]
 
 
 def attention_free(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device,
-                   widest: int = 0) -> bool:
+                   widest: int = 0, path: Path | None = None) -> bool:
     """Whether the grouped SDPA call of one row over its slots, padded to a multiple of ``BUCKET`` and masked,
     gives the row the same bits whatever further masked padding (up to ``widest`` slots, a pool's capacity)
     and other rows share the call: probed once per dtype, heads, width, device, thread count and power of two
     of ``widest`` past 1,600, on seeded random values (lengths across the kernels' vector and block widths,
     windows, batches of 1 and 3). Measured on this project's CPU (``docs/batching.md``)."""
+    path = path or _pooled(device, dtype, dim, groups)
     cap = 1600 if widest <= 1600 else 1 << (widest - 1).bit_length()  # room for every padded length probed
-    key = (dtype, kv_heads, groups, dim, str(device), torch.get_num_threads(), cap)
+    key = (dtype, kv_heads, groups, dim, str(device), torch.get_num_threads(), path, cap)
     if key not in _FREE:
-        _FREE[key] = _probe(dtype, kv_heads, groups, dim, device, cap)
+        _FREE[key] = _probe(dtype, kv_heads, groups, dim, device, cap, path)
     return _FREE[key]
 
 
-def _probe(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device, cap: int) -> bool:
+def _pooled(device: torch.device, dtype: torch.dtype, dim: int, groups: int) -> Path:
+    """The pooled path ``kvstate._compat.attention.choose`` gives where the probe holds."""
+    return choose(device.type, dtype, dim, "none", groups=groups, decode="pooled", free=lambda _: True)
+
+
+def _probe(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: torch.device, cap: int,
+           path: Path | None = None) -> bool:
+    path = path or _pooled(device, dtype, dim, groups)
     generator = torch.Generator().manual_seed(25)
     keys, values = (torch.randn(3, kv_heads, cap, dim, generator=generator).to(dtype=dtype, device=device)
                     for _ in range(2))
@@ -252,11 +248,12 @@ def _probe(dtype: torch.dtype, kv_heads: int, groups: int, dim: int, device: tor
         for n, window in ((1, None), (15, None), (63, None), (64, None), (65, 16), (200, None), (511, None),
                           (512, 100), (513, None), (700, None), (1000, 300)):
             L = BUCKET * -(-n // BUCKET)
-            alone = pooled_sdpa(q[:1], keys[:1, :, :L], values[:1, :, :L], visible([n], L, window, device), 0.125)
+            alone = pooled_sdpa(q[:1], keys[:1, :, :L], values[:1, :, :L], visible([n], L, window, device), 0.125,
+                                path)
             for wide in (L + BUCKET, BUCKET * -(-(n + 512) // BUCKET), cap):
                 ends = [n, max(1, wide - 5), max(1, n // 2)]
                 mask = visible(ends, wide, window, device)
-                batch = pooled_sdpa(q, keys[:, :, :wide], values[:, :, :wide], mask, 0.125)
+                batch = pooled_sdpa(q, keys[:, :, :wide], values[:, :, :wide], mask, 0.125, path)
                 if not torch.equal(batch[:1], alone):
                     return False
     return True
