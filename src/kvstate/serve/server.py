@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..schedule import default_chunk
+from ..schedule import default_chunk, default_gap
 from ..store import PrefixStore
-from ..text import line_marks
+from ..text import PromptMarks
 from .chat import Prompt, Renderer
 from .errors import BadRequest
 from .media import ImageEncoder
@@ -71,10 +71,11 @@ class Server:
             self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
         marked = settings.canonical_chunk != 0 and settings.turn_marks
         self.marks = self.renderer.marks if marked else ()  # a chat's cuts: where its template starts a user turn
-        self.lines = line_marks(tokenizer) if marked else ()  # a raw prompt's: where a line starts
         chunk = settings.canonical_chunk
         device = next(model.parameters()).device.type
         self.canonical_chunk = default_chunk(self.marks, device) if chunk is None else chunk
+        # a raw prompt's cuts: after its last line's label, and at lines a gap apart (kvstate.schedule)
+        self.prompts = PromptMarks(tokenizer, default_gap(self.canonical_chunk)) if marked else None
         self.max_batch = default_batch(device) if settings.max_batch is None else settings.max_batch
         args = (model, tokenizer, self.pool, self.store_for, self.metrics, settings.max_queue, settings.chunk_size,
                 self.canonical_chunk)
@@ -92,9 +93,12 @@ class Server:
         self.started = int(time.time())
         self.stopping = threading.Event()  # a graceful stop began (``stop``): new requests get a 503
 
-    def marks_for(self, chat: bool) -> tuple[int, ...]:
-        """The canonical schedule's marks for a chat's prompt (turn marks) or a completions prompt (line marks)."""
-        return self.marks if chat else self.lines
+    def marks_for(self, chat: bool, ids: list[int]) -> tuple[int, ...]:
+        """The canonical schedule's marks for a chat's prompt (turn marks) or a completions prompt of ``ids``
+        (prompt marks: its own last line's label, ``kvstate.text.PromptMarks``)."""
+        if chat:
+            return self.marks
+        return self.prompts(ids) if self.prompts is not None else ()
 
     def store_for(self, namespace: str) -> PrefixStore | None:
         """The namespace's view of the store (same backend, keys salted by the namespace)."""
