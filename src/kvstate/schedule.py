@@ -238,18 +238,11 @@ class Canonical:
         return starts
 
     def _prompt_cuts(self, limit: int, ids: Ids) -> list[int]:
-        """The cuts in ``(0, limit]`` under prompt marks, before media (the module docstring's three rules)."""
-        gap, label, breaks = self._prompt
-        tokens = _as_list(ids, limit + 1)
-        n, k = len(tokens), len(label)
-        cuts, last = [], 0
-        for p in range(1, limit + 1):
-            labelled = k and k < p <= n and tokens[p - 1] == label[-1] and tokens[p - k - 1] in breaks \
-                and tuple(tokens[p - k:p]) == label
-            if labelled or p - last >= self.chunk or (p < n and p - last >= gap and tokens[p] in breaks):
-                cuts.append(p)
-                last = p
-        return cuts
+        """The cuts in ``(0, limit]`` under prompt marks, before media (the module docstring's three rules). The
+        scan covers all of ``ids`` and is kept for the next call: a feed asks about every chunk's end in turn."""
+        tokens = tuple(_as_list(ids, 1 << 62))
+        cuts = _prompt_scan(self.chunk, *self._prompt, tokens, max(limit, len(tokens)))
+        return [c for c in cuts if c <= limit]
 
     @functools.cached_property
     def _breaks(self) -> frozenset[int]:
@@ -260,6 +253,23 @@ class Canonical:
         """Prompt marks as ``(gap, label, breaks)``."""
         n = self.marks[2]
         return self.marks[1], tuple(self.marks[3:3 + n]), frozenset(self.marks[3 + n:])
+
+
+@functools.lru_cache(maxsize=16)
+def _prompt_scan(chunk: int, gap: int, label: tuple[int, ...], breaks: frozenset[int], tokens: tuple[int, ...],
+                 limit: int) -> tuple[int, ...]:
+    """The cuts in ``(0, limit]`` of ``tokens`` under prompt marks: left to right, ``p`` is a cut when ``label``
+    follows a line start right before it, when ``p`` starts a line ``gap`` or more after the previous cut, or
+    when it is ``chunk`` after it."""
+    n, k = len(tokens), len(label)
+    cuts, last = [], 0
+    for p in range(1, limit + 1):
+        labelled = k and k < p <= n and tokens[p - 1] == label[-1] and tokens[p - k - 1] in breaks \
+            and tokens[p - k:p] == label
+        if labelled or p - last >= chunk or (p < n and p - last >= gap and tokens[p] in breaks):
+            cuts.append(p)
+            last = p
+    return tuple(cuts)
 
 
 def _as_list(ids: Ids, n: int, start: int = 0) -> list[int]:
