@@ -29,6 +29,9 @@ per generated token but the first: the rest decode). The summary takes each turn
 ratios the goals name: cold TTFT against ``off``, each warm turn against ``off``, turn 10 against ``transformers``.
 
     python bench/bench_serve_reuse.py --before 0055466   # about 25 minutes on 2 idle cores (serve_reuse.json)
+
+On a machine shared with other work, ``--threads 1``: two OpenMP threads per server spin at every operation's
+barrier while the other thread waits for a core, which makes a forward's fixed cost, not its tokens, decide.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def _process(cmd: list[str], env: dict[str, str], port: int) -> Iterator[str]:
             time.sleep(0.3)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # (a background job ignores SIGINT, and so do its children)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
