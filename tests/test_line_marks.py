@@ -5,8 +5,9 @@ begins with a line break, ``kvstate.text.line_marks``) starts a segment. A Q&A o
 answer was settled through the prompt and the answer (``Session.settle(through=...)``) then feeds only the
 next question's tokens and still answers bit for bit as a cold ``Session`` on the whole text (the oracle: a
 new session that shares nothing with the warm one). The cuts are decided by the token at them, so they are
-prefix-stable; line marks travel in state files, a reader that predates them refuses such a file, and
-``kvstate serve`` cuts completions prompts this way, so a continued raw prompt reuses all but its new tokens.
+prefix-stable; line marks travel in state files and a reader that predates them refuses such a file. States
+made under line marks keep their meaning; ``kvstate serve`` now cuts completions prompts with prompt marks
+(``tests/test_prompt_marks.py``), which cost a cold multi-line prompt a forward a gap of lines, not one a line.
 """
 
 from __future__ import annotations
@@ -132,37 +133,6 @@ def test_line_cuts_start_every_line_and_are_prefix_stable(history, chunk):
 def test_line_marks_are_the_tokens_that_start_a_line():
     tokenizer = tiny_tokenizer()
     assert line_marks(tokenizer) == (LINES, tokenizer.convert_tokens_to_ids("\n"))
-
-
-@pytest.mark.parametrize("max_batch", [1, 4], ids=["one-at-a-time", "batched"])
-def test_a_continued_raw_completions_prompt_reuses_all_but_its_new_tokens(max_batch):
-    """``/v1/completions`` with no chat template: a Q&A whose client appends the answer and the next question
-    to its prompt. Each request reuses everything but its new tokens, and answers bit for bit as a server that
-    reuses nothing (its logprobs: the raw logits' ``log_softmax``), and as plain ``model.generate``."""
-    from tests.serving import client, live, make_server, reference
-
-    from kvstate.serve.cli import load
-
-    model, tokenizer = load("tiny:llama")
-    warm = make_server(model, tokenizer, max_batch=max_batch)
-    cold = make_server(load("tiny:llama")[0], tokenizer, max_batch=max_batch, reuse=False)  # its decode's kernels
-    text, asked = "The sea is wide.\nThe sky is blue, and the night is dark.\n", []
-    with live(warm) as warm_url, live(cold) as cold_url:
-        for question in ("Q: what is wide?\nA:", "Q: and blue?\nA:", "Q: the night?\nA:"):
-            text += question
-            answers = [client(url).completions.create(model="tiny:llama", prompt=text, max_tokens=6, temperature=0,
-                                                      stop=None, logprobs=2) for url in (warm_url, cold_url)]
-            assert answers[0].choices[0].logprobs == answers[1].choices[0].logprobs, "warm != cold, bitwise"
-            answer, cached = answers[0].choices[0].text, answers[0].usage.prompt_tokens_details.cached_tokens
-            asked.append((text, answer, cached))
-            text += answer + "\n"
-    oracle = load("tiny:llama")[0]
-    for i, (text, answer, cached) in enumerate(asked):
-        ids = tokenizer(text).input_ids
-        assert answer == reference(oracle, tokenizer, ids, 6, stop=()), f"turn {i + 1}"
-        if i:  # the previous prompt and its answer were settled: only this turn's tokens are fed
-            before = tokenizer(asked[i - 1][0] + asked[i - 1][1]).input_ids
-            assert ids[:len(before)] == before and cached == len(before), (i, cached, len(before), len(ids))
 
 
 def test_a_settle_runs_first_only_when_it_moves_the_resume():

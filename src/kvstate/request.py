@@ -270,17 +270,19 @@ def check_many(sessions: Sequence[tuple[object, object]], n_ids: int) -> None:
 
 
 def check_marks(marks: object) -> tuple[int, ...]:
-    """``canonical_marks``: turn marks (1 to 64 token ids), line marks (``kvstate.schedule.lines``) or none,
-    as a tuple."""
+    """``canonical_marks``: turn marks (1 to 64 token ids), line marks (``kvstate.schedule.lines``), prompt marks
+    (``kvstate.schedule.prompt``) or none, as a tuple."""
     from .schedule import valid_marks
 
     ok = isinstance(marks, Sequence | torch.Tensor) and not isinstance(marks, str | bytes)
     values = (marks.reshape(-1).tolist() if isinstance(marks, torch.Tensor) else list(marks)) if ok else []
     if not ok or not valid_marks(values):
         raise InputError("invalid Session setting canonical_marks",
-                         expected="a sequence of 0 to 64 token ids, or line marks (kvstate.schedule.lines)",
+                         expected="a sequence of 0 to 64 token ids, line marks (kvstate.schedule.lines) or prompt "
+                                  "marks (kvstate.schedule.prompt)",
                          found=repr(marks)[:120],
-                         fix="pass kvstate.text.turn_marks(tokenizer), kvstate.text.line_marks(tokenizer), or ()")
+                         fix="pass kvstate.text.turn_marks(tokenizer), kvstate.text.line_marks(tokenizer), "
+                             "kvstate.text.PromptMarks(tokenizer, gap)(prompt_ids), or ()")
     return tuple(values)
 
 

@@ -225,7 +225,8 @@ def shared_cut(schedule: Canonical, state: State, limit: int, kept: int, spans: 
 def settle_span(state: State, schedule: Canonical, through: torch.Tensor | None = None) -> tuple[int, int] | None:
     """The slots ``[start, end)`` that ``Session.settle`` feeds in canonical chunks (the canonical schedule): from the
     end of the state's canonical prefix to its last cut, or, given ``through`` (text ids ``[L]`` the next
-    turn will begin with, a turn mark following them), to ``L``. None when nothing is to do or it is not
+    turn will begin with, a turn mark or a line following them), to ``L`` (under prompt marks, to the last cut
+    those ids decide: ``Canonical.settled_end``). None when nothing is to do or it is not
     possible: the schedule is off, a batch, padding, compression, an image in the way (its pixels are
     gone), or no way back to ``start``."""
     if not schedule.enabled or state.batch_size != 1 or state.is_compressed or not bool(state.mask.all()):
@@ -235,7 +236,8 @@ def settle_span(state: State, schedule: Canonical, through: torch.Tensor | None 
     shared = common_prefix(state, history[None], torch.ones_like(history[None], dtype=torch.bool))
     canonical = state.canonical_for(schedule.chunk, schedule.device, schedule.marks)
     start = shared_cut(schedule, state, min(canonical, shared), canonical, spans, history)
-    end = schedule.last_cut(history.shape[0], spans, history) if through is None else history.shape[0]
+    end = schedule.last_cut(history.shape[0], spans, history) if through is None else \
+        schedule.settled_end(history.shape[0], spans, history)
     if end <= start or any(start <= a < end for a, _ in spans) or state.rollback_limit(start):
         return None
     return start, end

@@ -121,6 +121,44 @@ def line_marks(tokenizer: Any) -> tuple[int, ...]:
     return lines(found) if found else ()
 
 
+class PromptMarks:
+    """Prompt marks (``kvstate.schedule.prompt``) for the raw prompts of one ``tokenizer``: ``marks(ids)`` are a
+    prompt's, for ``Session(canonical_marks=...)``. Their label is the prompt's last line when that line is a
+    label: at most ``MAX_LABEL`` tokens after a line start, trailing whitespace included, whose text ends with
+    ``":"`` (``"A:"``, ``"Answer:"``, ``"### Response:\\n"``) or that begins with a special token (a chat
+    template's role header, rendered by the client). A conversation that ends every prompt with that line then
+    finds each earlier prompt's end on a cut. Any other prompt gets no label (text to continue, code): its last
+    line changes from prompt to prompt, and other marks would share no slot. ``()`` when no token starts a line.
+    ``gap``: the line gap (``kvstate.schedule.default_gap``)."""
+
+    def __init__(self, tokenizer: Any, gap: int) -> None:
+        found = line_marks(tokenizer)
+        self.tokenizer, self.gap, self.breaks = tokenizer, gap, found[1:]
+        self._starts = frozenset(self.breaks)
+        self._specials = frozenset(tokenizer.all_special_ids)
+
+    def __call__(self, ids: Sequence[int]) -> tuple[int, ...]:
+        from .schedule import prompt
+
+        return prompt(self.breaks, self.label(ids), self.gap) if self.breaks else ()
+
+    def label(self, ids: Sequence[int]) -> tuple[int, ...]:
+        """The label of the prompt ``ids``: its last line's tokens after the line start, or ``()``."""
+        from .schedule import MAX_LABEL
+
+        tail = [int(t) for t in ids[-(MAX_LABEL + 1):]]
+        end = len(tail)
+        while end and not self.tokenizer.decode([tail[end - 1]]).strip():
+            end -= 1  # trailing whitespace (a line break after "### Response:") belongs to the label
+        start = max((i for i in range(end) if tail[i] in self._starts), default=-1)
+        content = tail[start + 1:end]
+        if start < 0 or not content:
+            return ()
+        text = self.tokenizer.decode(content, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        labelled = text.rstrip().endswith(":") or content[0] in self._specials
+        return tuple(tail[start + 1:]) if labelled else ()
+
+
 # ----- chat messages to ids -------------------------------------------------------------------------
 # Private-use characters: no tokenizer gives them a special meaning and no template transforms them
 _MARKER = re.compile("\ue000(\\d+)\ue001")

@@ -24,7 +24,7 @@ class BatchRequest:
     """One conversation to continue: its full history ``ids`` (``[L]`` or ``[1, L]``), media ``inputs``
     for it (``pixel_values``...), an optional ``state`` to resume from, prefix ``sources`` of its own
     (after the scheduler's: a server's pool namespace and store), its canonical ``marks`` when they are not the
-    scheduler's (a server's raw prompts: line marks; its chats: turn marks), and how to answer: ``processors``
+    scheduler's (a server's raw prompts: prompt marks; its chats: turn marks), and how to answer: ``processors``
     are logits processors (``generate``'s signature, fresh per request: some keep state) applied in
     order to the raw float32 logits before sampling; logprobs stay the raw logits'."""
 

@@ -32,7 +32,7 @@ import torch
 from ..errors import StateFileError
 from ..identity import Fingerprint
 from ..layers import LAYER_KINDS
-from ..schedule import LINES, valid_marks
+from ..schedule import LINES, PROMPT, valid_marks
 from ..state import Checkpoint, MediaItem, State
 from .container import dtype_of
 
@@ -168,8 +168,9 @@ def _canonical(header: dict[str, Any], T: int) -> dict[str, Any]:
             or len(value[2]) > KERNELS_MAX or not isinstance(marks, list) or not valid_marks(marks)
             or (len(value) == 4 and not marks)):
         raise StateFileError("canonical is malformed",
-                             expected=f"[slots 0..{T}, chunk 0..2**20, kernels label(, 1-64 turn-mark ids, or "
-                                      f"{LINES} then line-start ids)]",
+                             expected=f"[slots 0..{T}, chunk 0..2**20, kernels label(, 1-64 turn-mark ids, "
+                                      f"{LINES} then line-start ids, or {PROMPT}, gap, label length, label, "
+                                      "line-start ids)]",
                              found=str(value)[:120], fix="re-save the state")
     if header.get("storage") != "exact":
         return {"canonical": 0, "canonical_chunk": 0, "canonical_device": ""}

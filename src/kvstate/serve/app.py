@@ -225,7 +225,7 @@ async def _complete(server: Server, request: Request, namespace: str, body: dict
     fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
     req = parse(body, fields, server.limits, prompt.default_stop, None if chat else 16, server.vocab)
     server.check_prompt(prompt, req.options["max_new_tokens"])
-    job = Job(namespace, prompt, req, inputs, marks=server.marks_for(chat))
+    job = Job(namespace, prompt, req, inputs, marks=server.marks_for(chat, prompt.ids))
     kind = "chat.completion" if chat else "text_completion"
     reply = _Reply(server.model_id, kind, chat)
     if req.stream:

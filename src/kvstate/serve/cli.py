@@ -32,8 +32,9 @@ def add_parser(sub: Any, positive: Any, non_negative: Any, model_options: Any) -
                    "the longest prefix, exact to float32 rounding only)")
     s.add_argument("--no-turn-marks", action="store_true",
                    help="cut canonical chunks at multiples of C only. By default they also start where the chat "
-                   "template starts a user turn (chats) or where a line starts (completions prompts), so once an "
-                   "answer is settled the next turn feeds only its own tokens (docs/exactness.md)")
+                   "template starts a user turn (chats: once an answer is settled the next turn feeds only its own "
+                   "tokens) and right after a completions prompt's last-line label such as 'A:' (a continued "
+                   "prompt feeds the answer and its own tokens in one forward) (docs/exactness.md)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append", default=[], help=f"accepted key (repeatable; or ${API_KEY_ENV}, "

@@ -68,7 +68,7 @@ class Job:
     on_token: Callable[[str, TokenLogprob], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     # the canonical schedule's marks for this prompt (None: the runner's): a chat's turn marks, a raw prompt's
-    # line marks (``kvstate.schedule``)
+    # prompt marks (``kvstate.schedule``)
     marks: tuple[int, ...] | None = None
     clock: Clock = field(default_factory=Clock)  # its times, for ``Metrics`` (arrival: when the job is made)
 

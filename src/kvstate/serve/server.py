@@ -8,11 +8,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import InputError
-from ..schedule import default_chunk
+from ..schedule import default_chunk, default_gap
 from ..settings import Batching
 from ..settings import Settings as EngineSettings
 from ..store import PrefixStore
-from ..text import line_marks
+from ..text import PromptMarks
 from .chat import Prompt, Renderer
 from .errors import BadRequest
 from .media import ImageEncoder
@@ -82,10 +82,11 @@ class Server:
             self._stores["default"] = PrefixStore(settings.store, chunk_tokens=settings.store_chunk_tokens)
         marked = settings.canonical_chunk != 0 and settings.turn_marks
         self.marks = self.renderer.marks if marked else ()  # a chat's cuts: where its template starts a user turn
-        self.lines = line_marks(tokenizer) if marked else ()  # a raw prompt's: where a line starts
         chunk = settings.canonical_chunk
         device = next(model.parameters()).device.type
         self.canonical_chunk = default_chunk(self.marks, device) if chunk is None else chunk
+        # a raw prompt's cuts: after its last line's label, and at lines a gap apart (kvstate.schedule)
+        self.prompts = PromptMarks(tokenizer, default_gap(self.canonical_chunk)) if marked else None
         self.max_batch = default_batch(device) if settings.max_batch is None else settings.max_batch
         self.runner = Runner(self, engine_settings(settings, self.canonical_chunk, self.marks, self.max_batch),
                              settings.max_queue, settings.batch_gather_ms / 1000)
@@ -96,9 +97,12 @@ class Server:
         """The ids the next turn of ``prompt``'s reply ``text`` begins with (``Renderer.following``)."""
         return self.renderer.following(prompt, text)
 
-    def marks_for(self, chat: bool) -> tuple[int, ...]:
-        """The canonical schedule's marks for a chat's prompt (turn marks) or a completions prompt (line marks)."""
-        return self.marks if chat else self.lines
+    def marks_for(self, chat: bool, ids: list[int]) -> tuple[int, ...]:
+        """The canonical schedule's marks for a chat's prompt (turn marks) or a completions prompt of ``ids``
+        (prompt marks: its own last line's label, ``kvstate.text.PromptMarks``)."""
+        if chat:
+            return self.marks
+        return self.prompts(ids) if self.prompts is not None else ()
 
     def store_for(self, namespace: str) -> PrefixStore | None:
         """The namespace's view of the store (same backend, keys salted by the namespace)."""
