@@ -288,8 +288,7 @@ def _read_attention(index: int, hf_layer: Any, layer: AttentionLayerState,
         raise KVStateError(f"layer {index} did not store the tokens it was fed", expected=layer.slots + added,
                            found=stored, fix="this model does not fill the transformers cache it is given; "
                            "report it with `kvstate verify --model ...`")
-    old = layer.positions if layer.positions is not None else new_positions[:, :0]
-    positions = torch.cat([old, new_positions], dim=1)[:, layer.slots + added - stored:]
+    positions = layer.joined(new_positions, stored)  # per-head layers: the same new positions for every head
     return layer.appended(hf_layer.keys, hf_layer.values, positions, layer.tokens_seen + added)
 
 
