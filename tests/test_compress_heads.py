@@ -46,7 +46,7 @@ POLICIES = {
     "kvzip_earlier": lambda: KVzip(0.5, prompt=(5, 6), softmax="model", heads=False, scope="layer"),
     "expected": lambda: ExpectedAttention(0.5, future=16),
     "expected_window": lambda: ExpectedAttention(0.5, window=4, future=16, heads=False, scope="layer"),
-    "chunkkv": lambda: ChunkKV(0.5, policy=KVzip(), chunk=3),
+    "chunkkv": lambda: ChunkKV(policy=KVzip(0.5), chunk=3),
     "keep": lambda: Keep({1: [[0, 1, 2, 9], [0, 5, 6, 7, 10]], 2: [[3], list(range(0, 36, 2))]}),  # slot indices
 }
 # every registered family whose attention layers hold K/V of their own (falcon_h1 holds its attention in
