@@ -164,8 +164,8 @@ class Oracle:
 def _advanced(state, ids, positions):
     from dataclasses import replace
 
-    return replace(state, tokens=torch.cat([state.tokens, ids], 1), positions=torch.cat([state.positions, positions], 1),
-                   next_position=positions.flatten(1).amax(1) + 1)
+    return replace(state, tokens=torch.cat([state.tokens, ids], 1),
+                   positions=torch.cat([state.positions, positions], 1), next_position=positions.flatten(1).amax(1) + 1)
 
 
 def check(arch: str, dtype: str, policy, steps: int = 2) -> Session:
@@ -187,7 +187,7 @@ def check(arch: str, dtype: str, policy, steps: int = 2) -> Session:
             feeds.append(want[-1].argmax(-1, keepdim=True))
     finally:
         oracle.context.__exit__(None, None, None)
-    for step, (ids, expected) in enumerate(zip(feeds, want)):
+    for step, (ids, expected) in enumerate(zip(feeds[:-1], want, strict=True)):
         got = s.extend(ids)
         assert torch.equal(got, expected), f"{arch} {dtype} step {step}: max |Δ| {(got - expected).abs().max():.3e}"
     return s
