@@ -171,12 +171,15 @@ def _advanced(state, ids, positions):
 def check(arch: str, dtype: str, policy, steps: int = 2) -> Session:
     """Compress a context, then continue it by a chunk and ``steps`` decode steps, each bitwise against the
     oracle."""
-    model = model_in(arch, dtype)
-    ids = prompt(T)
-    s = Session(model)
-    s.extend(ids)
+    s = Session(model_in(arch, dtype))
+    s.extend(prompt(T))
     full = s.state
     s.compress(policy)
+    return against_oracle(s, full, f"{arch} {dtype}", steps)
+
+
+def against_oracle(s: Session, full, what: str, steps: int = 2) -> Session:
+    """``s`` (a compression of ``full``) continued by a chunk and ``steps`` decode steps, bitwise as the oracle."""
     compressed = s.state
     assert compressed.is_compressed
     oracle = Oracle(s, full, compressed)  # first and alone: some families hold recurrent state in modules
@@ -189,7 +192,7 @@ def check(arch: str, dtype: str, policy, steps: int = 2) -> Session:
         oracle.context.__exit__(None, None, None)
     for step, (ids, expected) in enumerate(zip(feeds[:-1], want, strict=True)):
         got = s.extend(ids)
-        assert torch.equal(got, expected), f"{arch} {dtype} step {step}: max |Δ| {(got - expected).abs().max():.3e}"
+        assert torch.equal(got, expected), f"{what} step {step}: max |Δ| {(got - expected).abs().max():.3e}"
     return s
 
 
@@ -206,3 +209,48 @@ def test_every_policy_continues_as_its_per_head_mask(arch, name, dtype):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_every_family_continues_as_its_per_head_mask(arch, dtype):
     check(arch, dtype, KVzip(0.5))
+
+
+VIDEO_CHILD = r"""
+import sys, torch
+from safetensors.torch import save_file
+from kvstate import Session
+from kvstate.testing.tiny import tiny_model, tiny_prompt
+s = Session.load(sys.argv[1], tiny_model(sys.argv[3]))  # a fresh instance in a new process; no pixels needed
+out = [s.extend(tiny_prompt(5, seed=4))]
+for _ in range(3):
+    out.append(s.extend(out[-1].argmax(-1, keepdim=True)))
+save_file({"logits": torch.cat(out).contiguous()}, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])  # Qwen3-VL: a run per frame; 2.5: seconds per grid
+def test_compressed_video_state_resumes_exactly_here_and_in_another_process(arch, tmp_path):
+    """The seed's own case: a video prefix compressed per head (the video kept whole), continued exactly, and
+    its file continued bitwise by another process."""
+    import children
+    from safetensors.torch import load_file
+
+    from kvstate.compress import MediaSpans
+    from kvstate.testing.tiny import tiny_video, video_span
+    from test_video import video_inputs
+
+    pixels, grid = tiny_video()
+    ids = torch.cat([prompt(6), video_span(arch, grid), prompt(14, seed=2)], 1)
+    s = Session(model_in(arch, "float32"))
+    s.extend(ids, **video_inputs(arch, (pixels, grid)))
+    full = s.state
+    (item,) = full.media
+    s.compress(MediaSpans(policy=KVzip(0.5)))
+    assert all(layer.per_head for layer in s.state.layers) and s.state.media[0].kept
+    for layer in s.state.layers:  # the video whole in every head, the text halved around it
+        for h in range(layer.keys.shape[1]):
+            assert set(range(item.start, item.end)) <= set(kept_tokens(s.state, layer, h))
+    s.save(tmp_path / "video.kvs")
+    here = s.fork()
+    against_oracle(s, full, arch)
+    out = [here.extend(prompt(5, seed=4))]
+    for _ in range(3):
+        out.append(here.extend(out[-1].argmax(-1, keepdim=True)))
+    children.run(VIDEO_CHILD, str(tmp_path / "video.kvs"), str(tmp_path / "out.safetensors"), arch)
+    assert torch.equal(load_file(str(tmp_path / "out.safetensors"))["logits"], torch.cat(out))
