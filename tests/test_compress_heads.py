@@ -228,9 +228,9 @@ save_file({"logits": torch.cat(out).contiguous()}, sys.argv[2])
 def test_compressed_video_state_resumes_exactly_here_and_in_another_process(arch, tmp_path):
     """The seed's own case: a video prefix compressed per head (the video kept whole), continued exactly, and
     its file continued bitwise by another process."""
-    import children
     from safetensors.torch import load_file
 
+    import children
     from kvstate.compress import MediaSpans
     from kvstate.testing.tiny import tiny_video, video_span
     from test_video import video_inputs

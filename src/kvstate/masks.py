@@ -97,7 +97,7 @@ class _Plan:
                 keys = keys[:, :, cut:] if self.per_head[i] else keys[:, cut:]
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             visible = self._heads(keys, query, window) if self.per_head[i] else self._shared(keys, query, window)
-            return _with_mask(module, args, kwargs, self._form(visible, hidden.dtype))
+            return with_mask(module, args, kwargs, self._form(visible, hidden.dtype))
 
         return hook
 
@@ -145,7 +145,7 @@ def _multimodal(B: int, K: int, Q: int, device: torch.device) -> torch.Tensor:
     return torch.cat([torch.ones(Q, K - Q, dtype=torch.bool, device=device), causal], dim=1).expand(B, Q, K)
 
 
-def _with_mask(module: Any, args: tuple, kwargs: dict[str, Any], mask: torch.Tensor) -> tuple[tuple, dict[str, Any]]:
+def with_mask(module: Any, args: tuple, kwargs: dict[str, Any], mask: torch.Tensor) -> tuple[tuple, dict[str, Any]]:
     """The decoder layer's call with ``attention_mask`` replaced, whether it came by keyword or by position."""
     if "attention_mask" in kwargs:
         return args, {**kwargs, "attention_mask": mask}
