@@ -133,6 +133,8 @@ def attention_modules(model: Any) -> list[Any]:
 
 def out_projections(model: Any, layers: list[int]) -> bool:
     """Whether each of ``layers`` has a self-attention module with a readable ``o_proj`` weight (KVzip+)."""
+    if not layers:
+        return True
     modules = attention_modules(model)
     return all(i < len(modules) and isinstance(getattr(getattr(modules[i], "o_proj", None), "weight", None),
                                                  torch.Tensor) for i in layers)
