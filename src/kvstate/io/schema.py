@@ -142,8 +142,11 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
     if kv_dtype is None:
         raise StateFileError("unknown kv_dtype", expected=sorted(_DTYPE_NAMES), found=header.get("kv_dtype"))
     storage = header.get("storage")
-    layers = tuple(_layer(f"layers.{i}.", spec, tensors, B, kv_dtype, storage, T)
-                   for i, spec in enumerate(_list(header, "layers")))
+    specs = _list(header, "layers")
+    if header.get("version") != HEADS_VERSION and any(isinstance(e, dict) and "per_head" in e for e in specs):
+        raise StateFileError("per-head layers in a file of an earlier version", expected=f"version {HEADS_VERSION}",
+                             found=header.get("version"), fix="re-save the state; the file is corrupt or crafted")
+    layers = tuple(_layer(f"layers.{i}.", spec, tensors, B, kv_dtype, storage, T) for i, spec in enumerate(specs))
     checkpoints = tuple(_checkpoint(k, c, tensors, B, kv_dtype, storage, len(layers), T)
                         for k, c in enumerate(_list(header, "checkpoints")))
     extras = {name: tensors[f"extras.{name}"] for name in _list(header, "extras")}
