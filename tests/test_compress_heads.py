@@ -30,7 +30,7 @@ from kvstate.compress import (
     SnapKV,
     StreamingLLM,
 )
-from kvstate.layers import AttentionLayerState
+from kvstate.layers import AttentionLayerState, attention_of
 from tiny import WINDOW, prompt, tiny_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -49,10 +49,10 @@ POLICIES = {
     "chunkkv": lambda: ChunkKV(policy=KVzip(0.5), chunk=3),
     "keep": lambda: Keep({1: [[0, 1, 2, 9], [0, 5, 6, 7, 10]], 2: [[3], list(range(0, 36, 2))]}),  # slot indices
 }
-# every registered family whose attention layers hold K/V of their own (falcon_h1 holds its attention in
-# hybrid layers, which compression leaves alone; mamba, mamba2, xlstm and rwkv have no attention)
+# every registered family with attention (falcon_h1's sits in hybrid layers, beside its Mamba mixer; mamba,
+# mamba2, xlstm and rwkv have none)
 FAMILIES = ["llama", "qwen3", "qwen2", "mistral", "gemma2", "gemma3_text", "lfm2", "qwen3_next", "jamba",
-            "recurrent_gemma", "minimax", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"]
+            "falcon_h1", "recurrent_gemma", "minimax", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"]
 T = 3 * WINDOW
 
 
@@ -81,9 +81,10 @@ class Oracle:
         self.cache = self.context.__enter__().cache
         self.keys: dict[int, torch.Tensor] = {}  # per attention layer: [H, K(, R)] positions of its dense slots
         self.windows: dict[int, int | None] = {}
-        for i, layer in enumerate(compressed.layers):
-            if isinstance(layer, AttentionLayerState) and layer.keys is not None and full.layers[i].keys is not None:
-                self._pack(i, full.layers[i], layer, compressed)
+        for i, layer in enumerate(map(attention_of, compressed.layers)):  # a hybrid layer's attention part too
+            whole = attention_of(full.layers[i])
+            if layer is not None and layer.keys is not None and whole is not None and whole.keys is not None:
+                self._pack(i, whole, layer, compressed)
 
     def _pack(self, i: int, whole: AttentionLayerState, small: AttentionLayerState, compressed) -> None:
         H = whole.keys.shape[1]

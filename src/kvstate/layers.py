@@ -369,6 +369,10 @@ class _WithAttention(LayerState):
     def entries(self) -> int:
         return self.attention.entries
 
+    @property
+    def compressed(self) -> bool:
+        return self.attention.compressed
+
     def meta(self) -> dict[str, object]:
         return {**self.attention.meta(), "kind": self.kind}
 
@@ -475,6 +479,19 @@ class StatelessLayerState(LayerState):
 
     def to(self, device: torch.device | str) -> StatelessLayerState:
         return self
+
+
+def attention_of(layer: LayerState) -> AttentionLayerState | None:
+    """The K/V a compression may evict from ``layer``: an attention layer's own, or a hybrid layer's attention
+    part (None for every other kind)."""
+    if isinstance(layer, AttentionLayerState):
+        return layer
+    return layer.attention if isinstance(layer, HybridLayerState) else None
+
+
+def with_attention(layer: LayerState, attention: AttentionLayerState) -> LayerState:
+    """``layer`` holding ``attention`` as its K/V (a hybrid layer keeps its recurrent part)."""
+    return HybridLayerState(attention, layer.recurrent) if isinstance(layer, HybridLayerState) else attention
 
 
 # Layer kinds a state file may name, resolved to the class that rebuilds them.

@@ -32,13 +32,13 @@ import torch
 from . import _compat
 from ._compat.attention import mask_format
 from .errors import UnsupportedError
-from .layers import PAD, AttentionLayerState, LayerState
+from .layers import PAD, LayerState, attention_of
 
 _BACKENDS = ("sdpa", "eager")
 
 
 def needs_masks(layers: tuple[LayerState, ...]) -> bool:
-    return any(isinstance(layer, AttentionLayerState) and layer.compressed for layer in layers)
+    return any(part is not None and part.compressed for part in map(attention_of, layers))
 
 
 @contextmanager
@@ -56,7 +56,7 @@ def layer_masks(model: Any, layers: tuple[LayerState, ...], queries: Any) -> Ite
     handles = []
     try:
         for i, decoder_layer in enumerate(_compat.decoder_layers(model)):
-            if isinstance(layers[i], AttentionLayerState):
+            if attention_of(layers[i]) is not None:
                 handles.append(decoder_layer.register_forward_pre_hook(_compat.own_thread(plan.layer_hook(i)),
                                                                        with_kwargs=True))
         yield
@@ -74,7 +74,8 @@ class _Plan:
     """Key positions per layer (``[B, K(, R)]``, or ``[B, H, K(, R)]`` per head), extended forward by forward."""
 
     def __init__(self, layers: tuple[LayerState, ...], queries: Any, backend: str, q_heads: int) -> None:
-        attention = {i: layer for i, layer in enumerate(layers) if isinstance(layer, AttentionLayerState)}
+        parts = {i: attention_of(layer) for i, layer in enumerate(layers)}
+        attention = {i: part for i, part in parts.items() if part is not None}
         self.keys = {i: layer.positions for i, layer in attention.items()}
         self.windows = {i: layer.window for i, layer in attention.items()}
         self.per_head = {i: layer.per_head for i, layer in attention.items()}

@@ -25,7 +25,7 @@ import torch
 
 from .._compat.watch import out_projections
 from ..errors import CompressionWarning, InputError, UnsupportedError
-from ..layers import AttentionLayerState
+from ..layers import AttentionLayerState, attention_of, with_attention
 from ..protocols import AttentionObserver
 from ..state import MediaItem, State
 from .budget import global_keep, layer_keep
@@ -64,8 +64,8 @@ def compress_state(observer: AttentionObserver, model: Any, state: State, policy
     _check(state, policy, query_ids, sliding, budget)
     policy.check(_facts(observer, model, state))
     n = len(state.layers)
-    attention = [layer for layer in state.layers if isinstance(layer, AttentionLayerState)]
-    if budget is not None and all(layer.slots <= budget for layer in attention):
+    attention = [part for part in map(attention_of, state.layers) if part is not None]
+    if budget is not None and all(part.slots <= budget for part in attention):
         return state
     if budget is None and not policy.evicts(n):
         return state  # ratio 0: the identity, bitwise, without re-running anything
@@ -83,7 +83,8 @@ def compress_state(observer: AttentionObserver, model: Any, state: State, policy
     for c, keep in zip(layers, keeps, strict=True):
         if keep is None:
             continue
-        new[c.index] = c.layer if keep is True else _rebuilt(c, keep, state.tokens_seen)
+        if keep is not True:
+            new[c.index] = with_attention(state.layers[c.index], _rebuilt(c, keep, state.tokens_seen))
         if c.layer.window is None:  # sliding layers forget anyway
             kept_tokens.append(None if c.tokens is None else _whole(c, keep))
     compressed = replace(state, layers=tuple(new), media=_surviving(state, kept_tokens))
@@ -92,7 +93,7 @@ def compress_state(observer: AttentionObserver, model: Any, state: State, policy
 
 def _facts(observer: AttentionObserver, model: Any, state: State) -> Facts:
     caps = observer.caps
-    attention = [i for i, layer in enumerate(state.layers) if isinstance(layer, AttentionLayerState)]
+    attention = [i for i, layer in enumerate(state.layers) if attention_of(layer) is not None]
     dims = 1 if state.positions.dim() == 2 else int(state.positions.shape[-1])
     return Facts(caps.name, dims, bool(state.media), out_projections(model, attention))
 
@@ -128,9 +129,10 @@ def _candidates(state: State, policy: Policy, seen: dict[int, Seen], tail: int, 
     for item in state.media:
         media[item.start:item.end] = True
     out = []
-    for i, layer in enumerate(state.layers):
-        if not isinstance(layer, AttentionLayerState) or layer.keys is None:
-            continue  # recurrent state has no slots to evict
+    for i, whole in enumerate(state.layers):
+        layer = attention_of(whole)  # a hybrid layer's attention part; recurrent state has no slots to evict
+        if layer is None or layer.keys is None:
+            continue
         keys, values, positions = layer.keys, layer.values, layer.positions
         assert values is not None and positions is not None
         held = keys.shape[2]

@@ -24,7 +24,7 @@ import torch
 
 from .._compat.watch import Watched, future_rope
 from ..errors import UnsupportedError
-from ..layers import AttentionLayerState
+from ..layers import attention_of
 from ..protocols import AttentionObserver
 from ..state import State
 from .policies import Needs
@@ -68,7 +68,7 @@ def watch(observer: AttentionObserver, model: Any, state: State, needs: Needs, q
           tokenizer: Any = None) -> tuple[dict[int, Seen], int]:
     """Per attention layer, what the watched forwards showed, and how many trailing slots are the
     watched tokens themselves (a re-run window; 0 otherwise)."""
-    seen = {i: Seen(layer.slots) for i, layer in enumerate(state.layers) if isinstance(layer, AttentionLayerState)}
+    seen = {i: Seen(part.slots) for i, part in enumerate(map(attention_of, state.layers)) if part is not None}
     listener = _Listener(seen, keep_rows=query_ids is not None or bool(needs.rerun), keep_queries=needs.queries)
     if query_ids is not None:
         observer.observe(state, query_ids, listener)

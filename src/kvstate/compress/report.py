@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layers import AttentionLayerState
+from ..layers import attention_of
 from ..state import State
 
 
@@ -47,7 +47,7 @@ class Compression:
 
 def compression(before: State, after: State) -> Compression:
     """The accounting of ``after``, a compression of ``before``."""
-    attention = [layer for layer in after.layers if isinstance(layer, AttentionLayerState) and layer.keys is not None]
+    attention = [part for part in map(attention_of, after.layers) if part is not None and part.keys is not None]
     padding = sum(layer.keys.shape[0] * layer.keys.shape[1] * layer.slots - layer.entries  # type: ignore[union-attr]
                   for layer in attention)
     return Compression(before.kv_entries, after.kv_entries, window_entries(before), before.kv_bytes, after.kv_bytes,
@@ -57,8 +57,8 @@ def compression(before: State, after: State) -> Compression:
 def window_entries(state: State) -> int:
     """K/V entries the attention layers still read: a sliding layer's last ``window - 1`` slots per head."""
     total = 0
-    for layer in state.layers:
-        if isinstance(layer, AttentionLayerState) and layer.keys is not None:
+    for layer in map(attention_of, state.layers):
+        if layer is not None and layer.keys is not None:
             valid = layer.valid
             width = layer.slots if layer.window is None else min(layer.slots, layer.window - 1)
             B, H = layer.keys.shape[:2]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .._compat.watch import Watched
-from ..layers import AttentionLayerState
+from ..layers import attention_of
 from ..state import State
 from .template import Reread
 
@@ -66,8 +66,8 @@ class ChunkScores:
     """The listener of one re-read forward: folds each layer's KVzip score ``[B, H, S]`` into ``seen.reread``."""
 
     def __init__(self, state: State, seen: dict[int, object], piece: Piece, sinks: int) -> None:
-        self.layers = {i: layer for i, layer in enumerate(state.layers)
-                       if isinstance(layer, AttentionLayerState) and i in seen and layer.keys is not None}
+        parts = {i: attention_of(layer) for i, layer in enumerate(state.layers)}
+        self.layers = {i: part for i, part in parts.items() if part is not None and i in seen and part.keys is not None}
         self.seen, self.piece, self.sinks = seen, piece, sinks
 
     def __call__(self, first_key: int, watched: Watched) -> None:

@@ -39,7 +39,7 @@ from .._compat import attention, room
 from .._compat.watch import Watched, watching
 from ..adapters.binding import Binding, Live
 from ..errors import KVStateError, UnsupportedError
-from ..layers import FULL_ATTENTION, SLIDING_ATTENTION, LayerState
+from ..layers import FULL_ATTENTION, HYBRID, SLIDING_ATTENTION, LayerState
 from ..masks import layer_masks, needs_masks
 from ..options import GenerateOptions
 from ..schedule import Canonical
@@ -184,7 +184,7 @@ class Engine:
         base = self.empty(state.batch_size, 0, state.fingerprint) if fresh else \
             state.truncated(T - rerun) if rerun else state
         keys = {i: layer.slots for i, layer in enumerate(base.layers) if layer.kind in (FULL_ATTENTION,
-                                                                                       SLIDING_ATTENTION)}
+                                                                                       SLIDING_ATTENTION, HYBRID)}
 
         def counted(watched: Watched) -> None:
             keys[watched.layer] += watched.query.shape[2]

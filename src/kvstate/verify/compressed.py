@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .._compat import attention_implementation, decoder_layers
-from ..layers import AttentionLayerState
+from ..layers import AttentionLayerState, attention_of
 from ..masks import with_mask
 from ..session import Session
 from ..state import State
@@ -52,8 +52,7 @@ def identity_row(m: Matrix) -> None:
 def per_head_row(m: Matrix) -> None:
     from ..compress import KVzip
 
-    if m.inputs or not any(isinstance(layer, AttentionLayerState) and layer.keys is not None
-                           for layer in m.prefix.layers):
+    if m.inputs or not any(part is not None and part.keys is not None for part in map(attention_of, m.prefix.layers)):
         m.skipped.append("per-head compression: " + ("a media prefix" if m.inputs else "no attention layers"))
         return
     s = m.session(state=m.prefix)
@@ -92,8 +91,8 @@ def masked_greedy(model: Any, ids: torch.Tensor, n: int, state: State) -> Result
     query heads of each KV head see none of the slots that head evicted from ``state`` (the compressed
     prefix), one full forward per step."""
     T = state.tokens_seen
-    masks = {i: _kept(state, layer) for i, layer in enumerate(state.layers)
-             if isinstance(layer, AttentionLayerState) and layer.keys is not None}
+    parts = {i: attention_of(layer) for i, layer in enumerate(state.layers)}
+    masks = {i: _kept(state, part) for i, part in parts.items() if part is not None and part.keys is not None}
     config = model.config.get_text_config(decoder=True)
     eager = attention_implementation(model) != "sdpa"
     seq, first = ids, None
@@ -101,7 +100,7 @@ def masked_greedy(model: Any, ids: torch.Tensor, n: int, state: State) -> Result
         L = seq.shape[1]
         hooks = []
         for i, kept in masks.items():
-            window = state.layers[i].window  # type: ignore[attr-defined]
+            window = parts[i].window  # type: ignore[union-attr]
             allowed = torch.ones(kept.shape[0], L, L, dtype=torch.bool, device=ids.device).tril()
             allowed[:, T:, :T] &= kept[:, None, :]  # the continuation reads only the kept slots of each head
             if window is not None:
