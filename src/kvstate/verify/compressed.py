@@ -76,7 +76,7 @@ def per_head_row(m: Matrix) -> None:
             raise AssertionError("the saved compressed state continued differently after loading (must be bitwise)")
         return out
 
-    facts = {"instance": "same", "per_head_layers": sum(getattr(x, "per_head", False) for x in compressed.layers),
+    facts = {"instance": "same", "per_head_layers": report.per_head_layers,
              "bytes_held": round(report.bytes_held, 4), "one_slot_set_per_layer": fallback}
     m.row("kvstate: per-head compression", "kvstate", "KVzip(0.5) then resume, against per-head masked attention; "
           "saved + loaded: bitwise", run, facts, ref=masked_greedy(m.model, m.ids, m.n, compressed), canonical=False)
