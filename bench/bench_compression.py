@@ -138,7 +138,8 @@ def answer(session: Session, context: torch.Tensor, question: torch.Tensor, toke
     return tokenizer.decode(out[0])
 
 
-def run_needles(model, tokenizer, cases: list[dict], only: tuple[str, ...] = ()) -> dict:
+def run_needles(model, tokenizer, cases: list[dict], only: tuple[str, ...] = (),
+                budgets: tuple[float, ...] = BUDGETS) -> dict:
     rows: list[dict] = []
     policies = agnostic(tokenizer)
     for i, case in enumerate(cases):
@@ -149,11 +150,12 @@ def run_needles(model, tokenizer, cases: list[dict], only: tuple[str, ...] = ())
         kept: dict[str, dict[int, float]] = {"attention to the needle": needle_attention(base, case)}
         held: dict[str, float] = {}
         runs = [(f"agnostic/{name}/{b}", make(1 - b), None, "window") for name, make in policies.items()
-                for b in BUDGETS]
+                for b in budgets]
         runs += [(f"aware/{name}/{b}", make(1 - b), case["question"], "window") for name, make in AWARE.items()
-                 for b in BUDGETS]
+                 for b in budgets]
         runs += [(f"context/{name}/0.5", policies[name](0.5), None, "context") for name in CONTEXT_SEMANTICS]
-        runs = [run for run in runs if not only or run[0].split("/", 2)[1] in only]
+        runs = [run for run in runs if not only or run[0].split("/", 2)[1] in only
+                or "/".join(run[0].split("/", 2)[:2]) in only]
         for label, policy, query, sliding in runs:
             s = base.fork()
             report = s.compress(policy, query_ids=query, sliding=sliding)
@@ -295,7 +297,9 @@ def main() -> None:
     parser.add_argument("--per-cell", type=int, default=8, help="needle cases per (length, depth) cell")
     parser.add_argument("--texts", type=int, default=3, help="haystacks for the fidelity columns")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--only", nargs="*", default=(), help="policy names to run (default: all)")
+    parser.add_argument("--only", nargs="*", default=(),
+                        help="policy names (or kind/name, e.g. agnostic/KVzip) to run (default: all)")
+    parser.add_argument("--budgets", type=float, nargs="*", default=BUDGETS, help="shares of the K/V kept")
     parser.add_argument("--no-fidelity", action="store_true", help="needle retrieval only")
     parser.add_argument("--out", default="compression", help="results name under bench/results")
     args = parser.parse_args()
@@ -309,8 +313,8 @@ def main() -> None:
     cases = needle_cases(tokenizer, corpus, args.per_cell, args.seed)
     result = {"model": "gemma3-270m (fp32, sdpa)", "corpus": {
         "source": "pydoc_data.topics (CPython reference documentation, PSF License 2.0), prose paragraphs only",
-        "paragraphs": len(corpus)}, "lengths": list(LENGTHS), "depths": list(DEPTHS), "budgets": list(BUDGETS),
-        "needle": run_needles(model, tokenizer, cases, tuple(args.only))}
+        "paragraphs": len(corpus)}, "lengths": list(LENGTHS), "depths": list(DEPTHS), "budgets": list(args.budgets),
+        "needle": run_needles(model, tokenizer, cases, tuple(args.only), tuple(args.budgets))}
     write_results(args.out, result)  # the needle half survives a failure in the fidelity half
     if not args.no_fidelity:
         result["fidelity"] = run_fidelity(model, tokenizer, corpus, args.texts, args.seed)

@@ -2,7 +2,10 @@
 
 For each context length, interleaved in rounds (``common.interleaved``):
 
-* ``prefill``: a new ``Session`` processes the context (the default canonical schedule);
+* ``prefill``: the context in one plain transformers forward into a ``DynamicCache`` (the cheapest correct
+  prefill: the fair baseline, and the shape of KVzip's own re-read forward);
+* ``prefill (kvstate)``: a new ``Session`` processes the context on its default canonical schedule (chunks
+  of 64 tokens, the bitwise-resumable way, slower on a CPU);
 * ``kvzip``: ``compress(KVzip(0.5))`` of that processed context: the re-read inside the chat template,
   its scores, the global ranking and the new layers (the reference method, kvstate's default);
 * ``kvzip re-read only``: the watched re-read and its scores, without choosing or building anything;
@@ -19,10 +22,11 @@ import argparse
 import random
 
 import torch
+from transformers import DynamicCache
 
 from bench_compression import INTRO, haystack, paragraphs
 from common import interleaved, write_results
-from kvstate import Session
+from kvstate import Session, _compat
 from kvstate.compress import KVzip
 from kvstate.compress.observe import watch
 from kvstate.testing import load_default_model
@@ -35,8 +39,13 @@ def contenders(model, tokenizer, ids: torch.Tensor) -> dict:
     def compress(policy):
         return lambda: base.fork().compress(policy)
 
+    def plain() -> None:
+        cache = DynamicCache(config=model.config)
+        model(ids, use_cache=True, logits_to_keep=1, **{_compat.cache_kwarg(model): cache})
+
     return {
-        "prefill": lambda: Session(model, tokenizer=tokenizer).extend(ids),
+        "prefill": plain,
+        "prefill (kvstate)": lambda: Session(model, tokenizer=tokenizer).extend(ids),
         "kvzip": compress(KVzip(0.5)),
         "kvzip re-read only": lambda: watch(base._engine, model, base.state, KVzip(0.5).needs(), None, tokenizer),
         "kvzip chunk=512": compress(KVzip(0.5, chunk=512)),

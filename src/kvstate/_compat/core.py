@@ -394,6 +394,12 @@ def decoder_layers(model: Any) -> list[Any]:
     return list(model.get_decoder().layers)
 
 
+def has_decoder_layers(model: Any) -> bool:
+    """Whether the decoder keeps its layers as ``layers`` (GPT-2's ``h`` and Falcon's do not), where kvstate hooks
+    per-layer masks and watches attention."""
+    return isinstance(getattr(model.get_decoder(), "layers", None), torch.nn.ModuleList)
+
+
 @contextmanager
 def attention_backend(model: Any, name: str) -> Iterator[None]:
     """Temporarily run ``model`` with another attention implementation (e.g. eager for weights)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .._compat.core import has_decoder_layers
 from .._compat.watch import out_projections
 from ..errors import CompressionWarning, InputError, UnsupportedError
 from ..layers import AttentionLayerState, attention_of, with_attention
@@ -62,13 +63,17 @@ def compress_state(observer: AttentionObserver, model: Any, state: State, policy
     alone); a state already within it is returned unchanged. ``tokenizer``: where KVzip finds its re-read.
     """
     _check(state, policy, query_ids, sliding, budget)
-    policy.check(_facts(observer, model, state))
     n = len(state.layers)
     attention = [part for part in map(attention_of, state.layers) if part is not None]
     if budget is not None and all(part.slots <= budget for part in attention):
         return state
     if budget is None and not policy.evicts(n):
         return state  # ratio 0: the identity, bitwise, without re-running anything
+    if not has_decoder_layers(model):
+        raise UnsupportedError("compressed states need a mask per layer, which kvstate hands each decoder layer",
+                               found=f"{observer.caps.name}: a decoder without a `layers` list",
+                               fix="use the state uncompressed")
+    policy.check(_facts(observer, model, state, policy.needs().normalize))
     ranking = None if budget is not None else policy.ranking()
     if ranking is not None and sliding != "window":
         raise InputError(f"{type(policy).__name__} ranks every layer together, so sliding='{sliding}' has no "
@@ -91,11 +96,12 @@ def compress_state(observer: AttentionObserver, model: Any, state: State, policy
     return rerotate(model, compressed) if isinstance(policy, ReRotate) else compressed
 
 
-def _facts(observer: AttentionObserver, model: Any, state: State) -> Facts:
+def _facts(observer: AttentionObserver, model: Any, state: State, projections: bool) -> Facts:
+    """What the policy may check; the output projections are examined only when asked (KVzip+)."""
     caps = observer.caps
     attention = [i for i, layer in enumerate(state.layers) if attention_of(layer) is not None]
     dims = 1 if state.positions.dim() == 2 else int(state.positions.shape[-1])
-    return Facts(caps.name, dims, bool(state.media), out_projections(model, attention))
+    return Facts(caps.name, dims, bool(state.media), out_projections(model, attention) if projections else None)
 
 
 def _check(state: State, policy: Policy, query_ids: torch.Tensor | None, sliding: str, budget: int | None) -> None:

@@ -66,7 +66,7 @@ class Facts:
     family: str
     position_dims: int  # 1, or R for multimodal RoPE
     media: bool  # the state holds images or videos
-    out_projections: bool  # every attention layer's output projection is readable (KVzip+)
+    out_projections: bool | None  # every attention layer's output projection is readable (None: not asked)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .._compat.watch import Watched
+from ..errors import UnsupportedError
 from ..layers import attention_of
 from ..state import State
 from .template import Reread
@@ -76,6 +77,11 @@ class ChunkScores:
             return
         seen = self.seen[watched.layer]
         assert layer.keys is not None and layer.values is not None
+        if watched.key.shape[1] != layer.keys.shape[1]:  # e.g. MLA: the cache holds a latent, not the heads
+            raise UnsupportedError("KVzip scores the state's keys per KV head, and this family's attention reads "
+                                   "other heads than its cache holds", expected=f"{layer.keys.shape[1]} KV heads",
+                                   found=f"{watched.key.shape[1]} in layer {watched.layer}'s attention",
+                                   fix="use KVzip(softmax='model', heads=False), or another policy")
         positions = layer.head_positions()
         assert positions is not None
         time = positions if positions.dim() == 3 else positions.amax(-1)  # [B, H, S]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .._compat import attention_implementation, decoder_layers
+from ..errors import UnsupportedError
 from ..layers import AttentionLayerState, attention_of
 from ..masks import with_mask
 from ..session import Session
@@ -55,11 +56,17 @@ def per_head_row(m: Matrix) -> None:
     if m.inputs or not any(part is not None and part.keys is not None for part in map(attention_of, m.prefix.layers)):
         m.skipped.append("per-head compression: " + ("a media prefix" if m.inputs else "no attention layers"))
         return
+    if not m.adapter.caps.head_masks:
+        m.skipped.append(f"per-head compression: per-head masks are unproven on {m.adapter.caps.name}")
+        return
     s = m.session(state=m.prefix)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             report = s.compress(KVzip(0.5))
+        except UnsupportedError as exc:  # a typed refusal: what the row has to say
+            m.skipped.append(f"per-head compression: {exc}")
+            return
         except Exception as exc:  # recorded by the row below, as every crash is
             error = exc
             m.row("kvstate: per-head compression", "kvstate", "KVzip(0.5) then resume", lambda: _raise(error))
