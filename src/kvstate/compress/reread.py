@@ -109,20 +109,24 @@ def _score(watched: Watched, keys: torch.Tensor, values: torch.Tensor, allowed: 
     queries = query.view(B, H, G, q, D)
     scale = D ** -0.5
     column = _column_norms(watched, values, G) if watched.out_proj is not None else None  # [B, H, G, C]
-    best = torch.zeros(B, H, C, dtype=torch.float32, device=query.device)
-    hidden = (~allowed)[:, :, None, None, :]
+    best = torch.full((B, H, C), float("-inf"), dtype=torch.float32, device=query.device)
+    hidden = None if bool(allowed.all()) else (~allowed)[:, :, None, None, :]
     for r0 in range(0, q, _ROWS):
         rows = queries[:, :, :, r0:r0 + _ROWS]  # [B, H, G, r, D]
         r = rows.shape[3]
         to_state = (rows @ keys.float()[:, :, None].transpose(-1, -2)) * scale  # [B, H, G, r, C]
+        if hidden is not None:
+            to_state = to_state.masked_fill(hidden, float("-inf"))
         to_own = (rows @ own[:, :, None].transpose(-1, -2)) * scale  # [B, H, G, r, q]
         future = torch.arange(q, device=query.device)[None, :] > torch.arange(r0, r0 + r, device=query.device)[:, None]
-        weights = torch.cat([to_state.masked_fill(hidden, float("-inf")), to_own.masked_fill(future, float("-inf"))],
-                            dim=-1).softmax(dim=-1)[..., :C]
-        if watched.hidden_norm is not None and column is not None:  # KVzip+
-            weights = weights / watched.hidden_norm[:, None, None, r0:r0 + r, None].float() * column[:, :, :, None]
-        best = torch.maximum(best, weights.amax(dim=(2, 3)))
-    return best
+        # log of the softmax over the state's columns and the re-read's own, without building the whole row
+        total = torch.logaddexp(to_state.logsumexp(-1), to_own.masked_fill(future, float("-inf")).logsumexp(-1))
+        logp = to_state - total[..., None]
+        if watched.hidden_norm is not None and column is not None:  # KVzip+, in log space
+            norms = watched.hidden_norm[:, None, None, r0:r0 + r, None].float()
+            logp = logp - norms.log() + column.log()[:, :, :, None]
+        best = torch.maximum(best, logp.amax(dim=(2, 3)))
+    return best.exp()
 
 
 def _column_norms(watched: Watched, values: torch.Tensor, groups: int) -> torch.Tensor:
