@@ -15,7 +15,8 @@ prose, code blocks dropped, drawn in a seeded order. Nothing is repeated to fill
 * **Memory**: state bytes against the uncompressed state.
 
 Writes ``bench/results/compression.json`` and ``compression.png``. Run:
-``python bench/bench_compression.py`` (needs the ``bench`` extra; about 35 minutes on 2 idle cores).
+``python bench/bench_compression.py`` (needs the ``bench`` extra; about an hour on 2 idle cores);
+``--only KVzip ExpectedAttention --no-fidelity --out NAME`` runs a subset of the needle columns.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from common import RESULTS, write_results
 from kvstate import Session
 from kvstate.compress import (
     TOVA,
+    ChunkKV,
     ExpectedAttention,
     KNorm,
     KVzip,
@@ -53,6 +55,9 @@ QUESTION = "\n\nWhat is the pass key mentioned in the text above? The pass key i
 
 
 def agnostic(tokenizer) -> dict[str, Callable[[float], Policy]]:
+    """The question-agnostic columns: KVzip and ExpectedAttention as their names give them (per KV head, one
+    ranking across layers and heads, the re-read inside the chat template, every prefill query), and as
+    kvstate scored them before (``(earlier)``: one slot set per layer, a raw-text re-read, a 48-query fit)."""
     prompt = kvzip_prompt(tokenizer)
     return {
         "StreamingLLM": lambda r: StreamingLLM(r, sinks=4),
@@ -60,8 +65,13 @@ def agnostic(tokenizer) -> dict[str, Callable[[float], Policy]]:
         "Random": lambda r: Random(r, seed=0),
         "TOVA": lambda r: TOVA(r),
         "SnapKV": lambda r: SnapKV(r, window=16, kernel=5),
-        "ExpectedAttention": lambda r: ExpectedAttention(r, window=48),
-        "KVzip": lambda r: KVzip(r, prompt=prompt),
+        "ExpectedAttention": lambda r: ExpectedAttention(r),
+        "KVzip": lambda r: KVzip(r),
+        "KVzip(ranked)": lambda r: KVzip(r, sliding="ranked"),
+        "ChunkKV(KVzip)": lambda r: ChunkKV(policy=KVzip(r), chunk=10),
+        "ExpectedAttention(earlier)": lambda r: ExpectedAttention(r, window=48, epsilon=0.0, heads=False,
+                                                                  scope="layer"),
+        "KVzip(earlier)": lambda r: KVzip(r, prompt=prompt, softmax="model", heads=False, scope="layer"),
     }
 
 
@@ -70,11 +80,11 @@ AWARE: dict[str, Callable[[float], Policy]] = {
     # pooling over 9 slots keeps whole digit spans; chosen on a separate calibration set (seed 7, 12 cases)
     "SnapKV(k=9)": lambda r: SnapKV(r, window=16, kernel=9),
     "TOVA": lambda r: TOVA(r),
-    "ExpectedAttention": lambda r: ExpectedAttention(r, window=48),
-    "KVzip": lambda r: KVzip(r),
+    "ExpectedAttention": lambda r: ExpectedAttention(r, window=48, heads=False, scope="layer"),
+    "KVzip": lambda r: KVzip(r, heads=False, scope="layer"),
 }
 # the kvpress meaning of the ratio (sliding layers count the whole context), for like-for-like comparison
-CONTEXT_SEMANTICS = ("KVzip", "ExpectedAttention", "KNorm")
+CONTEXT_SEMANTICS = ("KVzip(earlier)", "ExpectedAttention(earlier)", "KNorm")
 
 
 def paragraphs() -> list[str]:
@@ -128,7 +138,8 @@ def answer(session: Session, context: torch.Tensor, question: torch.Tensor, toke
     return tokenizer.decode(out[0])
 
 
-def run_needles(model, tokenizer, cases: list[dict]) -> dict:
+def run_needles(model, tokenizer, cases: list[dict], only: tuple[str, ...] = (),
+                budgets: tuple[float, ...] = BUDGETS) -> dict:
     rows: list[dict] = []
     policies = agnostic(tokenizer)
     for i, case in enumerate(cases):
@@ -137,18 +148,23 @@ def run_needles(model, tokenizer, cases: list[dict]) -> dict:
         base.extend(case["context"])
         hit = {"uncompressed": case["key"] in answer(base.fork(), case["context"], case["question"], tokenizer)}
         kept: dict[str, dict[int, float]] = {"attention to the needle": needle_attention(base, case)}
+        held: dict[str, float] = {}
         runs = [(f"agnostic/{name}/{b}", make(1 - b), None, "window") for name, make in policies.items()
-                for b in BUDGETS]
+                for b in budgets]
         runs += [(f"aware/{name}/{b}", make(1 - b), case["question"], "window") for name, make in AWARE.items()
-                 for b in BUDGETS]
+                 for b in budgets]
         runs += [(f"context/{name}/0.5", policies[name](0.5), None, "context") for name in CONTEXT_SEMANTICS]
+        runs = [run for run in runs if not only or run[0].split("/", 2)[1] in only
+                or "/".join(run[0].split("/", 2)[:2]) in only]
         for label, policy, query, sliding in runs:
             s = base.fork()
-            s.compress(policy, query_ids=query, sliding=sliding)
+            report = s.compress(policy, query_ids=query, sliding=sliding)
             if label.endswith("/0.5"):
                 kept[label] = needle_kept(s, case["needle"])
+            held[label] = report.bytes_held
             hit[label] = case["key"] in answer(s, case["context"], case["question"], tokenizer)
-        rows.append({"length": case["length"], "depth": case["depth"], "hits": hit, "needle_per_layer": kept})
+        rows.append({"length": case["length"], "depth": case["depth"], "hits": hit, "needle_per_layer": kept,
+                     "bytes_held": held})
         print(f"needle case {i + 1}/{len(cases)} ({case['length']} tokens, depth {case['depth']}): "
               f"{sum(hit.values())}/{len(hit)} hits, {time.perf_counter() - began:.0f} s", flush=True)
     return summarize(rows)
@@ -159,8 +175,9 @@ def needle_kept(session: Session, span: tuple[int, int]) -> dict[int, float]:
     out = {}
     for i, layer in enumerate(session.state.layers):
         if getattr(layer, "window", 1) is None and layer.positions is not None:
-            pos = layer.positions[0]
-            out[i] = float(((pos >= span[0]) & (pos < span[1])).sum()) / (span[1] - span[0])
+            pos = layer.positions[0]  # [S], or [H, S] per head: then the heads' mean
+            heads = pos.shape[0] if getattr(layer, "per_head", False) else 1
+            out[i] = float(((pos >= span[0]) & (pos < span[1])).sum()) / (span[1] - span[0]) / heads
     return out
 
 
@@ -190,8 +207,9 @@ def summarize(rows: list[dict]) -> dict:
     for label in rows[0]["needle_per_layer"]:
         layers = rows[0]["needle_per_layer"][label]
         evidence[label] = {str(i): sum(r["needle_per_layer"][label][i] for r in rows) / len(rows) for i in layers}
-    return {"cases": len(rows), "accuracy": accuracy, "kept_of_uncompressed": kept, "hits_by_cell": by_cell,
-            "needle_per_full_layer": evidence, "rows": rows}
+    held = {label: sum(r["bytes_held"][label] for r in rows) / len(rows) for label in rows[0]["bytes_held"]}
+    return {"cases": len(rows), "accuracy": accuracy, "kept_of_uncompressed": kept, "bytes_held": held,
+            "hits_by_cell": by_cell, "needle_per_full_layer": evidence, "rows": rows}
 
 
 def run_fidelity(model, tokenizer, corpus: list[str], texts: int, seed: int) -> dict:
@@ -207,7 +225,8 @@ def run_fidelity(model, tokenizer, corpus: list[str], texts: int, seed: int) -> 
         full_bytes = base.state.nbytes
         for name, make in policies.items():
             for b in BUDGETS:
-                for sliding in ("window", "context"):
+                # a policy ranked across layers has one meaning of the ratio; per-layer ones have two
+                for sliding in ("window", "context") if make(0.5).ranking() is None else ("window",):
                     s = base.fork()
                     s.compress(make(1 - b), sliding=sliding)
                     got = teacher_forced(s.fork(), ref)
@@ -278,23 +297,31 @@ def main() -> None:
     parser.add_argument("--per-cell", type=int, default=8, help="needle cases per (length, depth) cell")
     parser.add_argument("--texts", type=int, default=3, help="haystacks for the fidelity columns")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--only", nargs="*", default=(),
+                        help="policy names (or kind/name, e.g. agnostic/KVzip) to run (default: all)")
+    parser.add_argument("--budgets", type=float, nargs="*", default=BUDGETS, help="shares of the K/V kept")
+    parser.add_argument("--no-fidelity", action="store_true", help="needle retrieval only")
+    parser.add_argument("--out", default="compression", help="results name under bench/results")
     args = parser.parse_args()
     if args.plot_only:
-        plot(json.loads((RESULTS / "compression.json").read_text()), RESULTS / "compression.png")
+        plot(json.loads((RESULTS / f"{args.out}.json").read_text()), RESULTS / f"{args.out}.png")
         return
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model()
     corpus = paragraphs()
     start = time.perf_counter()
+    cases = needle_cases(tokenizer, corpus, args.per_cell, args.seed)
     result = {"model": "gemma3-270m (fp32, sdpa)", "corpus": {
         "source": "pydoc_data.topics (CPython reference documentation, PSF License 2.0), prose paragraphs only",
-        "paragraphs": len(corpus)}, "lengths": list(LENGTHS), "depths": list(DEPTHS), "budgets": list(BUDGETS),
-        "needle": run_needles(model, tokenizer, needle_cases(tokenizer, corpus, args.per_cell, args.seed))}
-    write_results("compression", result)  # the needle half survives a failure in the fidelity half
-    result["fidelity"] = run_fidelity(model, tokenizer, corpus, args.texts, args.seed)
+        "paragraphs": len(corpus)}, "lengths": list(LENGTHS), "depths": list(DEPTHS), "budgets": list(args.budgets),
+        "needle": run_needles(model, tokenizer, cases, tuple(args.only), tuple(args.budgets))}
+    write_results(args.out, result)  # the needle half survives a failure in the fidelity half
+    if not args.no_fidelity:
+        result["fidelity"] = run_fidelity(model, tokenizer, corpus, args.texts, args.seed)
     result["seconds"] = time.perf_counter() - start
-    write_results("compression", result)
-    plot(result, RESULTS / "compression.png")
+    write_results(args.out, result)
+    if not args.no_fidelity:
+        plot(result, RESULTS / f"{args.out}.png")
 
 
 if __name__ == "__main__":

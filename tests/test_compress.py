@@ -61,31 +61,36 @@ def test_ratio_zero_is_bitwise_identity():
     assert torch.equal(s.extend(more), plain.extend(more))
 
 
-def retained_tokens(state, layer):
-    """Token indices of a layer's retained slots (positions are unique per token here)."""
+def retained_tokens(state, layer, head=0):
+    """Token indices of one KV head's retained slots in a layer (positions are unique per token here)."""
     track = state.positions[0]
-    slots = state.layers[layer].positions[0]
+    kept = state.layers[layer]
+    slots = kept.positions[0, head] if getattr(kept, "per_head", False) else kept.positions[0]
     if track.dim() == 1:
-        return slots.tolist()
-    return [int((track == p).all(-1).nonzero()[0]) for p in slots]
+        return [p for p in slots.tolist() if p >= 0]
+    return [int((track == p).all(-1).nonzero()[0]) for p in slots if p[0] >= 0]
 
 
 def masked_reference(model, ids, state, T, **inputs):
-    """Last-position logits of a full forward whose continuation queries see only retained slots."""
+    """Last-position logits of a full forward whose continuation queries see only retained slots, per KV head
+    (each query head reads its group's KV head, as ``repeat_kv`` pairs them)."""
     backend = model.config.get_text_config(decoder=True)._attn_implementation
+    q_heads = model.config.get_text_config(decoder=True).num_attention_heads
     layers = model.get_decoder().layers
     L = ids.shape[1]
 
     def hook_for(i):
         layer = state.layers[i]
-        allowed = torch.ones(L, L, dtype=torch.bool).tril()
+        H = layer.keys.shape[1] if getattr(layer, "keys", None) is not None else 1
+        allowed = torch.ones(H, L, L, dtype=torch.bool).tril()
         if layer.keys is not None and getattr(layer, "compressed", False):
-            evicted = sorted(set(range(T)) - set(retained_tokens(state, i)))
-            allowed[T:, evicted] = False
+            for h in range(H):
+                evicted = sorted(set(range(T)) - set(retained_tokens(state, i, h)))
+                allowed[h, T:, evicted] = False
         if getattr(layer, "window", None):
             idx = torch.arange(L)
             allowed &= (idx[:, None] - idx[None, :]) < layer.window
-        mask = allowed[None, None]
+        mask = allowed.repeat_interleave(q_heads // H, dim=0)[None]
 
         def hook(_module, args, kwargs):
             dtype = kwargs["hidden_states"].dtype if "hidden_states" in kwargs else args[0].dtype

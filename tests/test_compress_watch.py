@@ -129,12 +129,13 @@ def test_expected_attention_is_the_softmax_of_the_rotated_mean_query():
     future = (torch.cat([angle.cos()] * 2), torch.cat([angle.sin()] * 2))
     x = ScoreInput(0, 1, keys, torch.arange(S)[None] + 10, values=torch.ones(B, H, S, D), queries=queries,
                    future=future, scaling=0.5)
-    got = ExpectedAttention(0.5, window=W, sinks=0, covariance=False, vnorm=False).scores(x)
+    old = dict(heads=False, scope="layer", epsilon=0.0)  # kvstate's earlier ExpectedAttention: one slot set per layer
+    got = ExpectedAttention(0.5, window=W, sinks=0, covariance=False, vnorm=False, **old).scores(x)
     mu = queries.mean(2)
     rotated = mu * future[0] + torch.cat([-mu[..., D // 2:], mu[..., : D // 2]], -1) * future[1]
     expected = (0.5 * torch.einsum("bhd,bhsd->bhs", rotated, keys)).softmax(-1).mean(1)
     assert torch.allclose(got, expected, atol=1e-6)
-    with_cov = ExpectedAttention(0.5, window=W, sinks=2).scores(x)
+    with_cov = ExpectedAttention(0.5, window=W, sinks=2, **old).scores(x)
     assert with_cov.shape == (B, S) and torch.isfinite(with_cov).all()
 
 
@@ -142,7 +143,8 @@ def test_kvzip_scores_the_peak_attention_and_keeps_sinks():
     peak = torch.tensor([[[0.1, 0.9, 0.2, 0.05], [0.3, 0.1, 0.8, 0.05]]])  # [B, Hq, S]
     x = ScoreInput(0, 1, torch.randn(1, 1, 4, 8), torch.arange(4)[None], peak=peak)
     expected = torch.tensor([[float("inf"), 0.9, 0.8, 0.05]])
-    assert torch.equal(KVzip(0.5, sinks=1).scores(x), expected)
+    old = dict(softmax="model", heads=False, scope="layer")  # kvstate's earlier KVzip: the model's attention peak
+    assert torch.equal(KVzip(0.5, sinks=1, **old).scores(x), expected)
 
 
 # ----- ratio semantics -------------------------------------------------------------------------------
@@ -285,7 +287,7 @@ def test_expected_attention_discounts_slots_leaving_a_sliding_window():
     keys = torch.ones(1, 1, 3, 4)
     x = ScoreInput(0, 1, keys, torch.tensor([[90, 95, 99]]), values=torch.ones(1, 1, 3, 4),
                    queries=torch.ones(1, 1, 2, 4), scaling=0.5, window=12, horizon=(100, 10))
-    scores = ExpectedAttention(0.5, window=2, sinks=0, covariance=False).scores(x)[0]
+    scores = ExpectedAttention(0.5, window=2, sinks=0, covariance=False, heads=False, scope="layer").scores(x)[0]
     assert scores[0] < scores[1] < scores[2]
     assert torch.allclose(scores / scores[2], torch.tensor([0.2, 0.7, 1.0]))
 

@@ -196,9 +196,9 @@ def test_wrong_version_and_garbage(tmp_path):
     s.extend(prompt(4))
     s.save(tmp_path / "s.kvs")
     header, tensors = container.read(tmp_path / "s.kvs")
-    container.write(tmp_path / "v3.kvs", tensors, {**header, "version": 3})
+    container.write(tmp_path / "v4.kvs", tensors, {**header, "version": 4})  # 3 is per-head layers' version
     with pytest.raises(StateFileError, match="version"):
-        load_state(tmp_path / "v3.kvs")
+        load_state(tmp_path / "v4.kvs")
     (tmp_path / "junk.kvs").write_bytes(b"\xff" * 8 + b"{}")
     with pytest.raises(StateFileError, match="oversized"):
         load_state(tmp_path / "junk.kvs")

@@ -27,6 +27,8 @@ class Capabilities:
             continuing or re-feeding is allowed).
         cache_kwarg: the ``forward`` / ``generate`` keyword the cache travels in (RWKV: ``state``);
             None: the one the model's ``forward`` takes (it moved between transformers versions).
+        head_masks: the attention takes a mask per query head (``[B, Hq, Q, K]``), so each KV head of a
+            compressed layer may keep its own slots; False: compression keeps one slot set per layer.
     """
 
     name: str = "generic-decoder"
@@ -38,3 +40,4 @@ class Capabilities:
     logits_to_keep: bool = True
     rollback: bool = True
     cache_kwarg: str | None = None
+    head_masks: bool = True

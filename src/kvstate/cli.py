@@ -301,12 +301,15 @@ def _inspect_table(info: dict[str, Any]) -> str:
         f"bytes        {info['file_bytes']:,} file, {info['tensor_bytes']:,} tensors",
         f"extras       {info['extras'] or '(none)'}",
         f"metadata     {info['metadata'] or '(none)'}",
-        f"{'layer':>5}  {'kind':<18} {'seen':>6} {'slots':>6} {'window':>6}  {'positions':<13} {'bytes':>10}",
+        f"{'layer':>5}  {'kind':<18} {'seen':>6} {'slots':>6} {'window':>6}  {'positions':<13} {'bytes':>10} "
+        f"{'entries':>9}",
     ]
     for layer in info["layers"]:
         pos = "-" if layer["positions"] is None else f"{layer['positions'][0]}..{layer['positions'][1]}"
+        entries = f"{layer['entries']:,}" + (" per head" if layer["per_head"] else "")
         lines.append(f"{layer['index']:>5}  {layer['kind']:<18} {layer['tokens_seen']:>6} {layer['slots']:>6} "
-                     f"{layer['window'] if layer['window'] is not None else '-':>6}  {pos:<13} {layer['bytes']:>10,}")
+                     f"{layer['window'] if layer['window'] is not None else '-':>6}  {pos:<13} {layer['bytes']:>10,} "
+                     f"{entries:>9}")
     return "\n".join(lines)
 
 

@@ -126,3 +126,8 @@ class AgainstError(KVStateError):
 class ScheduleWarning(UserWarning):
     """The canonical schedule cannot keep its promise here: the attention path is not known to repeat its bits,
     or a state is continued under another schedule than it was fed with (its slots are fed again)."""
+
+
+class CompressionWarning(UserWarning):
+    """A compression ran, but not as asked: e.g. a family whose attention cannot take per-head masks kept the
+    same slots in every head (``kvstate.compress``)."""

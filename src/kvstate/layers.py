@@ -2,7 +2,15 @@
 
 Layout, stated once: keys and values are ``[B, H, S, D]`` (batch, KV heads, slots
 stored, head dim), as in transformers; ``positions`` is ``[B, S]`` int64, the
-logical (RoPE) position of every stored slot.
+logical (RoPE) position of every stored slot (``[B, S, R]`` for multimodal RoPE).
+
+After a per-head compression (``kvstate.compress``) every KV head of an attention layer
+holds its own slots: ``per_head`` is set and ``positions`` is ``[B, H, S]`` (``[B, H, S, R]``),
+one position per head and slot. Each head's slots sit at the end of the ``S`` slots
+(oldest first) and the layer is padded at the front to its largest head: a padding slot
+has position ``PAD`` (-1) and zero K/V, and no query ever sees it (``kvstate.masks``).
+Slots appended later are the same for every head. Right-aligned, a slot that a
+sliding layer drops from the front of its window is always one its window has left.
 
 Two quantities are kept apart and never inferred from tensor contents:
 
@@ -32,6 +40,7 @@ RECURRENT = "recurrent"
 HYBRID = "hybrid"
 INDEXED = "indexed_attention"
 STATELESS = "stateless"
+PAD = -1  # the position of a padding slot of a per-head layer
 
 
 class LayerState(ABC):
@@ -85,6 +94,16 @@ class LayerState(ABC):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
+    @property
+    def entries(self) -> int:
+        """K/V entries held (slots x heads x rows, padding not counted); 0 for a kind without K/V."""
+        return 0
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the keys and values held (a per-head layer's padding included)."""
+        return sum(t.numel() * t.element_size() for name, t in self.tensors().items() if name in ("keys", "values"))
+
     @classmethod
     @abstractmethod
     def from_parts(cls, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> LayerState:
@@ -105,11 +124,14 @@ class AttentionLayerState(LayerState):
         compressed_at: ``tokens_seen`` when slots were last evicted by compression;
             the retained slots are then no longer the tail of the history, so the
             layer can only roll back to that length or later.
+        per_head: each KV head holds its own slots; ``positions`` is then ``[B, H, S(, R)]``
+            with ``PAD`` on padding slots (see the module docstring).
     """
 
     def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None,
                  positions: torch.Tensor | None, tokens_seen: int,
-                 window: int | None = None, reserve: int = 0, compressed_at: int | None = None) -> None:
+                 window: int | None = None, reserve: int = 0, compressed_at: int | None = None,
+                 per_head: bool = False) -> None:
         super().__init__(tokens_seen)
         self.keys = keys
         self.values = values
@@ -117,6 +139,7 @@ class AttentionLayerState(LayerState):
         self.window = window
         self.reserve = reserve
         self.compressed_at = compressed_at
+        self.per_head = per_head and keys is not None
 
     @property
     def kind(self) -> str:
@@ -129,6 +152,49 @@ class AttentionLayerState(LayerState):
     @property
     def slots(self) -> int:
         return 0 if self.keys is None else int(self.keys.shape[-2])
+
+    @property
+    def slot_dim(self) -> int:
+        """The dim of ``positions`` that counts slots: 2 for a per-head layer, else 1."""
+        return 2 if self.per_head else 1
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """``[B, H, S]`` bool: the slot holds a token for that head (False on padding); None: every slot
+        of every head does (a layer whose heads share their slots)."""
+        if not self.per_head:
+            return None
+        positions = self.positions
+        assert positions is not None
+        return (positions if positions.dim() == 3 else positions[..., 0]) != PAD
+
+    @property
+    def entries(self) -> int:
+        """K/V entries held (slots x heads x rows), padding not counted."""
+        if self.keys is None:
+            return 0
+        valid = self.valid
+        B, H, S, _ = self.keys.shape
+        return B * H * S if valid is None else int(valid.sum())
+
+    def head_positions(self) -> torch.Tensor | None:
+        """``[B, H, S(, R)]``: each head's slot positions (shared ones repeated for every head)."""
+        if self.positions is None or self.per_head:
+            return self.positions
+        assert self.keys is not None
+        B, H = self.keys.shape[:2]
+        return self.positions[:, None].expand(B, H, *self.positions.shape[1:])
+
+    def joined(self, new_positions: torch.Tensor, last: int) -> torch.Tensor:
+        """The positions of the last ``last`` slots after slots at ``new_positions`` ``[B, Q(, R)]`` are
+        appended (the same positions for every head)."""
+        if self.per_head:
+            assert self.positions is not None
+            H = self.positions.shape[1]
+            new = new_positions[:, None].expand(-1, H, *new_positions.shape[1:])
+            return torch.cat([self.positions, new], dim=2)[:, :, self.positions.shape[2] + new.shape[2] - last:]
+        old = self.positions if self.positions is not None else new_positions[:, :0]
+        return torch.cat([old, new_positions], dim=1)[:, old.shape[1] + new_positions.shape[1] - last:]
 
     @property
     def keep(self) -> int | None:
@@ -154,15 +220,18 @@ class AttentionLayerState(LayerState):
         if keep is not None:
             keep += max(tokens_seen - self.tokens_seen, 0)
         if keep is not None and keys.shape[-2] > keep:
-            keys, values, positions = keys[:, :, -keep:], values[:, :, -keep:], positions[:, -keep:]
+            keys, values = keys[:, :, -keep:], values[:, :, -keep:]
+            positions = positions[:, :, -keep:] if self.per_head else positions[:, -keep:]
         return self.with_slots(keys, values, positions, tokens_seen)
 
     def with_slots(self, keys: torch.Tensor | None, values: torch.Tensor | None, positions: torch.Tensor | None,
-                   tokens_seen: int | None = None, compressed_at: int | None = None) -> AttentionLayerState:
-        """The same layer (window, reserve, compression mark) holding other slots."""
+                   tokens_seen: int | None = None, compressed_at: int | None = None,
+                   per_head: bool | None = None) -> AttentionLayerState:
+        """The same layer (window, reserve, compression mark, head layout) holding other slots."""
         return AttentionLayerState(keys, values, positions, self.tokens_seen if tokens_seen is None else tokens_seen,
                                    self.window, self.reserve,
-                                   self.compressed_at if compressed_at is None else compressed_at)
+                                   self.compressed_at if compressed_at is None else compressed_at,
+                                   self.per_head if per_head is None else per_head)
 
     def rollback_limit(self, n_tokens: int) -> str | None:
         drop = self.tokens_seen - n_tokens
@@ -192,8 +261,9 @@ class AttentionLayerState(LayerState):
         if self.slots - drop == 0:
             return self.with_slots(None, None, None, n_tokens)
         end = self.slots - drop
+        positions = self.positions[:, :, :end] if self.per_head else self.positions[:, :end]  # type: ignore[index]
         return self.with_slots(self.keys[:, :, :end], self.values[:, :, :end],  # type: ignore[index]
-                               self.positions[:, :end], n_tokens)  # type: ignore[index]
+                               positions, n_tokens)
 
     @property
     def compressed(self) -> bool:
@@ -212,11 +282,15 @@ class AttentionLayerState(LayerState):
                    int(meta["tokens_seen"]),  # type: ignore[call-overload]
                    None if window is None else int(window),  # type: ignore[call-overload]
                    int(meta.get("reserve") or 0),  # type: ignore[call-overload]
-                   None if compressed_at is None else int(compressed_at))  # type: ignore[call-overload]
+                   None if compressed_at is None else int(compressed_at),  # type: ignore[call-overload]
+                   meta.get("per_head") is True)
 
     def meta(self) -> dict[str, object]:
-        return {"kind": self.kind, "tokens_seen": self.tokens_seen, "slots": self.slots,
-                "window": self.window, "reserve": self.reserve, "compressed_at": self.compressed_at}
+        meta: dict[str, object] = {"kind": self.kind, "tokens_seen": self.tokens_seen, "slots": self.slots,
+                                   "window": self.window, "reserve": self.reserve, "compressed_at": self.compressed_at}
+        if self.per_head:  # only then: a layer whose heads share their slots keeps the header it always had
+            meta.update(per_head=True, entries=self.entries)
+        return meta
 
     def to(self, device: torch.device | str) -> AttentionLayerState:
         if self.keys is None:
@@ -290,6 +364,14 @@ class _WithAttention(LayerState):
     @property
     def positions(self) -> torch.Tensor | None:
         return self.attention.positions
+
+    @property
+    def entries(self) -> int:
+        return self.attention.entries
+
+    @property
+    def compressed(self) -> bool:
+        return self.attention.compressed
 
     def meta(self) -> dict[str, object]:
         return {**self.attention.meta(), "kind": self.kind}
@@ -397,6 +479,19 @@ class StatelessLayerState(LayerState):
 
     def to(self, device: torch.device | str) -> StatelessLayerState:
         return self
+
+
+def attention_of(layer: LayerState) -> AttentionLayerState | None:
+    """The K/V a compression may evict from ``layer``: an attention layer's own, or a hybrid layer's attention
+    part (None for every other kind)."""
+    if isinstance(layer, AttentionLayerState):
+        return layer
+    return layer.attention if isinstance(layer, HybridLayerState) else None
+
+
+def with_attention(layer: LayerState, attention: AttentionLayerState) -> LayerState:
+    """``layer`` holding ``attention`` as its K/V (a hybrid layer keeps its recurrent part)."""
+    return HybridLayerState(attention, layer.recurrent) if isinstance(layer, HybridLayerState) else attention
 
 
 # Layer kinds a state file may name, resolved to the class that rebuilds them.

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 
@@ -38,8 +38,8 @@ ModelOutput: TypeAlias = "HFModelOutput"
 ModelInputs: TypeAlias = Mapping[str, torch.Tensor]
 # ``[start, end)`` slot ranges of media items; a resume or a chunk never splits one.
 MediaSpans: TypeAlias = tuple[tuple[int, int], ...]
-# ``listener(layer, first_key, query [B, Hq, q, D], weights [B, Hq, q, K], scaling, rope tables)``.
-AttentionListener: TypeAlias = Callable[[int, int, torch.Tensor, torch.Tensor, float, object], None]
+# ``listener(first_key, watched)``: one attention call of a watched forward (``kvstate._compat.watch.Watched``).
+AttentionListener: TypeAlias = Callable[[int, Any], None]
 
 
 class ModelAdapter(Protocol):
@@ -166,10 +166,13 @@ class PrefixCache(StateSource, StateSink, Protocol):
 
 
 class AttentionObserver(Protocol):
-    """What a compression policy may ask of the engine: watched queries and attention (``Engine.observe``)."""
+    """What a compression policy may ask of the engine: watched queries and attention (``Engine.observe``),
+    and what the family can do (per-head masks, positions)."""
 
+    @property
+    def caps(self) -> Capabilities: ...
     def observe(self, state: State, ids: torch.Tensor, listener: AttentionListener, *, rerun: int = 0,
-                chunk_size: int = 512) -> None: ...
+                chunk_size: int = 512, fresh: bool = False, weights: bool = True, norms: bool = False) -> None: ...
 
 
 class SlotPolicy(Protocol):

@@ -16,7 +16,7 @@ import inspect
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ from .schedule import Canonical
 from .selfcheck import bind, vocab_size
 from .settings import Settings, check_continues, fitted, resolve
 from .state import MediaItem, State
+
+if TYPE_CHECKING:
+    from .compress.report import Compression
 
 
 class Session:
@@ -75,6 +78,7 @@ class Session:
         self.store = store  # may be replaced or set to None later; it is read on every call
         self.sources: tuple[PrefixCache, ...] = tuple(sources)
         self._fingerprint = fingerprint or fingerprint_of(model, tokenizer)
+        self._tokenizer = tokenizer  # KVzip's re-read asks it for the chat template (kvstate.compress.template)
         self.last_plan: ResumePlan | None = None
         self._state = self._empty(1) if state is None else self._adopt(state)
         if state is not None:
@@ -122,17 +126,21 @@ class Session:
         self._commit(self._state.truncated(checks.validate_truncate(self._binding, self._state, n_tokens)))
 
     def compress(self, policy: Any, *, query_ids: IdsLike | None = None, sliding: str = "window",
-                 budget: int | None = None) -> None:
+                 budget: int | None = None) -> Compression:
         """Evict slots with ``policy`` (e.g. ``KVzip(0.5)``, ``kvstate.compress``); retained slots keep their
-        positions. ``query_ids`` ``[B, Q]``: question-aware scoring; ``budget``: slots per layer, not the ratio."""
+        positions. ``query_ids`` ``[B, Q]``: question-aware scoring; ``budget``: slots per layer, not the ratio.
+        Returns what was kept (``Compression``: K/V entries and bytes before and after)."""
         from .compress.apply import compress_state
+        from .compress.report import compression
 
         self._check_weights()
         query = None if query_ids is None else self._ids(query_ids)
         if query is not None:
             checks.check_batch(self._state, query.shape[0])
-        self._commit(compress_state(self._engine, self.model, self._state, policy, query_ids=query, sliding=sliding,
-                                    budget=budget))
+        before = self._state
+        self._commit(compress_state(self._engine, self.model, before, policy, query_ids=query, sliding=sliding,
+                                    budget=budget, tokenizer=self._tokenizer))
+        return compression(before, self._state)
 
     def save(self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None,
              compact: str | None = None) -> int:

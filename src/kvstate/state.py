@@ -144,6 +144,16 @@ class State:
         return sum(layer.nbytes for layer in self.layers)
 
     @property
+    def kv_bytes(self) -> int:
+        """Bytes of the attention layers' keys and values (padding of per-head layers included)."""
+        return sum(layer.kv_nbytes for layer in self.layers)
+
+    @property
+    def kv_entries(self) -> int:
+        """K/V entries (slot x KV head x row) the attention layers hold, padding not counted."""
+        return sum(layer.entries for layer in self.layers)
+
+    @property
     def kv_dtype(self) -> torch.dtype | None:
         """dtype of the tensors that follow the model's dtype: K/V, else conv windows (pure SSMs)."""
         for name_matches in (lambda n: n == "keys", lambda n: n.startswith("conv.")):
@@ -260,6 +270,8 @@ class State:
             "next_position": self.next_position.tolist(),
             "layers": [layer.meta() for layer in self.layers],
             "nbytes": self.nbytes,
+            "kv_bytes": self.kv_bytes,
+            "kv_entries": self.kv_entries,
             "checkpoints": [c.tokens_seen for c in self.checkpoints],
             "checkpoint_nbytes": sum(c.nbytes for c in self.checkpoints),
             "extras": sorted(self.extras),

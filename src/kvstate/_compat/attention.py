@@ -49,10 +49,11 @@ from typing import Any
 
 import torch
 
-from .core import attention_backend, attention_implementation, configured_implementation
+from .core import attention_backend, attention_function, attention_implementation, configured_implementation
 
 NAME = "kvstate_deterministic"
 NOISY = "kvstate_noisy"  # NOISY + ":" + the implementation it wraps
+WATCH = "kvstate_watch"  # the compression watch's backend (``kvstate._compat.watch``), whose masks are eager's
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
 NOISE = 1e-3  # relative to the largest attention output of the call: small, like a kernel's rounding
@@ -146,8 +147,6 @@ def _kind(q: int, kv: int, mask: torch.Tensor) -> str:
 def mask_format(name: str) -> str:
     """The backend whose masks ``name`` takes: sdpa's for the deterministic path, the wrapped backend's for the
     planted noise, eager's for the compression watch (``kvstate._compat.watch``)."""
-    from .watch import NAME as WATCH
-
     if name.startswith(NOISY):
         return mask_format(name.partition(":")[2])
     return "sdpa" if name == NAME else "eager" if name == WATCH else name
@@ -359,12 +358,7 @@ def _function(module: Any, name: str, device: str) -> Callable[..., Any]:
     """The attention function ``module`` runs under backend ``name`` on ``device`` under kvstate."""
     if name == "sdpa" and device == "cuda":
         return deterministic_attention
-    from .watch import _family_eager
-    if name == "eager":
-        return _family_eager(module)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return ALL_ATTENTION_FUNCTIONS[name]
+    return attention_function(module, name)
 
 
 def _device(model: Any) -> str:

@@ -289,8 +289,7 @@ def _read_attention(index: int, hf_layer: Any, layer: AttentionLayerState,
         raise KVStateError(f"layer {index} did not store the tokens it was fed", expected=layer.slots + added,
                            found=stored, fix="this model does not fill the transformers cache it is given; "
                            "report it with `kvstate verify --model ...`")
-    old = layer.positions if layer.positions is not None else new_positions[:, :0]
-    positions = torch.cat([old, new_positions], dim=1)[:, layer.slots + added - stored:]
+    positions = layer.joined(new_positions, stored)  # per-head layers: the same new positions for every head
     return layer.appended(hf_layer.keys, hf_layer.values, positions, layer.tokens_seen + added)
 
 
@@ -394,6 +393,12 @@ def attention_implementation(model: Any) -> str:
 def decoder_layers(model: Any) -> list[Any]:
     """The decoder layers, in order (for Qwen-VL, those of the language model)."""
     return list(model.get_decoder().layers)
+
+
+def has_decoder_layers(model: Any) -> bool:
+    """Whether the decoder keeps its layers as ``layers`` (GPT-2's ``h`` and Falcon's do not), where kvstate hooks
+    per-layer masks and watches attention."""
+    return isinstance(getattr(model.get_decoder(), "layers", None), torch.nn.ModuleList)
 
 
 # id(text config) -> [(config, the backend before, whether the swap was kvstate's own engine detail), ...]

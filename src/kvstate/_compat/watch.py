@@ -3,10 +3,13 @@
 transformers picks each layer's attention function by name from ``AttentionInterface``.
 kvstate registers one more name, ``kvstate_watch``: it runs the family's own eager
 attention (so the forward is the eager forward, masks and all) and hands a listener
-the layer's post-RoPE queries and attention weights. The name is registered on first
-use, never at import, and a model runs with it only inside ``watching``. Decoder-layer
-pre-hooks note which layer is running and its RoPE tables (``position_embeddings``),
-so a listener can undo the rotation of the queries it sees.
+the layer's post-RoPE queries, keys, values and attention weights; with ``weights=False``
+it runs the model's own attention function instead (sdpa; kvstate's deterministic path on
+CUDA) and hands out no weights, for scores computed from queries and keys alone. The name
+is registered on first use, never at import, and a model runs with it only inside
+``watching``. Decoder-layer pre-hooks note which layer is running and its RoPE tables
+(``position_embeddings``), so a listener can undo the rotation of the queries it sees; with
+``norms=True`` a pre-hook on each layer's ``self_attn`` notes the norm of its input (KVzip+).
 """
 
 from __future__ import annotations
@@ -16,17 +19,35 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import UnsupportedError
+from .attention import WATCH, _function
 from .core import attention_function
 
-NAME = "kvstate_watch"
-# listener(layer, query [B, Hq, q, D], weights [B, Hq, q, K], scaling, rope (cos, sin) [B, q, Dr] or None)
-Listener = Callable[[int, torch.Tensor, torch.Tensor, float, Any], None]
+NAME = WATCH
 _LOCAL = threading.local()  # the listener and the running layer of this thread's watched forward
+
+
+@dataclass(frozen=True)
+class Watched:
+    """One attention call of a watched forward."""
+
+    layer: int
+    query: torch.Tensor  # [B, Hq, q, D], post-RoPE
+    key: torch.Tensor  # [B, H, K, D]: every key the call attends over, the fed tokens' last
+    value: torch.Tensor  # [B, H, K, Dv]
+    weights: torch.Tensor | None  # [B, Hq, q, K] (eager), or None with weights=False
+    scaling: float
+    rope: Any  # (cos, sin) [B, q, Dr] the queries were rotated with, or None
+    hidden_norm: torch.Tensor | None = None  # [B, q]: norm of the attention's input (norms=True)
+    out_proj: torch.Tensor | None = None  # the output projection's weight [hidden, Hq * Dv] (norms=True)
+
+
+Listener = Callable[[Watched], None]
 
 
 @functools.cache
@@ -45,36 +66,74 @@ def _family_eager(module: Any) -> Callable[..., Any]:
 
 def _watched_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    out, weights = _family_eager(module)(module, query, key, value, attention_mask, **kwargs)
+    inner = getattr(_LOCAL, "inner", None)
+    function = _family_eager(module) if inner is None else _inner_function(module, inner, query.device.type)
+    out, weights = function(module, query, key, value, attention_mask, **kwargs)
     listener = getattr(_LOCAL, "listener", None)
     if listener is not None:
         scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
-        listener(_LOCAL.layer, query, weights, float(scaling), _LOCAL.rope)
+        norms = getattr(_LOCAL, "norms", None)
+        projection = getattr(getattr(module, "o_proj", None), "weight", None) if norms is not None else None
+        listener(Watched(_LOCAL.layer, query, key, value, None if inner is not None else weights, float(scaling),
+                         _LOCAL.rope, None if norms is None else norms.get(_LOCAL.layer), projection))
     return out, weights
 
 
+def _inner_function(module: Any, name: str, device: str) -> Callable[..., Any]:
+    """The attention function ``name`` runs under kvstate (sdpa: the deterministic path on CUDA)."""
+    return _function(module, name, device)
+
+
 @contextmanager
-def watching(model: Any, listener: Listener) -> Iterator[None]:
-    """Run ``model`` with eager attention, calling ``listener`` once per attention layer and forward."""
-    from .core import attention_backend, decoder_layers
+def watching(model: Any, listener: Listener, weights: bool = True, norms: bool = False) -> Iterator[None]:
+    """Run ``model`` with watched attention, calling ``listener`` once per attention layer and forward:
+    eager attention with its weights, or (``weights=False``) the model's own attention without them."""
+    from .core import attention_backend, attention_implementation, decoder_layers
 
     _register()
+    inner = None if weights else attention_implementation(model)
 
     def note(i: int) -> Any:
         def hook(_module: Any, _args: tuple, kwargs: dict[str, Any]) -> None:
             _LOCAL.layer, _LOCAL.rope = i, kwargs.get("position_embeddings")
         return hook
 
-    handles = [layer.register_forward_pre_hook(note(i), with_kwargs=True)
-               for i, layer in enumerate(decoder_layers(model))]
-    _LOCAL.listener, _LOCAL.layer, _LOCAL.rope = listener, -1, None
+    def norm(i: int) -> Any:
+        def hook(_module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            _LOCAL.norms[i] = hidden.float().norm(dim=-1)
+        return hook
+
+    layers = decoder_layers(model)
+    handles = [layer.register_forward_pre_hook(note(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    if norms:
+        handles += [attention.register_forward_pre_hook(norm(i), with_kwargs=True)
+                    for i, attention in enumerate(attention_modules(model)) if attention is not None]
+    _LOCAL.listener, _LOCAL.layer, _LOCAL.rope, _LOCAL.inner = listener, -1, None, inner
+    _LOCAL.norms = {} if norms else None
     try:
         with attention_backend(model, NAME, internal=True):
             yield
     finally:
-        _LOCAL.listener = None
+        _LOCAL.listener, _LOCAL.inner, _LOCAL.norms = None, None, None
         for handle in handles:
             handle.remove()
+
+
+def attention_modules(model: Any) -> list[Any]:
+    """Each decoder layer's self-attention module (None where the layer has none by that name)."""
+    from .core import decoder_layers
+
+    return [getattr(layer, "self_attn", None) for layer in decoder_layers(model)]
+
+
+def out_projections(model: Any, layers: list[int]) -> bool:
+    """Whether each of ``layers`` has a self-attention module with a readable ``o_proj`` weight (KVzip+)."""
+    if not layers:
+        return True
+    modules = attention_modules(model)
+    return all(i < len(modules) and isinstance(getattr(getattr(modules[i], "o_proj", None), "weight", None),
+                                                 torch.Tensor) for i in layers)
 
 
 def future_rope(model: Any, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -86,11 +86,12 @@ def structural_caps(model: torch.nn.Module) -> Capabilities:
     _refuse_own_generate(model, model_type)
     positions = "position_ids" in params
     # a left-padded row keeps its logical positions only through explicit position_ids; a model that
-    # counts positions from the cache length (whisper's decoder) would shift every padded row
+    # counts positions from the cache length (whisper's decoder) would shift every padded row. Per-head
+    # masks are unproven on a family kvstate has not examined: compression keeps one slot set per layer
     return Capabilities(name=f"structural:{model_type}", position_ids=positions,
                         padding=positions and not any(k in ("recurrent", "hybrid") for k in kinds),
                         logits_to_keep="logits_to_keep" in params,
-                        stepwise=any(k in ("recurrent", "hybrid") for k in kinds))
+                        stepwise=any(k in ("recurrent", "hybrid") for k in kinds), head_masks=False)
 
 
 def _refuse_own_generate(model: torch.nn.Module, model_type: str) -> None:

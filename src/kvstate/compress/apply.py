@@ -1,73 +1,107 @@
-"""Applying a policy to a state: score, select, record positions, optionally re-rotate keys.
+"""Applying a policy to a state: check, watch, score, choose, rebuild the layers, optionally re-rotate keys.
 
-Selection keeps each retained slot's original logical position in the layer's
-``positions`` and marks the layer ``compressed_at``; the state's ``next_position``
-is untouched, so new tokens go in at their true position (the mistake kvpress and
-an MLX port made was to infer it from the compressed length). Recurrent and hybrid
-layers are never touched: they have no slots. Sliding layers compress within
-their window, or (``sliding="context"``) only when their window exceeds the budget.
-Policies that watch the model (TOVA, SnapKV, KVzip, ExpectedAttention) need the
-watched queries: kvstate re-runs the last W tokens, feeds the question, or re-reads the
-context (``compress.observe``), with attention watched, and discards those forwards' state.
+Selection keeps each retained slot's original logical position (per KV head when the
+heads choose apart: ``kvstate.layers``) and marks the layer ``compressed_at``; the
+state's ``next_position`` is untouched, so new tokens go in at their true position (the
+mistake kvpress and an MLX port made was to infer it from the compressed length).
+Recurrent and hybrid layers are never touched: they have no slots of their own.
+
+A policy ranks each layer alone (its ``keep_count`` per head; sliding layers compress
+within their window, or with ``sliding="context"`` only when their window exceeds the
+budget) or, with a ``Ranking``, every slot of every attention layer and head together
+(``kvstate.compress.budget``); under a ranking a sliding layer keeps at most its window.
+A family whose attention cannot take per-head masks (``Capabilities.head_masks``) keeps
+one slot set per layer (the most any head scores a slot), with a ``CompressionWarning``.
+Every check runs before any forward: a policy that cannot run here refuses first.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, NamedTuple, Protocol
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from .._compat.core import rope_inv_freq
-from ..errors import InputError, UnsupportedError
-from ..layers import AttentionLayerState, LayerState
+from .._compat.core import has_decoder_layers
+from .._compat.watch import out_projections
+from ..errors import CompressionWarning, InputError, UnsupportedError
+from ..layers import AttentionLayerState, attention_of, with_attention
 from ..protocols import AttentionObserver
 from ..state import MediaItem, State
-from .observe import Seen, rotate_half, watch
-from .policies import Policy, ReRotate, ScoreInput
+from .budget import global_keep, layer_keep
+from .observe import Seen, watch
+from .policies import Facts, Policy, Ranking, ScoreInput
+from .rotate import rerotate
+from .wrappers import ReRotate
 
 SLIDING = ("window", "context")
 
 
+@dataclass
+class _Layer:
+    """One attention layer's candidates: its last ``len`` slots (a sliding layer's window), scored."""
+
+    index: int
+    layer: AttentionLayerState
+    x: ScoreInput
+    tokens: torch.Tensor | None  # [S] token index of each candidate slot (batch of 1, uncompressed), else None
+    cut: bool  # slots in front of the candidates were left out (a sliding layer past its window)
+
+
 def compress_state(observer: AttentionObserver, model: Any, state: State, policy: Policy, *,
-                   query_ids: torch.Tensor | None = None, sliding: str = "window", budget: int | None = None) -> State:
+                   query_ids: torch.Tensor | None = None, sliding: str = "window", budget: int | None = None,
+                   tokenizer: Any = None) -> State:
     """``state`` with each attention layer reduced by ``policy``; a ratio of 0 returns it unchanged.
 
     ``query_ids`` ``[B, Q]``: score with the question's attention instead of the policy's own
     question-agnostic watch (the question is not fed; ``generate`` feeds it later).
-    ``sliding``: what the ratio counts. ``"window"``: each layer evicts ``ratio`` of the
-    slots it holds, so a sliding layer compresses within its window. ``"context"``
-    (kvpress's meaning): every layer keeps at most ``(1 - ratio) * tokens_seen`` slots,
-    so a sliding layer whose window is within that budget is untouched. ``budget``: keep at
-    most this many slots in every attention layer instead (the ratio is not used); a state
-    already within it is returned unchanged.
+    ``sliding`` (layer-ranked policies): what the ratio counts. ``"window"``: each layer evicts ``ratio``
+    of the slots it holds, so a sliding layer compresses within its window. ``"context"`` (kvpress's
+    meaning): every layer keeps at most ``(1 - ratio) * tokens_seen`` slots. ``budget``: keep at most this
+    many slots per head in every attention layer instead (the ratio is not used; each layer is ranked
+    alone); a state already within it is returned unchanged. ``tokenizer``: where KVzip finds its re-read.
     """
     _check(state, policy, query_ids, sliding, budget)
     n = len(state.layers)
-    if budget is not None and all(layer.slots <= budget for layer in state.layers
-                                  if isinstance(layer, AttentionLayerState)):
+    attention = [part for part in map(attention_of, state.layers) if part is not None]
+    if budget is not None and all(part.slots <= budget for part in attention):
         return state
-    if budget is None and all(policy.ratio_for(i, n) == 0 for i in range(n)):
+    if budget is None and not policy.evicts(n):
         return state  # ratio 0: the identity, bitwise, without re-running anything
+    if not has_decoder_layers(model):
+        raise UnsupportedError("compressed states need a mask per layer, which kvstate hands each decoder layer",
+                               found=f"{observer.caps.name}: a decoder without a `layers` list",
+                               fix="use the state uncompressed")
+    policy.check(_facts(observer, model, state, policy.needs().normalize))
+    ranking = None if budget is not None else policy.ranking()
+    if ranking is not None and sliding != "window":
+        raise InputError(f"{type(policy).__name__} ranks every layer together, so sliding='{sliding}' has no "
+                         "meaning", expected="sliding='window' (the default)", found=sliding,
+                         fix=f"pass scope='layer' to {type(policy).__name__} for the per-layer meanings")
     needs = policy.needs()
-    seen, tail = watch(observer, model, state, needs, query_ids) if needs.watches else ({}, 0)
-    media = torch.zeros(state.tokens_seen, dtype=torch.bool, device=state.device)
-    for item in state.media:
-        media[item.start:item.end] = True
-    length = state.tokens_seen if sliding == "context" else None
-    limits = _Limits(tail, length, budget)
-    results = [_compress_layer(i, n, layer, policy, seen.get(i), limits, state.tokens_seen, media)
-               for i, layer in enumerate(state.layers)]
-    compressed = replace(state, layers=tuple(layer for layer, _ in results),
-                         media=_surviving(state, [kept for layer, kept in results  # sliding layers forget anyway
-                                                  if isinstance(layer, AttentionLayerState) and layer.window is None]))
+    seen, tail = watch(observer, model, state, needs, query_ids, tokenizer) if needs.watches else ({}, 0)
+    layers = _candidates(state, policy, seen, tail, sliding, budget, trim=ranking is not None)
+    keeps = _choose(policy, layers, ranking, observer.caps.head_masks, observer.caps.name)
+    new = list(state.layers)
+    kept_tokens: list[torch.Tensor | None] = []
+    for c, keep in zip(layers, keeps, strict=True):
+        if keep is None:
+            continue
+        if keep is not True:
+            new[c.index] = with_attention(state.layers[c.index], _rebuilt(c, keep, state.tokens_seen))
+        if c.layer.window is None:  # sliding layers forget anyway
+            kept_tokens.append(None if c.tokens is None else _whole(c, keep))
+    compressed = replace(state, layers=tuple(new), media=_surviving(state, kept_tokens))
     return rerotate(model, compressed) if isinstance(policy, ReRotate) else compressed
 
 
-class _Limits(NamedTuple):
-    tail: int  # trailing slots that are the watched tokens
-    length: int | None  # what the ratio counts (None: the layer's slots)
-    budget: int | None  # absolute slots per layer
+def _facts(observer: AttentionObserver, model: Any, state: State, projections: bool) -> Facts:
+    """What the policy may check; the output projections are examined only when asked (KVzip+)."""
+    caps = observer.caps
+    attention = [i for i, layer in enumerate(state.layers) if attention_of(layer) is not None]
+    dims = 1 if state.positions.dim() == 2 else int(state.positions.shape[-1])
+    return Facts(caps.name, dims, bool(state.media), out_projections(model, attention) if projections else None)
 
 
 def _check(state: State, policy: Policy, query_ids: torch.Tensor | None, sliding: str, budget: int | None) -> None:
@@ -87,41 +121,39 @@ def _check(state: State, policy: Policy, query_ids: torch.Tensor | None, sliding
     if any(layer.kind == "indexed_attention" for layer in state.layers):
         raise UnsupportedError("compressing dynamic sparse attention (indexed) layers is not supported",
                                found="indexed_attention layers", fix="use the state uncompressed")
-    if query_ids is not None and not (policy.needs().watches):
+    if query_ids is not None and not policy.needs().watches:
         raise InputError(f"{type(policy).__name__} does not look at queries, so query_ids would be ignored",
                          expected="an attention-based policy (SnapKV, TOVA, KVzip, ExpectedAttention)",
                          found=type(policy).__name__, fix="drop query_ids, or pick an attention-based policy")
 
 
-def _compress_layer(i: int, n: int, layer: LayerState, policy: Policy, seen: Seen | None, limits: _Limits,
-                    tokens_seen: int, media: torch.Tensor) -> tuple[LayerState, torch.Tensor | None]:
-    """The layer reduced by ``policy``, and the token indices its slots hold if known (batch of 1)."""
-    if not isinstance(layer, AttentionLayerState) or layer.keys is None:
-        return layer, None  # recurrent state has no slots to evict
-    keys, values, positions = layer.keys, layer.values, layer.positions
-    assert values is not None and positions is not None
-    # slots are the history's tail until a compression evicts some: then their tokens are unknown here
-    tokens = None if layer.compressed_at is not None or keys.shape[0] != 1 else \
-        torch.arange(tokens_seen - keys.shape[2], tokens_seen, device=keys.device)
-    cut = keys.shape[2]
-    if layer.window is not None and keys.shape[2] > layer.window - 1:  # only the window matters from here on
-        keep = layer.window - 1
-        keys, values, positions = keys[:, :, -keep:], values[:, :, -keep:], positions[:, -keep:]
-        tokens = None if tokens is None else tokens[-keep:]
-    x = ScoreInput(i, n, keys, positions, media=None if tokens is None else media[tokens], values=values,
-                   tail=limits.tail, length=limits.length, limit=limits.budget, window=layer.window,
-                   **_watched(seen, keys.shape[2], cut))
-    k = policy.keep_count(x)
-    if k >= keys.shape[2] and (limits.budget is None or layer.slots <= limits.budget):
-        return layer, tokens  # identity: the very same tensors, bitwise
-    index = policy.scores(x).topk(k, dim=-1).indices.sort(dim=-1).values  # [B, k], in slot order
-    B, H, _, D = keys.shape
-    gather = index[:, None, :, None].expand(B, H, k, D)
-    vgather = index[:, None, :, None].expand(B, H, k, values.shape[-1])
-    kept_positions = positions.gather(1, index if positions.dim() == 2 else index[..., None].expand(-1, -1,
-                                                                                                    positions.shape[2]))
-    return (layer.with_slots(keys.gather(2, gather), values.gather(2, vgather), kept_positions,
-                             compressed_at=tokens_seen), None if tokens is None else tokens[index[0]])
+def _candidates(state: State, policy: Policy, seen: dict[int, Seen], tail: int, sliding: str, budget: int | None,
+                trim: bool) -> list[_Layer]:
+    """Every attention layer's candidate slots as a ``ScoreInput`` (a sliding layer: its last ``window - 1``)."""
+    n, T = len(state.layers), state.tokens_seen
+    media = torch.zeros(T, dtype=torch.bool, device=state.device)
+    for item in state.media:
+        media[item.start:item.end] = True
+    out = []
+    for i, whole in enumerate(state.layers):
+        layer = attention_of(whole)  # a hybrid layer's attention part; recurrent state has no slots to evict
+        if layer is None or layer.keys is None:
+            continue
+        keys, values, positions = layer.keys, layer.values, layer.positions
+        assert values is not None and positions is not None
+        held = keys.shape[2]
+        # slots are the history's tail until a compression evicts some: then their tokens are unknown here
+        tokens = None if layer.compressed or keys.shape[0] != 1 else torch.arange(T - held, T, device=keys.device)
+        width = held if layer.window is None else min(held, layer.window - 1)  # only the window matters from here on
+        if width < held:
+            keys, values = keys[:, :, -width:], values[:, :, -width:]
+            positions = positions[:, :, -width:] if layer.per_head else positions[:, -width:]
+            tokens = None if tokens is None else tokens[-width:]
+        x = ScoreInput(i, n, keys, positions, media=None if tokens is None else media[tokens], values=values,
+                       tail=tail, length=T if sliding == "context" else None, limit=budget, window=layer.window,
+                       per_head=layer.per_head, **_watched(seen.get(i), width, held))
+        out.append(_Layer(i, layer, x, tokens, cut=width < held and trim))
+    return out
 
 
 def _watched(seen: Seen | None, slots: int, held: int) -> dict[str, Any]:
@@ -129,14 +161,79 @@ def _watched(seen: Seen | None, slots: int, held: int) -> dict[str, Any]:
     if seen is None:
         return {}
     attention = seen.attention()
-    return {"attention": None if attention is None else attention[..., held - slots:held],
-            "peak": None if seen.peak is None else seen.peak[..., held - slots:held],
-            "queries": seen.query_block(), "future": seen.future, "horizon": seen.horizon, "scaling": seen.scaling}
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[..., held - slots:held]
+
+    return {"attention": cut(attention), "peak": cut(seen.peak), "reread": cut(seen.reread),
+            "queries": seen.query_block(), "moments": seen.moments(), "future": seen.future, "horizon": seen.horizon,
+            "scaling": seen.scaling}
+
+
+def _choose(policy: Policy, layers: list[_Layer], ranking: Ranking | None, head_masks: bool,
+            family: str) -> list[torch.Tensor | bool | None]:
+    """Per layer: the keep mask ``[B, H, S]``, True (nothing evicted: the layer as it was), or None (no slots)."""
+    masks: list[torch.Tensor | None] = [policy.choose(c.x) for c in layers]
+    scores: list[torch.Tensor | None] = [None if m is not None else _per_head(policy.scores(c.x), c.x)
+                                         for c, m in zip(layers, masks, strict=True)]
+    if not head_masks and any(s is not None and not _same_heads(s) for s in scores):
+        warnings.warn(f"kvstate: {family} attention cannot take per-head masks, so {type(policy).__name__} keeps "
+                      "one slot set per layer (the most any head scores a slot)", CompressionWarning, stacklevel=4)
+        scores = [None if s is None else s.amax(dim=1, keepdim=True).expand_as(s) for s in scores]
+    if not head_masks and any(m is not None and not _same_heads(m) for m in masks):
+        raise UnsupportedError(f"{family} attention cannot take per-head masks", found=f"{type(policy).__name__} "
+                               "keeps other slots in each head", fix="give every head of a layer the same slots")
+    if ranking is not None and any(s is not None for s in scores):
+        ranked = [i for i, s in enumerate(scores) if s is not None]
+        chosen = global_keep([scores[i] for i in ranked], [layers[i].x.valid for i in ranked],  # type: ignore[misc]
+                             [layers[i].layer.window is not None for i in ranked], _ratio(policy, layers),
+                             ranking.floor, ranking.sliding)
+        for i, keep in zip(ranked, chosen, strict=True):
+            masks[i] = keep
+    out: list[torch.Tensor | bool | None] = []
+    for c, mask, s in zip(layers, masks, scores, strict=True):
+        if mask is None:
+            assert s is not None
+            mask = layer_keep(s, c.x.valid, policy.keep_count(c.x))
+        whole = bool((mask == c.x.valid).all()) and not c.cut
+        out.append(True if whole and (c.x.limit is None or c.layer.slots <= c.x.limit) else mask)
+    return out
+
+
+def _ratio(policy: Policy, layers: list[_Layer]) -> float:
+    ratios = {policy.ratio_for(c.index, c.x.n_layers) for c in layers}
+    return max(ratios) if ratios else 0.0
+
+
+def _per_head(scores: torch.Tensor, x: ScoreInput) -> torch.Tensor:
+    """``[B, H, S]`` float scores, ``-inf`` on padding: a ``[B, S]`` score is every head's."""
+    B, H, S = x.valid.shape
+    scores = scores.float()
+    full = scores[:, None].expand(B, H, S) if scores.dim() == 2 else scores
+    return full.masked_fill(~x.valid, float("-inf"))
+
+
+def _same_heads(t: torch.Tensor) -> bool:
+    return bool((t == t[:, :1]).all())
+
+
+def _rebuilt(c: _Layer, keep: torch.Tensor, tokens_seen: int) -> AttentionLayerState:
+    from .select import rebuild
+
+    values = c.x.values
+    assert values is not None
+    return rebuild(c.layer, c.x.keys, values, c.x.positions, keep, tokens_seen, c.layer.per_head)
+
+
+def _whole(c: _Layer, keep: torch.Tensor | bool | None) -> torch.Tensor:
+    """Token indices every head of the layer keeps (all candidates when nothing was evicted)."""
+    assert c.tokens is not None
+    return c.tokens if keep is True else c.tokens[keep.all(dim=1)[0]]  # type: ignore[union-attr]
 
 
 def _surviving(state: State, kept: list[torch.Tensor | None]) -> tuple[MediaItem, ...]:
     """``state.media`` marked ``kept`` where every full-attention layer (with known tokens) still holds
-    all of the item's slots."""
+    all of the item's slots in every head."""
     known = [k for k in kept if k is not None]  # sorted token indices per layer
     if not state.media or not known:
         return state.media
@@ -145,78 +242,3 @@ def _surviving(state: State, kept: list[torch.Tensor | None]) -> tuple[MediaItem
         return int(((k >= item.start) & (k < item.end)).sum()) == item.end - item.start
 
     return tuple(replace(item, kept=item.kept and all(whole(item, k) for k in known)) for item in state.media)
-
-
-def rerotate(model: Any, state: State) -> State:
-    """Move every layer's retained keys to positions ``0..S-1`` (RoPE by the position delta)."""
-    layers = [layer for layer in state.layers if isinstance(layer, AttentionLayerState)]
-    slots = {layer.slots for layer in layers}
-    T = state.tokens_seen
-    if any(layer.window is not None for layer in layers) or len(slots) != 1 or layers[0].positions is None \
-            or layers[0].positions.dim() != 2 or len(layers) != len(state.layers):
-        raise UnsupportedError("ReRotate needs full-attention layers that all keep the same number of slots, "
-                               "with 1-D positions", found=sorted(slots), fix="drop ReRotate or PerLayerBudget")
-    if not torch.equal(state.positions, torch.arange(T, device=state.device).expand_as(state.positions)):
-        raise UnsupportedError("ReRotate needs a history fed at positions 0..T-1", fix="drop ReRotate")
-    inv_freq = rope_inv_freq(model)
-    (S,) = slots
-    target = torch.arange(S, device=state.device).expand(state.batch_size, S)
-    new_layers = tuple(layer.with_slots(rotate(layer.keys, target - layer.positions, inv_freq),  # type: ignore[arg-type]
-                                        layer.values, target) for layer in layers)
-    track = torch.full_like(state.positions, -1)  # evicted tokens have no place in the new frame
-    track.scatter_(1, layers[0].positions, target)  # type: ignore[arg-type]
-    return replace(state, layers=new_layers, positions=track, next_position=torch.full_like(state.next_position, S))
-
-
-def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Keys ``[B, H, S, D]`` rotated by ``delta`` ``[B, S]`` positions (RoPE composes additively)."""
-    angles = delta[..., None].double() * inv_freq.double()  # [B, S, D/2]
-    emb = torch.cat([angles, angles], dim=-1)[:, None]
-    k = keys.double()
-    return (k * emb.cos() + rotate_half(k) * emb.sin()).to(keys.dtype)
-
-
-class Decoder(Protocol):
-    """What budgeted decoding needs of a session (``kvstate.Session`` has it)."""
-
-    @property
-    def state(self) -> State: ...
-    def extend(self, input_ids: torch.Tensor) -> torch.Tensor: ...
-    def compress(self, policy: Policy, *, budget: int | None = None) -> None: ...
-
-
-def decode_with_budget(session: Decoder, input_ids: torch.Tensor, policy: Policy, *, budget: int, every: int,
-                       max_new_tokens: int) -> torch.Tensor:
-    """Greedy decoding on at most ``budget`` slots per attention layer, by hand (the reference for
-    ``Session.generate(..., compress=policy, budget=B, every=N)``).
-
-    The prompt is fed whole; then every ``every`` new tokens the state is compressed to
-    ``budget - every`` slots, so the next ``every`` tokens fit. Returns the new tokens
-    ``[B, N]``. Retained slots keep their true positions, so every step is exactly
-    "attention restricted to the retained slots".
-    """
-    check_budget(budget, every, policy)
-    logits = session.extend(input_ids)
-    out = []
-    for step in range(max_new_tokens):
-        if step % every == 0:
-            session.compress(policy, budget=budget - every)
-        out.append(logits.argmax(-1, keepdim=True))
-        if step + 1 < max_new_tokens:
-            logits = session.extend(out[-1])
-    return torch.cat(out, dim=1)
-
-
-def check_budget(budget: object, every: object, policy: Policy) -> None:
-    """Budgeted decoding settings, checked before anything runs."""
-    if any(isinstance(v, bool) or not isinstance(v, int) for v in (budget, every)) or not 1 <= every < budget:  # type: ignore[operator]
-        raise InputError("invalid decoding budget", expected="ints with 1 <= every < budget",
-                         found={"budget": budget, "every": every},
-                         fix="budget is the most slots a layer may hold; every new tokens it is compressed to "
-                         "budget - every")
-    rerun = policy.needs().rerun
-    if rerun > every:  # type: ignore[operator]
-        # a compressed layer cannot roll back past its compression: only the `every` tokens since can re-run
-        raise InputError(f"{type(policy).__name__} re-runs its last {rerun} tokens, more than are fed between "
-                         "compressions", expected=f"every >= {rerun}", found={"every": every},
-                         fix=f"pass every={rerun} or more, or a policy with a smaller window")

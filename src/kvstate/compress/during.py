@@ -8,7 +8,7 @@ runs the rounds.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -16,7 +16,7 @@ from ..errors import InputError, UnsupportedError
 from ..options import GenerateOptions, end_ids
 from ..protocols import AttentionObserver
 from ..state import State
-from .apply import check_budget, compress_state
+from .apply import compress_state
 from .policies import Policy
 
 # options whose meaning spans the whole call, which rounds of generate cannot keep: generate()
@@ -84,3 +84,49 @@ def plan_rounds(budget: Budget, options: GenerateOptions) -> Budget:
                                fix="drop these options, or generate without compress")
     return replace(budget, max_new_tokens=config.max_new_tokens, max_length=int(config.max_length or 0),
                    ends=end_ids(config))
+
+
+class Decoder(Protocol):
+    """What budgeted decoding needs of a session (``kvstate.Session`` has it)."""
+
+    @property
+    def state(self) -> State: ...
+    def extend(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def compress(self, policy: Policy, *, budget: int | None = None) -> None: ...
+
+
+def decode_with_budget(session: Decoder, input_ids: torch.Tensor, policy: Policy, *, budget: int, every: int,
+                       max_new_tokens: int) -> torch.Tensor:
+    """Greedy decoding on at most ``budget`` slots per attention layer, by hand (the reference for
+    ``Session.generate(..., compress=policy, budget=B, every=N)``).
+
+    The prompt is fed whole; then every ``every`` new tokens the state is compressed to
+    ``budget - every`` slots, so the next ``every`` tokens fit. Returns the new tokens
+    ``[B, N]``. Retained slots keep their true positions, so every step is exactly
+    "attention restricted to the retained slots".
+    """
+    check_budget(budget, every, policy)
+    logits = session.extend(input_ids)
+    out = []
+    for step in range(max_new_tokens):
+        if step % every == 0:
+            session.compress(policy, budget=budget - every)
+        out.append(logits.argmax(-1, keepdim=True))
+        if step + 1 < max_new_tokens:
+            logits = session.extend(out[-1])
+    return torch.cat(out, dim=1)
+
+
+def check_budget(budget: object, every: object, policy: Policy) -> None:
+    """Budgeted decoding settings, checked before anything runs."""
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (budget, every)) or not 1 <= every < budget:  # type: ignore[operator]
+        raise InputError("invalid decoding budget", expected="ints with 1 <= every < budget",
+                         found={"budget": budget, "every": every},
+                         fix="budget is the most slots a layer may hold; every new tokens it is compressed to "
+                         "budget - every")
+    rerun = policy.needs().rerun
+    if rerun > every:  # type: ignore[operator]
+        # a compressed layer cannot roll back past its compression: only the `every` tokens since can re-run
+        raise InputError(f"{type(policy).__name__} re-runs its last {rerun} tokens, more than are fed between "
+                         "compressions", expected=f"every >= {rerun}", found={"every": every},
+                         fix=f"pass every={rerun} or more, or a policy with a smaller window")

@@ -2,20 +2,27 @@
 
 A policy scores the stored slots of one attention layer (higher = keep) and says how
 many to evict (``ratio``; 0 keeps everything, bitwise). Scores see ``ScoreInput``:
-keys and values ``[B, H, S, D]``, positions ``[B, S(, R)]`` and, for policies that
-watch the model (``Policy.needs``), attention rows ``[B, Hq, W, S]``, the peak
-attention each slot received ``[B, Hq, S]``, and pre-RoPE queries. Which slots survive
-is the policy's business; where they sit (their logical positions) is recorded by
-kvstate, so every policy resumes exactly.
+keys and values ``[B, H, S, D]``, positions ``[B, S(, R)]`` (``[B, H, S(, R)]`` for a layer
+whose heads hold their own slots) and, for policies that watch the model
+(``Policy.needs``), attention rows ``[B, Hq, W, S]``, the peak attention each slot
+received ``[B, Hq, S]``, KVzip's re-read scores ``[B, H, S]``, or query statistics.
+
+``scores`` returns ``[B, S]`` (one slot set for every head of the layer) or ``[B, H, S]``
+(each KV head chooses its own). ``ranking`` says how many survive: None ranks each layer
+alone (``keep_count``), a ``Ranking`` ranks every slot of every attention layer and head
+together (``kvstate.compress.budget``). Which slots survive is the policy's business; where
+they sit (their logical positions) is recorded by kvstate, so every policy resumes exactly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, UnsupportedError
+
+SLIDING_RANKS = ("whole", "ranked")
 
 
 @dataclass(frozen=True)
@@ -23,31 +30,67 @@ class Needs:
     """What a policy watches before scoring (``kvstate.compress.observe`` runs it).
 
     ``rerun``: re-run the state's last ``rerun`` tokens and keep their attention rows;
-    ``queries``: also keep their pre-RoPE queries and the RoPE tables of ``future``
+    ``prefill``: re-run the whole context from an empty state (every prefill query);
+    ``queries``: keep the watched queries (pre-RoPE) and the RoPE tables of ``future``
     positions after the state; ``reconstruct``: feed the context again after an
-    instruction (``prompt``) and keep the peak attention each slot receives.
+    instruction (``prompt``; None: the model's own, ``kvstate.compress.template``) and score
+    each slot as KVzip does (``softmax="chunk"``) or by the peak attention the model paid it
+    (``"model"``); ``weights``: the watched forwards run eager attention to hand out weights.
     """
 
     rerun: int = 0
     queries: bool = False
     future: int = 0
     reconstruct: bool = False
-    prompt: tuple[int, ...] = ()
+    prompt: tuple[int, ...] | None = ()
     chunk: int = 2048
+    prefill: bool = False
+    softmax: str = "model"
+    sinks: int = 4
+    normalize: bool = False
 
     @property
     def watches(self) -> bool:
-        return bool(self.rerun or self.reconstruct)
+        return bool(self.rerun or self.reconstruct or self.prefill)
+
+    @property
+    def weights(self) -> bool:
+        """The watched forwards must hand out attention weights (eager attention)."""
+        return bool(self.rerun) or (self.reconstruct and self.softmax == "model")
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a policy may check before anything runs (``Policy.check``)."""
+
+    family: str
+    position_dims: int  # 1, or R for multimodal RoPE
+    media: bool  # the state holds images or videos
+    out_projections: bool | None  # every attention layer's output projection is readable (None: not asked)
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """One ranking across every attention layer and head (KVzip's global budget).
+
+    ``floor``: each head keeps at least ``floor`` of its share of the budget (Ada-KV's safeguard);
+    ``sliding``: ``"whole"`` keeps sliding-window layers whole unless the full-attention layers cannot
+    give the whole ratio above their floors (then the sliding layers give the rest, by their own
+    ranking); ``"ranked"`` ranks them with the others.
+    """
+
+    floor: float = 0.0
+    sliding: str = "whole"
 
 
 @dataclass(frozen=True)
 class ScoreInput:
-    """What a policy may look at for one layer."""
+    """What a policy may look at for one layer (its slots that still matter: a sliding layer's window)."""
 
     layer: int
     n_layers: int
     keys: torch.Tensor  # [B, H, S, D]
-    positions: torch.Tensor  # [B, S] or [B, S, R]
+    positions: torch.Tensor  # [B, S(, R)], or [B, H, S(, R)] when per_head
     attention: torch.Tensor | None = None  # [B, Hq, W, S]: attention rows of the watched queries
     media: torch.Tensor | None = None  # [S] bool: the slot holds an image or video token (None: unknown)
     values: torch.Tensor | None = None  # [B, H, S, Dv]
@@ -60,6 +103,25 @@ class ScoreInput:
     tail: int = 0  # trailing slots that are the watched queries' own tokens (a re-run window)
     length: int | None = None  # what the ratio counts: the layer's slots (None) or the whole context
     limit: int | None = None  # an absolute budget of slots per layer, instead of the ratio
+    per_head: bool = False  # positions carry a head dim; padding slots have position PAD
+    reread: torch.Tensor | None = None  # [B, H, S]: KVzip's score of each slot for each KV head
+    moments: tuple[torch.Tensor, torch.Tensor] | None = None  # mean [B, Hq, D] and covariance [B, Hq, D, D]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, H, S]`` bool: the slot holds a token for that head (False on padding)."""
+        B, H, S, _ = self.keys.shape
+        if not self.per_head:
+            return torch.ones(B, H, S, dtype=torch.bool, device=self.keys.device)
+        flat = self.positions if self.positions.dim() == 3 else self.positions[..., 0]
+        return flat >= 0
+
+    @property
+    def time(self) -> torch.Tensor:
+        """``[B, H, S]``: each slot's 1-D position per head (the largest component of an M-RoPE one)."""
+        flat = self.positions if self.positions.dim() == (3 if self.per_head else 2) else self.positions.amax(-1)
+        B, H = self.keys.shape[:2]
+        return flat if self.per_head else flat[:, None].expand(B, H, flat.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -86,13 +148,30 @@ class Policy:
     def ratio_for(self, layer: int, n_layers: int) -> float:
         return self.ratio
 
+    def evicts(self, n_layers: int) -> bool:
+        """Whether the policy may evict anything (ratio 0 everywhere: the identity, bitwise)."""
+        return any(self.ratio_for(i, n_layers) > 0 for i in range(n_layers))
+
+    def ranking(self) -> Ranking | None:
+        """None: each layer keeps ``keep_count`` slots per head; a ``Ranking``: one ranking across layers and
+        heads decides (``kvstate.compress.budget``)."""
+        return None
+
+    def check(self, facts: Facts) -> None:
+        """Raise ``UnsupportedError`` before anything runs if the policy cannot run on this model or state."""
+
+    def choose(self, x: ScoreInput) -> torch.Tensor | None:
+        """``[B, H, S]`` bool: the slots to keep, chosen outright (``Keep``, ``ChunkKV``); None: by the scores
+        and the budget."""
+        return None
 
     def scores(self, x: ScoreInput) -> torch.Tensor:
-        """``[B, S]`` keep-scores; higher survives."""
+        """``[B, S]`` keep-scores (every head keeps the same slots) or ``[B, H, S]`` (each head its own);
+        higher survives."""
         raise NotImplementedError
 
     def keep_count(self, x: ScoreInput) -> int:
-        """Slots to keep: ``ratio`` of the layer's slots evicted, or with ``x.length`` (the kvpress
+        """Slots to keep per head: ``ratio`` of the layer's slots evicted, or with ``x.length`` (the kvpress
         meaning) a budget of ``(1 - ratio) * length`` slots, which a short sliding layer may already meet;
         ``x.limit`` (a slot budget) overrides both."""
         S = x.keys.shape[2]
@@ -102,6 +181,37 @@ class Policy:
         return min(S, L - int(L * self.ratio_for(x.layer, x.n_layers)))
 
 
+@dataclass(frozen=True)
+class Ranked(Policy):
+    """A policy whose default is the faithful method: scored per KV head, one ranking across layers and heads.
+
+    ``heads=False`` gives one slot set per layer (the most any head scores a slot); ``scope="layer"``
+    ranks each layer alone, as before (``keep_count``); ``floor`` and ``sliding``: ``Ranking``.
+    """
+
+    heads: bool = True
+    scope: str = "global"
+    floor: float = 0.0
+    sliding: str = "whole"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scope not in ("global", "layer") or self.sliding not in SLIDING_RANKS \
+                or isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) \
+                or not 0.0 <= self.floor <= 1.0 or not isinstance(self.heads, bool):
+            raise InputError(f"invalid {type(self).__name__} budget settings",
+                             expected=f"scope 'global' or 'layer', sliding one of {SLIDING_RANKS}, 0 <= floor <= 1, "
+                             "heads a bool", found={"scope": self.scope, "sliding": self.sliding,
+                                                     "floor": self.floor, "heads": self.heads})
+
+    def ranking(self) -> Ranking | None:
+        return Ranking(float(self.floor), self.sliding) if self.scope == "global" else None
+
+    def per_head(self, scores: torch.Tensor) -> torch.Tensor:
+        """``[B, H, S]`` scores as the policy hands them out: as they are, or the most any head gives a slot."""
+        return scores if self.heads else scores.amax(dim=1)
+
+
 def _attention(x: ScoreInput, policy: Policy) -> torch.Tensor:
     """The observation attention an attention-based policy scores with."""
     if x.attention is None:
@@ -109,6 +219,14 @@ def _attention(x: ScoreInput, policy: Policy) -> torch.Tensor:
                          expected=f"ScoreInput.attention [B, H, {policy.observation_window}, S]", found=None,
                          fix="let Session.compress compute it, or pass the last queries' attention")
     return x.attention
+
+
+def refuse_multimodal(policy: Policy, facts: Facts) -> None:
+    """Policies that model RoPE as one angle per position refuse M-RoPE before anything runs."""
+    if facts.position_dims != 1:
+        raise UnsupportedError(f"{type(policy).__name__} needs 1-D positions", found=f"{facts.family}: "
+                               f"multimodal (M-RoPE) positions with {facts.position_dims} components",
+                               fix="use KVzip, KNorm or a question-aware policy")
 
 
 @dataclass(frozen=True)
@@ -180,88 +298,10 @@ class SnapKV(Policy):
         return pooled
 
 
-@dataclass(frozen=True)
-class Wrapper(Policy):
-    """Base of the policies that wrap another (kvpress's composition): they watch, ratio and score as
-    ``policy`` does, and override only what they change."""
-
-    policy: Policy = field(default_factory=KNorm)
-
-    @property
-    def observation_window(self) -> int:
-        return self.policy.observation_window
-
-    def needs(self) -> Needs:
-        return self.policy.needs()
-
-    def ratio_for(self, layer: int, n_layers: int) -> float:
-        return self.policy.ratio_for(layer, n_layers)
-
-    def scores(self, x: ScoreInput) -> torch.Tensor:
-        return self.policy.scores(x)
-
-
-@dataclass(frozen=True)
-class PerLayerBudget(Wrapper):
-    """PyramidKV-style budgets: lower layers keep more (Cai et al. 2024, arXiv:2406.02069).
-
-    ``ratios`` gives each layer's eviction ratio explicitly; otherwise they grow
-    linearly with depth from ``ratio / 2`` to ``3 ratio / 2`` (mean ``ratio``).
-    """
-
-    ratios: tuple[float, ...] | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.ratios is not None and not all(0.0 <= r < 1.0 for r in self.ratios):
-            raise InputError("per-layer ratios out of range", expected="each 0 <= r < 1", found=self.ratios)
-
-    def ratio_for(self, layer: int, n_layers: int) -> float:
-        if self.ratios is not None:
-            if len(self.ratios) != n_layers:
-                raise InputError("one ratio per layer", expected=n_layers, found=len(self.ratios))
-            return self.ratios[layer]
-        depth = layer / max(n_layers - 1, 1)
-        return min(self.ratio * (0.5 + depth), 0.95)
-
-
-@dataclass(frozen=True)
-class ReRotate(Wrapper):
-    """Move retained keys to contiguous positions by re-applying RoPE by the position delta.
-
-    Opt-in: the new tokens then continue at position ``S`` (the retained count), as in
-    StreamingLLM's position shifting, instead of at the true logical position.
-    """
-
-    policy: Policy = field(default_factory=StreamingLLM)
-
-
-@dataclass(frozen=True)
-class MediaSpans(Wrapper):
-    """Images and videos kept or dropped whole (media state), the rest scored by ``policy``.
-
-    ``keep=True``: no media slot is evicted; ``policy`` evicts its ratio from the other slots (a
-    layer keeps at least its media). ``keep=False``: every media slot is evicted, plus what
-    ``policy`` picks among the text slots to reach its ratio. Needs layers whose slots still map
-    to tokens (not compressed before): ``state.media`` then records which items survived.
-    """
-
-    keep: bool = True
-
-    def keep_count(self, x: ScoreInput) -> int:
-        media = int(_media(x, self).sum())
-        k = self.policy.keep_count(x)
-        return max(k, media) if self.keep else min(k, x.keys.shape[2] - media)
-
-    def scores(self, x: ScoreInput) -> torch.Tensor:
-        scores = self.policy.scores(x).float().clone()
-        scores[:, _media(x, self)] = float("inf") if self.keep else float("-inf")
+def with_sinks(scores: torch.Tensor, x: ScoreInput, sinks: int) -> torch.Tensor:
+    """``scores`` ``[B, S]`` or ``[B, H, S]`` with the slots at the first ``sinks`` positions always kept."""
+    if not sinks:
         return scores
-
-
-def _media(x: ScoreInput, policy: Policy) -> torch.Tensor:
-    if x.media is None:
-        raise InputError(f"{type(policy).__name__} needs to know which slots hold media",
-                         expected="attention layers whose slots still map to tokens", found="a layer compressed "
-                         "before", fix="apply MediaSpans as the first compression of a state")
-    return x.media
+    time = x.time  # [B, H, S]
+    sink = (time >= 0) & (time < sinks)
+    return scores.masked_fill(sink if scores.dim() == 3 else sink.all(dim=1), float("inf"))

@@ -37,10 +37,10 @@ import torch
 from .._compat import attention
 from .._compat.core import CACHE_KWARG
 from .._compat.generation import replaced_prefill, without_logits
-from .._compat.watch import watching
+from .._compat.watch import Watched, watching
 from ..adapters.binding import Binding, Live
 from ..errors import GenerationOptionError, KVStateError, UnsupportedError
-from ..layers import FULL_ATTENTION, SLIDING_ATTENTION, LayerState
+from ..layers import FULL_ATTENTION, HYBRID, SLIDING_ATTENTION, LayerState
 from ..masks import layer_masks, needs_masks
 from ..options import GenerateOptions
 from ..request import Feed
@@ -55,12 +55,13 @@ from .recorder import Forward, Recorder, model_lock
 from .values import Outcome, finish_reasons
 
 if TYPE_CHECKING:
+    from ..capabilities import Capabilities
     from ..identity import Fingerprint
     from ..protocols import ModelInputs
     from ..request import Request
     from ..resume import ResumePlan
 
-Listener = Callable[[int, int, torch.Tensor, torch.Tensor, float, object], None]
+Listener = Callable[[int, Watched], None]
 
 
 class Engine:
@@ -170,39 +171,45 @@ class Engine:
         return replace(settled.with_checkpoint(settings.max_checkpoints), media=state.media)
 
     def observe(self, state: State, ids: torch.Tensor, listener: Listener, *, rerun: int = 0,
-                chunk_size: int = 512) -> None:
-        """Feed ``ids`` ``[B, Q]`` with attention watched (eager), and discard the state that makes.
+                chunk_size: int = 512, fresh: bool = False, weights: bool = True, norms: bool = False) -> None:
+        """Feed ``ids`` ``[B, Q]`` with attention watched, and discard the state that makes.
 
-        ``ids`` follow ``state`` rolled back by ``rerun`` tokens (re-running its last
-        ``rerun`` tokens when ``ids`` are those tokens). ``listener(layer, first_key,
-        query, weights, scaling, rope)`` sees every attention layer of every forward:
-        post-RoPE queries ``[B, Hq, q, D]``, weights ``[B, Hq, q, K]`` whose first column is
-        key ``first_key`` of the layer (slot ``j`` of the base state is key ``j``; fed
-        tokens follow), and the layer's RoPE tables.
+        ``ids`` follow ``state`` rolled back by ``rerun`` tokens (re-running its last ``rerun`` tokens when
+        ``ids`` are those tokens), or (``fresh``) an empty state of the same model (the whole prefill again).
+        ``listener(first_key, watched)`` sees every attention layer of every forward (``_compat.watch.Watched``:
+        post-RoPE queries ``[B, Hq, q, D]``, keys, values, eager weights ``[B, Hq, q, K]`` unless
+        ``weights=False``, RoPE tables); the first key of the call is key ``first_key`` of the layer (slot
+        ``j`` of the base state is key ``j``; fed tokens follow).
         """
         T = state.tokens_seen
-        reasons = state.rollback_limit(T - rerun) if rerun <= T else [f"only {T} tokens"]
+        reasons = [] if fresh else state.rollback_limit(T - rerun) if rerun <= T else [f"only {T} tokens"]
         if reasons:
             raise UnsupportedError(f"this policy re-runs the last {rerun} tokens, and the state cannot roll back "
                                    "that far", found="; ".join(reasons),
                                    fix="use KNorm, StreamingLLM or Random, a smaller window, or checkpoint_every")
-        base = state.truncated(T - rerun) if rerun else state
+        base = self.empty(state.batch_size, 0, state.fingerprint) if fresh else \
+            state.truncated(T - rerun) if rerun else state
         keys = {i: layer.slots for i, layer in enumerate(base.layers) if layer.kind in (FULL_ATTENTION,
-                                                                                       SLIDING_ATTENTION)}
+                                                                                       SLIDING_ATTENTION, HYBRID)}
 
-        def counted(layer: int, query: torch.Tensor, weights: torch.Tensor, scaling: float, rope: object) -> None:
-            keys[layer] += query.shape[2]
-            listener(layer, keys[layer] - weights.shape[-1], query, weights, scaling, rope)
+        def counted(watched: Watched) -> None:
+            keys[watched.layer] += watched.query.shape[2]
+            listener(keys[watched.layer] - watched.key.shape[2], watched)
 
         mask = torch.ones(ids.shape[0], base.tokens_seen + ids.shape[1], dtype=torch.bool, device=ids.device)
-        with self.lock, torch.no_grad(), watching(self.model, counted):
-            speed = self.seconds_per_token  # eager scoring forwards say nothing of a prefill's cost
+        with self.lock, torch.no_grad(), watching(self.model, counted, weights, norms):
+            speed = self.seconds_per_token  # scoring forwards say nothing of a prefill's cost
             try:
                 self._run_feed(base, self.feed_for(base, ids, mask, {}), Settings(chunk_size, canonical_chunk=0),
                                chunk_size)
             finally:
                 self.seconds_per_token = speed
                 self.runtime.restore(state.extras)
+
+    @property
+    def caps(self) -> Capabilities:
+        """What the bound family can do (read by compression: per-head masks, positions)."""
+        return self.binding.caps
 
     def reset_model(self) -> None:
         """Clear model-side values (e.g. ``rope_deltas``), as on a freshly loaded instance."""

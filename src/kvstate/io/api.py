@@ -133,14 +133,17 @@ def _describe(path: str | os.PathLike[str], header: dict[str, Any], entries: dic
     layers = []
     for i, spec in enumerate(header.get("layers", [])):
         runs = spec.get("positions")
-        runs = [[spec["position_range"]]] if runs == "tensor" else runs or []
-        starts = [run[0] for row in runs for run in row]
-        ends = [run[0] + run[1] - 1 for row in runs for run in row]
+        runs = [[spec["position_range"]]] if runs in ("tensor", "heads") else runs or []
+        starts = [run[0] for row in runs for run in row if run[1] > 0]
+        ends = [run[0] + run[1] - 1 for row in runs for run in row if run[1] > 0]
         layer_bytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for name, e in entries.items()
                           if name.startswith(f"layers.{i}."))
+        keys = entries.get(f"layers.{i}.keys")
+        held = 0 if keys is None else keys["shape"][0] * keys["shape"][1] * keys["shape"][2]
         layers.append({"index": i, "kind": spec.get("kind"), "tokens_seen": spec.get("tokens_seen"),
                        "slots": spec.get("slots"), "window": spec.get("window"),
-                       "positions": [min(starts), max(ends)] if starts else None, "bytes": layer_bytes})
+                       "positions": [min(starts), max(ends)] if starts else None, "bytes": layer_bytes,
+                       "per_head": spec.get("per_head") is True, "entries": spec.get("entries", held)})
     return {
         "path": str(path), "format": header["format"], "version": header["version"],
         "model": header.get("fingerprint"), "batch_size": header.get("batch_size"),

@@ -1,11 +1,14 @@
 """``State`` <-> (kvstate header, named tensors), and optional compact K/V storage.
 
-Header fields (format ``kvstate.state``, version 2; documented in docs/state-file.md):
+Header fields (format ``kvstate.state``, version 2, or 3 when a layer's KV heads hold their own slots;
+documented in docs/state-file.md):
 ``format``, ``version``, ``fingerprint``, ``batch_size``, ``tokens_seen``, ``tokens``
 (``[B][T]`` ints), ``mask`` (per row, runs ``[start, count]`` of real slots),
 ``next_position``, ``layers`` (``kind``, ``tokens_seen``, ``slots``, ``window``,
 ``reserve``, ``positions`` as per-row runs ``[start, count]`` of consecutive
-positions, or ``"tensor"`` for multimodal positions stored as a tensor),
+positions, or ``"tensor"`` for multimodal positions stored as a tensor, or ``"heads"`` for
+a per-head layer's ``[B, H, S(, R)]`` positions stored as a tensor, with ``per_head`` and
+``entries``),
 ``checkpoints`` (``tokens_seen`` and per-layer ``meta`` of each snapshot),
 ``has_last_logits``, ``extras`` (names), ``storage`` (``exact``, ``bfloat16``,
 ``float16`` or ``int8``), ``kv_dtype``, ``device`` (where the state was made: informative, a
@@ -31,14 +34,15 @@ import torch
 
 from ..errors import StateFileError
 from ..identity import Fingerprint
-from ..layers import LAYER_KINDS
+from ..layers import LAYER_KINDS, PAD
 from ..schedule import LINES, PROMPT, valid_marks
 from ..state import Checkpoint, MediaItem, State
 from .container import dtype_of
 
 FORMAT = "kvstate.state"
 VERSION = 2  # 2: XXH3-64 tensor checksums (``checksum`` field); 1: CRC-32, still read
-READABLE = (1, 2)
+HEADS_VERSION = 3  # a file with per-head layers: a reader that predates them refuses it by its version
+READABLE = (1, 2, 3)
 KERNELS_MAX = 160  # a kernels label: on CUDA it names the GPU (``kvstate._compat.attention.kernels``)
 COMPACT = ("bfloat16", "float16", "int8")
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -68,7 +72,7 @@ def encode(state: State, metadata: Mapping[str, str] | None = None,
     for name, t in state.extras.items():
         tensors[f"extras.{name}"] = t.contiguous()
     header = {
-        "format": FORMAT, "version": VERSION,
+        "format": FORMAT, "version": HEADS_VERSION if any(e.get("per_head") for e in layers) else VERSION,
         "fingerprint": None if state.fingerprint is None else state.fingerprint.to_dict(),
         "batch_size": state.batch_size, "tokens_seen": state.tokens_seen,
         "tokens": state.tokens.tolist(), "mask": _mask_runs(state.mask),
@@ -92,11 +96,13 @@ def _encode_layer(prefix: str, layer: Any, tensors: dict[str, torch.Tensor], com
     parts = dict(layer.tensors())
     positions = parts.pop("positions", None)
     entry = {**layer.meta(), "positions": None}
-    if positions is not None and positions.dim() == 2:
+    if positions is not None and positions.dim() == 2 and not entry.get("per_head"):
         entry["positions"] = _runs(positions)
     elif positions is not None:
-        entry["positions"] = "tensor"  # multimodal [B, S, R]; position_range is [min, count] for inspect
-        low, high = int(positions.min()), int(positions.max())
+        # multimodal [B, S, R] or per-head [B, H, S(, R)]; position_range is [min, count] for inspect
+        entry["positions"] = "heads" if entry.get("per_head") else "tensor"
+        held = positions[positions >= 0]
+        low, high = (int(held.min()), int(held.max())) if held.numel() else (0, -1)
         entry["position_range"] = [low, high - low + 1]
         tensors[f"{prefix}positions"] = positions.contiguous()
     for name, t in parts.items():
@@ -137,8 +143,11 @@ def _decode(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> State:
     if kv_dtype is None:
         raise StateFileError("unknown kv_dtype", expected=sorted(_DTYPE_NAMES), found=header.get("kv_dtype"))
     storage = header.get("storage")
-    layers = tuple(_layer(f"layers.{i}.", spec, tensors, B, kv_dtype, storage, T)
-                   for i, spec in enumerate(_list(header, "layers")))
+    specs = _list(header, "layers")
+    if header.get("version") != HEADS_VERSION and any(isinstance(e, dict) and "per_head" in e for e in specs):
+        raise StateFileError("per-head layers in a file of an earlier version", expected=f"version {HEADS_VERSION}",
+                             found=header.get("version"), fix="re-save the state; the file is corrupt or crafted")
+    layers = tuple(_layer(f"layers.{i}.", spec, tensors, B, kv_dtype, storage, T) for i, spec in enumerate(specs))
     checkpoints = tuple(_checkpoint(k, c, tensors, B, kv_dtype, storage, len(layers), T)
                         for k, c in enumerate(_list(header, "checkpoints")))
     extras = {name: tensors[f"extras.{name}"] for name in _list(header, "extras")}
@@ -238,18 +247,48 @@ def _layer(prefix: str, spec: dict[str, Any], tensors: dict[str, torch.Tensor], 
     if slots and ("keys" not in parts or "values" not in parts or parts["keys"].shape[:3] != parts["values"].shape[:3]
                   or seen < slots):
         raise StateFileError(f"{prefix} K/V are incomplete or inconsistent", found=spec)
+    if (spec.get("per_head") is True) != (spec.get("positions") == "heads") or \
+            (spec.get("per_head") is not None and spec.get("per_head") is not True):
+        raise StateFileError(f"{prefix} per_head and its positions disagree", expected="per_head true with "
+                             "positions 'heads', or neither", found={"per_head": spec.get("per_head"),
+                                                                     "positions": str(spec.get("positions"))[:20]},
+                             fix="re-save the state; the file is corrupt or crafted")
     if slots:
-        parts["positions"] = _layer_positions(prefix, spec.get("positions"), tensors, B, slots)
+        H = parts["keys"].shape[1]
+        parts["positions"] = _layer_positions(prefix, spec.get("positions"), tensors, B, slots, H)
     return cls.from_parts(spec, parts)
 
 
-def _layer_positions(prefix: str, runs: Any, tensors: dict[str, torch.Tensor], B: int, S: int) -> torch.Tensor:
+def _layer_positions(prefix: str, runs: Any, tensors: dict[str, torch.Tensor], B: int, S: int,
+                     H: int) -> torch.Tensor:
+    if runs == "heads":
+        return _head_positions(prefix, tensors[f"{prefix}positions"], B, H, S)
     if runs != "tensor":
         return _positions_from_runs(runs, B, S)
     positions = tensors[f"{prefix}positions"]
     if positions.dtype != torch.long or positions.dim() != 3 or tuple(positions.shape[:2]) != (B, S):
         raise StateFileError(f"{prefix}positions have the wrong shape", expected=f"int64 [{B}, {S}, R]",
                              found=f"{positions.dtype} {tuple(positions.shape)}")
+    return positions
+
+
+def _head_positions(prefix: str, positions: torch.Tensor, B: int, H: int, S: int) -> torch.Tensor:
+    """A per-head layer's positions ``[B, H, S(, R)]``: each head's padding (``PAD`` in every component) in
+    front of its slots, whose positions are ``>= 0`` (``kvstate.layers``)."""
+    if positions.dtype != torch.long or positions.dim() not in (3, 4) or tuple(positions.shape[:3]) != (B, H, S):
+        raise StateFileError(f"{prefix}positions have the wrong shape", expected=f"int64 [{B}, {H}, {S}(, R)]",
+                             found=f"{positions.dtype} {tuple(positions.shape)}")
+    if positions.is_meta:
+        return positions
+    parts = positions if positions.dim() == 4 else positions[..., None]
+    valid = parts[..., 0] != PAD
+    padding_first = bool((valid[..., 1:] >= valid[..., :-1]).all())
+    consistent = bool(((parts >= 0) == valid[..., None]).all() & (parts[~valid] == PAD).all())
+    if not padding_first or not consistent:
+        raise StateFileError(f"{prefix}positions are not a per-head layout",
+                             expected=f"each head's padding ({PAD} in every component) before its slots, "
+                                      "positions >= 0 on slots", found="padding after a slot, or a mixed position",
+                             fix="re-save the state; the file is corrupt or crafted")
     return positions
 
 

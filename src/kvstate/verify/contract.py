@@ -94,23 +94,6 @@ def contract_rows(m: Matrix) -> None:
               canonical=run is not manual)  # extend() decodes through kvstate's forward, not generate's
 
 
-def compression_row(m: Matrix) -> None:
-    """Identity compression (ratio 0) must leave the continuation bitwise unchanged."""
-    from ..compress import KNorm
-
-    def identity() -> Result:
-        reference_logits, reference_tokens = greedy(m.session(state=m.prefix), m.ids, m.n)
-        s = m.session(state=m.prefix)
-        s.compress(KNorm(0.0))
-        logits, tokens = greedy(s, m.ids, m.n)
-        if not (torch.equal(logits, reference_logits) and torch.equal(tokens, reference_tokens)):
-            raise AssertionError("identity compression changed the continuation (must be bitwise)")
-        return logits, tokens
-
-    m.row("kvstate: identity compression (bitwise)", "kvstate", "compress(ratio=0) then resume: bitwise equal",
-          identity, {"instance": "same", "full_mask": True}, canonical=False)  # a compressed state continues
-
-
 def sliding_row(m: Matrix) -> None:
     windows = [w for layer in m.prefix.layers if (w := layer.meta().get("window"))]
     L = m.ids.shape[1]

@@ -20,9 +20,9 @@ from .._compat import attention
 from .._compat.core import attention_implementation
 from ..errors import InputError
 from ..selfcheck import adapter_for
+from .compressed import compression_rows
 from .contract import (
     boundary_rows,
-    compression_row,
     contract_rows,
     kvstate_path_rows,
     multimodal_rows,
@@ -42,7 +42,7 @@ DEFAULT_PROMPT = (
     "should be, far out beyond the rocks, and he"
 )
 
-_STEPS = (repeat_row, cache_variant_rows, plain_rows, kvstate_path_rows, boundary_rows, contract_rows, compression_row,
+_STEPS = (repeat_row, cache_variant_rows, plain_rows, kvstate_path_rows, boundary_rows, contract_rows, compression_rows,
           sliding_row, padded_row, multimodal_rows, video_rows)
 
 

@@ -1,0 +1,139 @@
+"""KVzip's re-read: the feeds, and the score each slot gets from them, as the reference computes it.
+
+Each re-read chunk goes in as one forward after the state: ``instruction + suffix + chunk``
+(``kvstate.compress.template``; tokens of images and videos are left out, their pixels are
+gone). In every attention layer the re-read's post-RoPE queries ``[B, Hq, q, D]`` are scored
+against the state's own keys, per KV head: softmax over the first ``sinks`` slots, the
+slots whose positions fall in the chunk, and the re-read's own keys (causal among them),
+scaled by ``1/sqrt(d)``, in float32; a slot's score is the most any query of its head's
+group paid it (Kim et al. 2025; kvpress's ``KVzipPress.score_kvzip``). The softmax is
+the reference's, not the layer's: a sliding layer's slots are scored as if its window
+were open, as the reference's scores of a full layer are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._compat.watch import Watched
+from ..errors import UnsupportedError
+from ..layers import attention_of
+from ..state import State
+from .template import Reread
+
+_ROWS = 512  # re-read queries scored at once (bounds the score matrix)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One re-read forward: ``ids`` ``[B, L]`` and the 1-D position range ``[lo, hi]`` of its chunk."""
+
+    ids: torch.Tensor
+    lo: int
+    hi: int
+
+
+def feeds(state: State, plan: Reread, chunk: int, overlap: int, legacy: bool) -> list[Piece]:
+    """The re-read forwards of the state's tokens, ``chunk`` at a time (``legacy``: the given instruction, then
+    the previous chunk's last ``overlap`` tokens, then the chunk, with no suffix: kvstate's earlier re-read)."""
+    tokens, T = state.tokens, state.tokens_seen
+    text = torch.ones(T, dtype=torch.bool, device=tokens.device)
+    for item in state.media:
+        text[item.start:item.end] = False
+    flat = state.positions if state.positions.dim() == 2 else state.positions.amax(-1)
+    out: list[Piece] = []
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        body = tokens[:, start:end][:, text[start:end]]
+        before = tokens[:, :start][:, text[:start]][:, -overlap:] if start else tokens[:, :0]
+        if legacy:
+            parts = [_ids(plan.first, tokens), before, body]
+        elif start == 0:
+            parts = [_ids(plan.first, tokens), _ids(plan.suffix, tokens), body]
+        else:
+            parts = [_ids(plan.later, tokens), before, _ids(plan.suffix, tokens), body]
+        span = flat[:, start:end]
+        out.append(Piece(torch.cat(parts, dim=1), int(span.min()), int(span.max())))
+    return out
+
+
+def _ids(ids: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([ids], dtype=like.dtype, device=like.device).expand(like.shape[0], -1)
+
+
+class ChunkScores:
+    """The listener of one re-read forward: folds each layer's KVzip score ``[B, H, S]`` into ``seen.reread``."""
+
+    def __init__(self, state: State, seen: dict[int, object], piece: Piece, sinks: int) -> None:
+        parts = {i: attention_of(layer) for i, layer in enumerate(state.layers)}
+        self.layers = {i: part for i, part in parts.items() if part is not None and i in seen and part.keys is not None}
+        self.seen, self.piece, self.sinks = seen, piece, sinks
+
+    def __call__(self, first_key: int, watched: Watched) -> None:
+        layer = self.layers.get(watched.layer)
+        if layer is None:
+            return
+        seen = self.seen[watched.layer]
+        assert layer.keys is not None and layer.values is not None
+        if watched.key.shape[1] != layer.keys.shape[1]:  # e.g. MLA: the cache holds a latent, not the heads
+            raise UnsupportedError("KVzip scores the state's keys per KV head, and this family's attention reads "
+                                   "other heads than its cache holds", expected=f"{layer.keys.shape[1]} KV heads",
+                                   found=f"{watched.key.shape[1]} in layer {watched.layer}'s attention",
+                                   fix="use KVzip(softmax='model', heads=False), or another policy")
+        positions = layer.head_positions()
+        assert positions is not None
+        time = positions if positions.dim() == 3 else positions.amax(-1)  # [B, H, S]
+        valid = time >= 0
+        inside = valid & (time >= self.piece.lo) & (time <= self.piece.hi)
+        subset = inside | (valid & (time < self.sinks))
+        cols = subset.any(dim=1).any(dim=0).nonzero().flatten()
+        if cols.numel() == 0:
+            return
+        score = _score(watched, layer.keys[:, :, cols], layer.values[:, :, cols], subset[:, :, cols])
+        full = torch.zeros(time.shape, dtype=torch.float32, device=time.device)
+        full[:, :, cols] = score
+        full = full.masked_fill(~inside, 0.0)
+        previous = getattr(seen, "reread", None)
+        seen.reread = full if previous is None else torch.maximum(previous, full)  # type: ignore[attr-defined]
+
+
+def _score(watched: Watched, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``[B, H, C]``: the most attention any re-read query of each head's group pays each of the ``C`` state
+    slots ``keys`` ``[B, H, C, D]`` (``allowed`` ``[B, H, C]``: in the softmax for that head)."""
+    query, own = watched.query.float(), watched.key[:, :, -watched.query.shape[2]:].float()
+    B, Hq, q, D = query.shape
+    H, C = keys.shape[1], keys.shape[2]
+    G = Hq // H
+    queries = query.view(B, H, G, q, D)
+    scale = D ** -0.5
+    column = _column_norms(watched, values, G) if watched.out_proj is not None else None  # [B, H, G, C]
+    best = torch.full((B, H, C), float("-inf"), dtype=torch.float32, device=query.device)
+    hidden = None if bool(allowed.all()) else (~allowed)[:, :, None, None, :]
+    for r0 in range(0, q, _ROWS):
+        rows = queries[:, :, :, r0:r0 + _ROWS]  # [B, H, G, r, D]
+        r = rows.shape[3]
+        to_state = (rows @ keys.float()[:, :, None].transpose(-1, -2)) * scale  # [B, H, G, r, C]
+        if hidden is not None:
+            to_state = to_state.masked_fill(hidden, float("-inf"))
+        to_own = (rows @ own[:, :, None].transpose(-1, -2)) * scale  # [B, H, G, r, q]
+        future = torch.arange(q, device=query.device)[None, :] > torch.arange(r0, r0 + r, device=query.device)[:, None]
+        # log of the softmax over the state's columns and the re-read's own, without building the whole row
+        total = torch.logaddexp(to_state.logsumexp(-1), to_own.masked_fill(future, float("-inf")).logsumexp(-1))
+        logp = to_state - total[..., None]
+        if watched.hidden_norm is not None and column is not None:  # KVzip+, in log space
+            norms = watched.hidden_norm[:, None, None, r0:r0 + r, None].float()
+            logp = logp - norms.log() + column.log()[:, :, :, None]
+        best = torch.maximum(best, logp.amax(dim=(2, 3)))
+    return best.exp()
+
+
+def _column_norms(watched: Watched, values: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, H, G, C]``: ``||W_o v||`` of each slot's value through the output projection of each query head."""
+    W = watched.out_proj.float()  # type: ignore[union-attr]  # [hidden, Hq * Dv]
+    H, Dv = values.shape[1], values.shape[3]
+    blocks = W.view(W.shape[0], H, groups, Dv)
+    gram = torch.einsum("jhgd,jhge->hgde", blocks, blocks)  # W_o^T W_o per query head
+    v = values.float()
+    return torch.einsum("bhcd,hgde,bhce->bhgc", v, gram, v).clamp_min(0).sqrt()

@@ -1,0 +1,243 @@
+"""The methods as their references compute them: KVzip's re-read score (and its chat template), Expected
+Attention as kvpress 0.5.5 scores it, ChunkKV's span selection, and the global budget's ranking rules.
+
+Each oracle is transcribed here from the reference (kvpress 0.5.5: ``KVzipPress._compute_cross_attention`` /
+``score_kvzip``, ``ExpectedAttentionPress.score``, ``ChunkKVPress.compress``) and fed by plain transformers
+(hooks on the projections, the model's own rotary tables), never by kvstate's watch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+from kvstate import Session
+from kvstate._compat.core import cache_kwarg  # 5.24 renamed the forward's cache keyword
+from kvstate.compress import ChunkKV, ExpectedAttention, KNorm, KVzip, ScoreInput
+from kvstate.compress.budget import global_keep, layer_keep
+from kvstate.compress.observe import watch
+from kvstate.compress.template import FIRST, LATER, reread_for
+from kvstate.models.tiny_tokenizer import tiny_tokenizer
+from tiny import WINDOW, prompt, tiny_model
+
+T = 3 * WINDOW
+
+
+# ----- KVzip ----------------------------------------------------------------------------------------------
+def _plain_context(model, ids):
+    """The context's cache from one plain forward."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, use_cache=True, **{cache_kwarg(model): cache})
+    return cache
+
+
+def _queries_of(model, ids, cache):
+    """Post-RoPE queries ``[B, Hq, q, D]`` of every layer for ``ids`` fed after ``cache``, from q_proj and the
+    layer's own rotary tables."""
+    out, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        def hook(module, args, kwargs, i=i):
+            h = kwargs["hidden_states"]
+            q = module.q_proj(h).view(*h.shape[:2], -1, module.head_dim).transpose(1, 2)
+            cos, sin = kwargs["position_embeddings"]
+            out[i] = apply_rotary_pos_emb(q, q, cos, sin)[0]
+        hooks.append(layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=True, **{cache_kwarg(model): cache},
+                  position_ids=torch.arange(cache.get_seq_length(), cache.get_seq_length() + ids.shape[1])[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def kvpress_kvzip(model, ids, chunk, sinks=4):
+    """``[L][B, H, T]`` KVzip scores as kvpress computes them (re-read with no instruction, as a model without
+    a tokenizer gets; chunks after the previous chunk's last 8 tokens)."""
+    T_ = ids.shape[1]
+    scores = [torch.zeros(1, model.config.num_key_value_heads, T_) for _ in model.model.layers]
+    for start in range(0, T_, chunk):
+        end = min(start + chunk, T_)
+        feed = torch.cat([ids[:, max(start - 8, 0):start] if start else ids[:, :0], ids[:, start:end]], 1)
+        cache = _plain_context(model, ids)
+        queries = _queries_of(model, feed, cache)
+        for i, q in queries.items():
+            keys = cache.layers[i].keys  # context + re-read, post-RoPE
+            B, Hq, n, D = q.shape
+            H = keys.shape[1]
+            sink = min(sinks, start)
+            sub = torch.cat([keys[:, :, :sink], keys[:, :, start:end], keys[:, :, -n:]], dim=2)
+            w = q.view(B, H, Hq // H, n, D) @ sub.unsqueeze(2).transpose(-2, -1) / math.sqrt(D)
+            mask = torch.full((n, n), torch.finfo(w.dtype).min).masked_fill(
+                torch.arange(n)[None, :] <= torch.arange(n)[:, None], 0.0)
+            w[..., -n:, -n:] += mask
+            w = w.softmax(-1)[..., sink:sink + end - start]
+            scores[i][..., start:end] = w.amax(dim=(-3, -2))
+    return scores
+
+
+@pytest.mark.parametrize("chunk", [T, 16])
+def test_kvzip_scores_are_kvpress_scores(chunk):
+    model = tiny_model("llama")
+    ids = prompt(T)
+    s = Session(model)
+    s.extend(ids)
+    seen, _ = watch(s._engine, model, s.state, KVzip(0.5, chunk=chunk).needs(), None)
+    expected = kvpress_kvzip(model, ids, chunk)
+    for i, layer_seen in seen.items():
+        torch.testing.assert_close(layer_seen.reread, expected[i], atol=1e-5, rtol=1e-4, msg=f"layer {i}")
+
+
+def test_kvzip_rereads_inside_the_chat_template_without_being_told(tmp_path):
+    tokenizer = tiny_tokenizer()
+    assert reread_for(None, tokenizer).how == "raw text"  # no template: kvpress's "\n" suffix
+    assert reread_for(None, tokenizer).suffix == tuple(tokenizer.encode("\n", add_special_tokens=False))
+    tokenizer.chat_template = ("{% for m in messages %}<bos>U:{{ m['content'] }}|E{% endfor %}"
+                               "{% if add_generation_prompt %} A:{% endif %}")
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()  # knows its folder, not its tokenizer
+    plan = reread_for(loaded)
+    assert plan.how == "chat template"
+    encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    assert (plan.first, plan.later, plan.suffix) == (encode(FIRST), encode(LATER), encode("|E A:"))
+    fed = []
+    s = Session(loaded)
+    s.extend(prompt(20))
+    observe = s._engine.observe
+    s._engine.observe = lambda state, ids, *a, **k: (fed.append(ids), observe(state, ids, *a, **k))[1]
+    s.compress(KVzip(0.5, chunk=16))
+    body = s.state.tokens[0].tolist()
+    assert fed[0][0].tolist() == [*plan.first, *plan.suffix, *body[:16]]
+    assert fed[1][0].tolist() == [*plan.later, *body[8:16], *plan.suffix, *body[16:]]
+
+
+# ----- Expected Attention ------------------------------------------------------------------------------------
+def kvpress_expected(model, ids, layer, ratio, future=512, sinks=4, epsilon=1e-2):
+    """Per KV head, the slots kvpress's ExpectedAttentionPress (uniform per-head budget) keeps in ``layer``."""
+    attn = model.model.layers[layer].self_attn
+    captured = {}
+    hook = attn.register_forward_pre_hook(lambda m, a, k: captured.update(h=k["hidden_states"]), with_kwargs=True)
+    cache = _plain_context(model, ids)
+    hook.remove()
+    h = captured["h"][:, sinks:]
+    q = attn.q_proj(h).view(1, h.shape[1], -1, attn.head_dim).transpose(1, 2).double()
+    mu = q.mean(dim=2, keepdim=True)
+    cov = torch.einsum("bnsi,bnsj->bnij", q - mu, q - mu) / h.shape[1]
+    mu = mu.squeeze(2)
+    cos, sin = model.model.rotary_emb(mu.float(), torch.arange(ids.shape[1], ids.shape[1] + future)[None])
+    d = attn.head_dim
+    P = torch.zeros(d, d, dtype=torch.double)
+    P[d // 2:, : d // 2], P[: d // 2, d // 2:] = torch.eye(d // 2), -torch.eye(d // 2)
+    R = (cos[0].double().unsqueeze(1) * torch.eye(d) + sin[0].double().unsqueeze(1) * P).mean(dim=0)
+    mu, cov = mu @ R.T, R @ cov @ R.T
+    keys, values = cache.layers[layer].keys[:, :, sinks:].double(), cache.layers[layer].values[:, :, sinks:].double()
+    groups = model.config.num_attention_heads // keys.shape[1]
+    k = repeat_kv(keys, groups).transpose(2, 3)
+    scores = (mu.unsqueeze(2) @ k).squeeze(2) / math.sqrt(d) + torch.einsum("bhin,bhij,bhjn->bhn", k, cov, k) / d / 2
+    scores = scores.softmax(-1).view(1, keys.shape[1], groups, -1).mean(2)
+    scores = (scores + epsilon) * values.norm(dim=-1)
+    scores = torch.nn.functional.pad(scores, (sinks, 0), value=scores.max().item() + 1)
+    n_kept = int(ids.shape[1] * (1 - ratio))
+    return [sorted(scores[0, h].topk(n_kept).indices.tolist()) for h in range(keys.shape[1])]
+
+
+def test_expected_attention_keeps_what_kvpress_keeps():
+    model = tiny_model("llama")
+    ids = prompt(T)
+    s = Session(model)
+    s.extend(ids)
+    s.compress(ExpectedAttention(0.5, scope="layer"))  # kvpress's per-head selection, every prefill query
+    for i, layer in enumerate(s.state.layers):
+        got = [sorted(p for p in layer.positions[0, h].tolist() if p >= 0) for h in range(layer.keys.shape[1])]
+        assert got == kvpress_expected(model, ids, i, 0.5), f"layer {i}"
+
+
+# ----- ChunkKV --------------------------------------------------------------------------------------------
+def kvpress_chunks(global_scores, ratio, chunk):
+    """ChunkKVPress.compress's kept indices for scores ``[1, H, S]``."""
+    S = global_scores.shape[-1]
+    full, rest = S // chunk, S % chunk
+    main = global_scores[..., : full * chunk].sum(dim=1).view(-1, full, chunk).mean(dim=-1)
+    if rest:
+        main = torch.cat([main, global_scores[..., -rest:].sum(dim=1).mean(dim=-1, keepdim=True)], dim=-1)
+    kept = max(1, int((full + (rest > 0)) * (1 - ratio)))
+    out = []
+    for c in main.topk(kept, dim=-1).indices[0]:
+        out += list(range(c * chunk, min((c + 1) * chunk, S)))
+    return sorted(out)
+
+
+def test_chunkkv_keeps_the_spans_kvpress_keeps():
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 23, 8)
+    x = ScoreInput(0, 1, keys, torch.arange(23)[None])
+    for ratio in (0.3, 0.5, 0.8):
+        policy = ChunkKV(policy=KNorm(ratio), chunk=5)  # a wrapper takes its ratio from the policy it wraps
+        keep = policy.choose(x)
+        assert torch.equal(keep[0, 0], keep[0, 1])  # every head keeps the same spans
+        scores = KNorm().scores(x)[:, None].expand(1, 2, 23)
+        assert keep[0, 0].nonzero().flatten().tolist() == kvpress_chunks(scores, ratio, 5), ratio
+
+
+# ----- the global budget ------------------------------------------------------------------------------------
+def test_global_ranking_counts_every_entry_and_takes_the_best():
+    torch.manual_seed(1)
+    scores = [torch.rand(1, 2, 10), torch.rand(1, 2, 10) + 1.0]  # layer 1 outranks layer 0 everywhere
+    valid = [torch.ones(1, 2, 10, dtype=torch.bool), torch.ones(1, 2, 10, dtype=torch.bool)]
+    valid[0][0, 1, :4] = False  # padding: never a candidate, never kept
+    keep = global_keep(scores, valid, [False, False], ratio=0.5)
+    candidates = 2 * 20 - 4
+    assert sum(int(k.sum()) for k in keep) == candidates - int(candidates * 0.5)
+    assert int(keep[1].sum()) == 18 and not bool(keep[0].any())  # the 18 best are all layer 1's
+
+
+def test_the_floor_keeps_a_share_of_every_head():
+    scores = [torch.tensor([[[9.0] * 8, [0.0] * 8]])]  # head 1 scores nothing
+    valid = [torch.ones(1, 2, 8, dtype=torch.bool)]
+    assert int(global_keep(scores, valid, [False], ratio=0.5)[0][0, 1].sum()) == 0
+    floored = global_keep(scores, valid, [False], ratio=0.5, floor=0.5)[0]
+    assert int(floored[0, 1].sum()) == int(0.5 * int(0.5 * 8)) and int(floored.sum()) == 8
+
+
+def test_sliding_layers_stay_whole_unless_the_ratio_asks_for_them():
+    full = torch.arange(20.0).view(1, 1, 20)  # one full layer, 20 slots
+    window = torch.full((1, 1, 10), 100.0)  # one sliding layer, 10 slots, scored above all
+    valid = [torch.ones(1, 1, 20, dtype=torch.bool), torch.ones(1, 1, 10, dtype=torch.bool)]
+    light = global_keep([full, -window], valid, [False, True], ratio=0.3)  # 9 to drop: the full layer gives them
+    assert bool(light[1].all()) and int(light[0].sum()) == 11
+    ranked = global_keep([full, -window], valid, [False, True], ratio=0.3, mode="ranked")
+    assert int(ranked[1].sum()) == 1  # ranked with the rest, the low-scored window goes first
+    heavy = global_keep([full, window], valid, [False, True], ratio=0.8, floor=0.25)  # 24 to drop of 30
+    assert int(heavy[0].sum()) == int(0.25 * int(0.2 * 20))  # the full layer keeps its floor only
+    assert int(heavy[0].sum()) + int(heavy[1].sum()) == 30 - int(30 * 0.8)
+
+
+def test_layer_budget_keeps_k_per_head_and_prefers_earlier_slots_on_ties():
+    scores = torch.tensor([[[1.0, 1.0, 1.0, 0.0], [0.0, 2.0, 1.0, float("inf")]]])
+    keep = layer_keep(scores, torch.ones(1, 2, 4, dtype=torch.bool), 2)
+    assert keep[0].tolist() == [[True, True, False, False], [False, True, False, True]]
+
+
+def test_kvzip_on_a_hybrid_model_keeps_sliding_layers_whole_when_it_can():
+    s = Session(tiny_model("gemma3_text"))
+    s.extend(prompt(T))
+    light = s.fork()
+    report = light.compress(KVzip(0.2))
+    for before, after in zip(s.state.layers, light.state.layers, strict=True):
+        if before.window is not None:  # whole: its window, no slot of it evicted
+            assert after.entries == 2 * (WINDOW - 1)
+    assert report.entries_after == report.window_entries - int(report.window_entries * 0.2)
+    heavy = s.fork()
+    report = heavy.compress(KVzip(0.5))
+    assert report.entries_after == report.window_entries - int(report.window_entries * 0.5)
+    assert any(after.entries < 2 * (WINDOW - 1) for after in heavy.state.layers if after.window is not None)
