@@ -320,7 +320,7 @@ def test_one_row_tiles_are_session_decode_bitwise(arch, dtype):
 
 def test_decode_rows_attend_grouped_in_bf16_tiles_which_is_transformers_sdpa_head_for_head(monkeypatch):
     # the grouped form (kvstate.engine.batched.packed) is bf16's per-stream decode attention for tiles of more than
-    # one row (where the pooled call does not apply: tests/test_pool.py): 4-12x faster SDPA on this CPU than
+    # one row (where the pooled call does not apply: tests/test_batch_pool.py): 4-12x faster SDPA on this CPU than
     # enable_gqa. Its head mapping is transformers' (float64: equal to rounding), and one-row tiles keep the model's
     # own call (Session's decode, bitwise: the test above).
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

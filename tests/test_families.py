@@ -48,7 +48,7 @@ def arch(request):
 
 
 def test_split_resume_equals_full_run(arch):
-    """The longest-prefix planner (``canonical_chunk=0``); tests/test_canonical.py holds the canonical twin."""
+    """The longest-prefix planner (``canonical_chunk=0``); tests/test_schedule.py holds the canonical twin."""
     model = tiny_model(arch)
     ids, inputs = conversation(arch)
     ref_tokens, ref_logits = reference(model, ids, inputs)

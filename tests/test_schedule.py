@@ -172,7 +172,7 @@ def test_cuts_follow_the_rule(chunk, end, data):
 def test_plan_restarts_at_the_last_canonical_cut():
     from kvstate.resume import plan
     from kvstate.state import State
-    from test_resume import attention
+    from test_core_plan import attention
 
     T = 21
     state = State(tokens=torch.arange(T)[None], mask=torch.ones(1, T, dtype=torch.bool),

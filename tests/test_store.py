@@ -175,7 +175,7 @@ def test_stress_concurrent_processes(location):
 
 
 def test_writer_killed_mid_write_leaves_nothing_wrong(tmp_path):
-    from test_files_robust import synthetic_state
+    from test_state_files_hostile import synthetic_state
 
     store = PrefixStore(tmp_path / "s")
     states = {k: synthetic_state(400 + 10 * k, k) for k in range(6)}

@@ -1,6 +1,6 @@
 """Issue 24, class 8: the misuses that still escaped as untyped errors, or ran on nonsense.
 
-One table, as in test_validation.py: the call and the ``KVStateError`` subclass it must
+One table, as in test_refusals_misuse.py: the call and the ``KVStateError`` subclass it must
 raise, with expected / found / fix in one line. Nothing runs the model and the state is
 bitwise unchanged.
 """
