@@ -259,8 +259,8 @@ def image_text_section() -> str:
         keys = adapter.caps.input_keys if adapter is not None else ()
         media = "images, videos" if "pixel_values_videos" in keys else "images" if "pixel_values" in keys else \
             checked.get(t, "refused")
-        tests = "tests/test_gemma3.py" if t == "gemma3" else "tests/test_video.py, tests/test_media.py" \
-            if "pixel_values_videos" in keys else "tests/test_multimodal_refusals.py" if t in checked else ""
+        tests = "tests/test_media_gemma3.py" if t == "gemma3" else "tests/test_media_video.py, tests/test_media.py" \
+            if "pixel_values_videos" in keys else "tests/test_media_refused.py" if t in checked else ""
         lines.append(f"| {t} | {media} | {tests} |")
     return "\n".join(lines) + "\n"
 
