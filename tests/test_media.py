@@ -1,4 +1,4 @@
-"""Media identity (issue 13): the state records a content hash per processed image, so a history
+"""Media identity: the state records a content hash per processed image, so a history
 whose placeholders match but whose pixels differ never continues on stale K/V."""
 
 from __future__ import annotations

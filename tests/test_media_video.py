@@ -1,4 +1,4 @@
-"""Video for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (issue 13, the long seed's own modality).
+"""Video for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the long seed's own modality).
 
 Each is checked against a fresh full run of plain ``model.generate`` (with
 ``mm_token_type_ids``, as the processor makes them): a video prefix saved, loaded into a fresh

@@ -1,4 +1,4 @@
-"""Prefix store (issue 7): sharing across processes, worker migration, isolation, stress and crashes.
+"""Prefix store: sharing across processes, worker migration, isolation, stress and crashes.
 
 Redis tests start a real ``redis-server`` (Debian's package, installed by .ci/run) on loopback.
 """
@@ -21,7 +21,7 @@ from kvstate.testing.tiny import image_span, tiny_image
 from redis_server import redis_server
 from tiny import prompt, tiny_model
 
-CHUNK = 16  # store entries and canonical chunks alike: every entry ends on a cut of the schedule (issue 23)
+CHUNK = 16  # store entries and canonical chunks alike: every entry ends on a cut of the canonical schedule
 
 
 @pytest.fixture(scope="module")
