@@ -17,9 +17,10 @@ import pytest
 # window and scripts/version_window.py on every minor: every family adapter, generate's options, the state
 # files, compression, media and verify, and files across versions. Tests of the default model
 # stay out: its extra needs transformers 5.23+ (the first minor that converts its GGUF tokenizer right).
-WINDOW = {"test_families.py", "test_generate_options.py", "test_state_files.py", "test_compress.py", "test_compress_watch.py",
-          "test_compress_heads.py", "test_compress_state.py", "test_compress_methods.py",
-          "test_media_video.py", "test_media_gemma3.py", "test_verify_matrix.py", "test_state_files_versions.py", "test_schedule_turn_marks.py"}
+WINDOW = {"test_families.py", "test_generate_options.py", "test_state_files.py", "test_state_files_versions.py",
+          "test_compress.py", "test_compress_watch.py", "test_compress_heads.py", "test_compress_state.py",
+          "test_compress_methods.py", "test_media_video.py", "test_media_gemma3.py", "test_verify_matrix.py",
+          "test_schedule_turn_marks.py"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -39,7 +39,7 @@ def arch(request):
 
 
 # 0: the longest-prefix planner (the opt-out); 8: the canonical schedule, whose resumes restart at the last
-# multiple of 8 fed in aligned chunks (the canonical schedule), so reuse is checked against that rule, written apart here
+# multiple of 8 fed in aligned chunks, so reuse is checked against that rule, written apart here
 @pytest.fixture(params=[0, 8], ids=["longest-prefix", "canonical"])
 def chunk(request):
     return request.param
