@@ -1,4 +1,4 @@
-"""The coverage sweep (issue 12): every causal-LM type in the installed transformers, through kvstate.
+"""The coverage sweep: every causal-LM type in the installed transformers, through kvstate.
 
 For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``:
 
@@ -194,7 +194,7 @@ def _environment() -> dict[str, object]:
 
 
 def summary(results: dict[str, dict], naive: dict[str, str] | None) -> list[str]:
-    """The acceptance numbers of issue 12: pass rates over the built types and the naively buildable ones."""
+    """The coverage goal's numbers: pass rates over the built types and the naively buildable ones."""
     passed = {t for t, r in results.items() if r["status"].startswith("exact")}
     built = {t for t, r in results.items() if r["status"] != "unbuilt"}
     lines = [f"* {len(built)} of {len(results)} types build tiny; {len(passed & built)} of them pass "
