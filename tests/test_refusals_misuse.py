@@ -1,7 +1,7 @@
 """Misuse of the library's calls raises a typed kvstate error before anything runs.
 
-Two tables: the call and the ``KVStateError`` subclass it must raise, with expected / found / fix in
-the message. The first holds the misuses an adversarial pass found (ids, settings, media inputs,
+Two tables: the call and the ``KVStateError`` subclass it must raise, with found / fix in the
+message. The first holds the misuses an adversarial pass found (ids, settings, media inputs,
 save targets); the second the ones that had escaped as untyped errors or ran on nonsense (what is
 not a model, generate's length rule, ``continue_text``'s arguments, options transformers refuses
 late, masks that are not 0/1), whose message must also fit on one line. Nothing runs the model and
@@ -28,17 +28,15 @@ from kvstate.testing.tiny import image_span, tiny_image, tiny_video, video_span
 from kvstate.testing.tiny_tokenizer import tiny_tokenizer
 from tiny import assert_same_state, count_forwards, prompt, snapshot, tiny_model
 
-
-@pytest.fixture(scope="module")
-def llama():
-    s = Session(tiny_model("llama"))
-    s.extend(prompt(8))
-    return s
+T = 8  # tokens the llama session has processed
 
 
 @pytest.fixture(scope="module")
-def vl():
-    return Session(tiny_model("qwen3_vl"))
+def sessions():
+    llama = Session(tiny_model("llama"))
+    llama.extend(prompt(T))
+    return {"llama": llama, "empty": Session(llama.model), "mamba": Session(tiny_model("mamba")),
+            "vl": Session(tiny_model("qwen3_vl"))}
 
 
 def image_history(n_tokens=None):
@@ -96,9 +94,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_misuse_raises_a_typed_error(name, llama, vl):
+def test_misuse_raises_a_typed_error(name, sessions):
     which, call, error = CASES[name]
-    session = llama if which == "llama" else vl
+    session = sessions[which]
     before = snapshot(session.state)
     with count_forwards(session.model) as calls, pytest.raises(error) as info:
         call(session)
@@ -107,16 +105,6 @@ def test_misuse_raises_a_typed_error(name, llama, vl):
     assert "found:" in text and "fix:" in text, text
     assert calls[0] == 0
     assert_same_state(session.state, before)
-
-
-T = 8  # tokens the llama session has processed
-
-
-@pytest.fixture(scope="module")
-def sessions():
-    llama = Session(tiny_model("llama"))
-    llama.extend(prompt(T))
-    return {"llama": llama, "empty": Session(llama.model), "mamba": Session(tiny_model("mamba"))}
 
 
 def history(n_new=3):
