@@ -17,6 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 from tests.nginx_server import nginx
 from tests.redis_server import free_port, redis_server
 from tests.serving import client, live, make_server, metric, reference
@@ -163,6 +164,15 @@ def test_two_workers_behind_nginx_on_one_redis(tmp_path):
             round_robin += served
     assert sorted(round_robin) == sorted([a, b]), round_robin
     assert [entry[4] for entry in log] == [other if t in FORCED else home for t in range(TURNS)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' count: bits are promised for the same thread count (docs/exactness.md)
+    try:
+        _match_alone(model, tokenizer, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _match_alone(model, tokenizer, log) -> None:
     with live(make_server(model, tokenizer)) as alone:  # one worker, no store: the answers to match
         for t, (history, answer, cached, logprobs, by) in enumerate(log):
             assert t == 0 or cached > 0, f"turn {t + 1} on {by}: nothing reused"

@@ -38,7 +38,7 @@ def cuda_stand_in(identity: str = GPU) -> Iterator[None]:
         "_device": lambda model: "cuda",
         "identity": lambda model: identity,
         "FLASH_DTYPES": (*attention.FLASH_DTYPES, torch.float32),
-        "choose": lambda device, *args: rule("cuda", *args),
+        "choose": lambda device, *args, **kwargs: rule("cuda", *args, **kwargs),
         "flash": _flash_on_cpu,
     }
     saved = {name: getattr(attention, name) for name in patches}
