@@ -1,4 +1,4 @@
-"""`kvstate verify --against` on llama-cpp-python's OpenAI server, prompt cache on (issue 26, acceptance 4).
+"""`kvstate verify --against` on llama-cpp-python's OpenAI server, prompt cache on.
 
 The server (``pip install 'llama-cpp-python[server]'``, from the package index) loads the
 embedded default model's GGUF (Gemma-3-270M Q4_K_M, ``kvstate.models.default.gguf_path``)

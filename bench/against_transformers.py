@@ -1,4 +1,4 @@
-"""`kvstate verify --against` on `transformers serve` (issue 26, acceptance 3): it does not cache prompts.
+"""`kvstate verify --against` on `transformers serve`: it does not cache prompts.
 
 Starts `transformers serve` on the default model's folder (float32, with kvstate's fallback chat template,
 as ``bench_serve.py`` does) and runs ``kvstate verify --against`` on it with no cold twin. Without a

@@ -1,4 +1,4 @@
-"""Which kernels make a row's bits depend on its batch, on this machine (issue 25; ``docs/batching.md``).
+"""Which kernels make a row's bits depend on its batch, on this machine (``docs/batching.md``).
 
 * ``linear``: a row of ``F.linear(X[:M], W)`` against the same row with ``M = 1`` and ``M = 64``, for
   each ``M``; and, for a fixed tile of ``T`` rows, whether a row's result depends on its place in the

@@ -1,5 +1,5 @@
 """Batched decoding on the default model: throughput at 1, 8 and 16 concurrent streams, and the
-invariance tax (issue 25).
+invariance tax (what answers that never depend on the batch cost).
 
 Each stream is a short, different chat prompt answered greedily with ``--tokens`` tokens; all
 streams are submitted at once to one ``kvstate.batch.Scheduler``. Per setting we record

@@ -1,4 +1,4 @@
-"""One long prompt arrives while short chats stream: how long do the running streams wait? (issue 25)
+"""One long prompt arrives while short chats stream: how long do the running streams wait?
 
 Eight short chat prompts decode together on one ``kvstate.batch.Scheduler`` (default model, greedy).
 A few steps in, one long prompt (the README's text, ``--long`` tokens) arrives, and two steps

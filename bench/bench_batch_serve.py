@@ -1,4 +1,4 @@
-"""Many conversations at once: `kvstate serve` against `transformers serve --continuous-batching` (issue 25).
+"""Many conversations at once: `kvstate serve` against `transformers serve --continuous-batching`.
 
 Every server loads the same folder (the embedded Gemma-3-270M, with kvstate's fallback chat
 template, as in ``bench_serve.py``), with the same threads, and gets the same workload through
@@ -21,7 +21,7 @@ contenders, side by side in one run:
 
     python bench/bench_batch_serve.py                      # float32, about 10 minutes on 2 cores
     python bench/bench_batch_serve.py --dtype bfloat16     # results: batch_serve[_bfloat16].json
-    python bench/bench_batch_serve.py --chats 8 --turns 1 --streams 8 --no-system --name batch_serve_issue_shape
+    python bench/bench_batch_serve.py --chats 8 --turns 1 --streams 8 --no-system --name batch_serve_single_turn
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[8, 16], help="chats at once, per level")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--no-system", action="store_true",
-                        help="no system prompt: each chat is one user message (issue 25's own 8-client shape)")
+                        help="no system prompt: each chat is one user message (the batching goal's 8-client shape)")
     parser.add_argument("--name", help="results file name (default batch_serve[_DTYPE])")
     parser.add_argument("--rounds", type=int, default=3,
                         help="runs of every batching server; each level reports its median over them")

@@ -1,4 +1,4 @@
-"""What the canonical schedule costs (issue 23): warm TTFT of a new turn, and cold prefill, by chunk size.
+"""What the canonical schedule costs: warm TTFT of a new turn, and cold prefill, by chunk size.
 
 On the default Gemma-3-270M, in float32 and bfloat16 on this CPU. A history of H tokens
 (prose from CPython's ``pydoc_data.topics``, PSF-2.0) is prefilled once per setting; then

@@ -1,4 +1,4 @@
-"""Checkpoint benchmark (issue 4): a tiny Qwen3-Next hybrid (linear attention + full attention), 4k tokens.
+"""Checkpoint benchmark: a tiny Qwen3-Next hybrid (linear attention + full attention), 4k tokens.
 
 A conversation of 4,096 tokens is processed with a checkpoint every 512 tokens.
 Then a request arrives whose history diverges after 3,900 tokens. Measured side by

@@ -1,4 +1,4 @@
-"""Compression quality on natural text (issue 16): real Gemma-3-270M, CPU, fp32.
+"""Compression quality on natural text: real Gemma-3-270M, CPU, fp32.
 
 Corpus: the prose of Python's own reference documentation, as shipped in every
 CPython install (``pydoc_data.topics``, PSF License 2.0): paragraphs of English

@@ -1,4 +1,4 @@
-"""Core benchmark (issue 10): kvstate against the fair plain-transformers baseline, side by side in one run.
+"""Core benchmark: kvstate against the fair plain-transformers baseline, side by side in one run.
 
 * **TTFT of a new turn** (1, 8 and 64 tokens) after a 1,024- and a 4,096-token history,
   Gemma-3-270M, fp32, CPU:
@@ -36,8 +36,8 @@ from kvstate._compat.core import CACHE_KWARG
 from kvstate.compress import KNorm, PerLayerBudget
 from kvstate.testing import load_default_model
 
-# Core v2's schedule (reuse every processed slot) by default, so a rerun compares the code like for like;
-# the canonical schedule's own cost is bench_canonical.py's (issue 23).
+# The longest-prefix schedule (reuse every processed slot) by default, so a rerun compares the code like for like;
+# the canonical schedule's own cost is bench_canonical.py's.
 SCHEDULE = [0]
 
 

@@ -1,4 +1,4 @@
-"""Fingerprint cost (issue 11) on the real Gemma-3-270M, fp32, CPU.
+"""Fingerprint cost (every weight digested) on the real Gemma-3-270M, fp32, CPU.
 
 * first computation: every byte of every parameter and buffer hashed (XXH3-64), plus the
   dtype-independent sample and the config hash;

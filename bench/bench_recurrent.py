@@ -1,4 +1,4 @@
-"""Recurrent continuation (issue 12): a 256-token turn after a 2,048-token history, Mamba, CPU.
+"""Recurrent continuation: a 256-token turn after a 2,048-token history, Mamba, CPU.
 
 Transformers 5.24 starts Mamba's selective scan from zeros on every multi-token chunk
 (``mamba_selective_scan``: "Initial hidden state is not supported by the kernel path"), so a

@@ -1,4 +1,4 @@
-"""Self-check cost (issue 12): the equivalence probe run on the real Gemma-3-270M, fp32, CPU.
+"""Self-check cost: the equivalence probe run on the real Gemma-3-270M, fp32, CPU.
 
 Gemma is a registered family, so kvstate never probes it in use; this runs the probe that an
 unregistered architecture of its size would get the first time (then the verdict is cached),

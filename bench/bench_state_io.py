@@ -1,4 +1,4 @@
-"""State-file benchmark (issues 3, 11) on the real Gemma-3-270M, CPU, fp32, at 1,024, 2,048 and 4,096 tokens.
+"""State-file benchmark on the real Gemma-3-270M, CPU, fp32, at 1,024, 2,048 and 4,096 tokens.
 
 Side by side, in one run (contenders interleaved round by round, medians):
 * save / load throughput (MB of retained K/V per second) and file size for

@@ -1,4 +1,4 @@
-"""Prefix store benchmark (issue 7) on the real Gemma-3-270M, CPU, fp32; ratios measured side by side.
+"""Prefix store benchmark on the real Gemma-3-270M, CPU, fp32; ratios measured side by side.
 
 * TTFT of a request whose 1,024-token prefix is in the store (a fresh Session, as a new
   worker would have) vs the same request with no store, for the folder and Redis backends;

@@ -1,6 +1,6 @@
 """Does `transformers serve --continuous-batching` give each request its one-at-a-time answer?
 
-Issue 25 asks kvstate for answers that never depend on who else was asking, and asks to record
+kvstate's batching promises answers that never depend on who else was asking; this records
 whether the baseline it is measured against keeps that promise. One `transformers serve
 --continuous-batching` process on the default model's folder (the same float32 weights and
 template as ``bench_serve.py``), per dtype: 8 greedy chat requests of different lengths, first
@@ -97,7 +97,7 @@ def _run(folder: Path, dtype: str, threads: int, max_tokens: int) -> dict[str, o
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per answer (issue 25's 32)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per answer (the batching goal's 32)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args()

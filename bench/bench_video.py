@@ -1,4 +1,4 @@
-"""Video prefix (issue 13): time to the first token of a follow-up question, Qwen3-VL, CPU.
+"""Video prefix: time to the first token of a follow-up question, Qwen3-VL, CPU.
 
 A random Qwen3-VL, larger than the test suite's tiny one (text: hidden 256, 4 layers; vision:
 depth 2, hidden 128), watches a video of 16 temporal patches of 24 x 24 patches (16 frame runs of

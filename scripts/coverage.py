@@ -1,4 +1,4 @@
-"""The coverage sweep (issue 12): every causal-LM type in the installed transformers, through kvstate.
+"""The coverage sweep: every causal-LM type in the installed transformers, through kvstate.
 
 For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``:
 
@@ -194,7 +194,7 @@ def _environment() -> dict[str, object]:
 
 
 def summary(results: dict[str, dict], naive: dict[str, str] | None) -> list[str]:
-    """The acceptance numbers of issue 12: pass rates over the built types and the naively buildable ones."""
+    """The coverage goal's numbers: pass rates over the built types and the naively buildable ones."""
     passed = {t for t, r in results.items() if r["status"].startswith("exact")}
     built = {t for t, r in results.items() if r["status"] != "unbuilt"}
     lines = [f"* {len(built)} of {len(results)} types build tiny; {len(passed & built)} of them pass "
@@ -259,8 +259,8 @@ def image_text_section() -> str:
         keys = adapter.caps.input_keys if adapter is not None else ()
         media = "images, videos" if "pixel_values_videos" in keys else "images" if "pixel_values" in keys else \
             checked.get(t, "refused")
-        tests = "tests/test_gemma3.py" if t == "gemma3" else "tests/test_video.py, tests/test_media.py" \
-            if "pixel_values_videos" in keys else "tests/test_multimodal_refusals.py" if t in checked else ""
+        tests = "tests/test_media_gemma3.py" if t == "gemma3" else "tests/test_media_video.py, tests/test_media.py" \
+            if "pixel_values_videos" in keys else "tests/test_media_refused.py" if t in checked else ""
         lines.append(f"| {t} | {media} | {tests} |")
     return "\n".join(lines) + "\n"
 

@@ -1,4 +1,4 @@
-"""Which causal-LM types a *naive* shrink builds (issue 12's baseline), for the coverage table.
+"""Which causal-LM types a *naive* shrink builds (the baseline of the coverage goal), for the coverage table.
 
 The naive shrink is the library defaults of ``AutoConfig.for_model(model_type)`` with only the
 top-level sizes changed, where the config has them: 2 layers, hidden 64, vocabulary 128,

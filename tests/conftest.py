@@ -15,11 +15,12 @@ import pytest
 
 # The compatibility subset (`pytest -m window`) that .ci/run also runs on the oldest transformers in the
 # window and scripts/version_window.py on every minor: every family adapter, generate's options, the state
-# files, compression, media and verify, and files across versions (issue 15). Tests of the default model
+# files, compression, media and verify, and files across versions. Tests of the default model
 # stay out: its extra needs transformers 5.23+ (the first minor that converts its GGUF tokenizer right).
-WINDOW = {"test_families.py", "test_generate_options.py", "test_files.py", "test_compress.py", "test_compress_watch.py",
-          "test_compress_heads.py", "test_compress_state.py", "test_compress_methods.py",
-          "test_video.py", "test_gemma3.py", "test_verify_matrix.py", "test_cross_version.py", "test_turn_marks.py"}
+WINDOW = {"test_families.py", "test_generate_options.py", "test_state_files.py", "test_state_files_versions.py",
+          "test_compress.py", "test_compress_watch.py", "test_compress_heads.py", "test_compress_state.py",
+          "test_compress_methods.py", "test_media_video.py", "test_media_gemma3.py", "test_verify_matrix.py",
+          "test_schedule_turn_marks.py"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

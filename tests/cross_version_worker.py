@@ -1,4 +1,4 @@
-"""One side of the cross-version file test (tests/test_cross_version.py), run by any Python.
+"""One side of the cross-version file test (tests/test_state_files_versions.py), run by any Python.
 
     python cross_version_worker.py save FOLDER ARCH,...   # weights + a state of a conversation's prefix
     python cross_version_worker.py load FOLDER ARCH,...   # continue those states here

@@ -63,7 +63,7 @@ def client(url: str, key: str = "none") -> openai.OpenAI:
 
 
 def make_server(model: Any, tokenizer: Any, name: str = "tiny:llama", **settings: Any) -> Server:
-    """A server whose canonical chunks are 8 tokens, so the short chats of the tests hit the pool (issue 23)."""
+    """A server whose canonical chunks are 8 tokens, so the short chats of the tests hit the pool."""
     return Server(model, tokenizer, name, Settings(**{"canonical_chunk": 8, **settings}))
 
 
@@ -71,7 +71,7 @@ def reference(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int,
               stop: tuple[str, ...] = FALLBACK_STOP, **processing: Any) -> str:
     """The greedy answer plain ``model.generate`` gives on ``ids`` (with ``processing`` options such as
     ``sequence_bias``), cut at ``stop`` by this test's own rule (what any server must answer, cold or
-    warm: an oracle independent of kvstate, issue 22)."""
+    warm: an oracle independent of kvstate)."""
     options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False, **processing}
     if stop:  # what generate(stop_strings=stop) builds, built once per tokenizer (1-3 s for a 262k vocabulary)
         options["stopping_criteria"] = [*options.get("stopping_criteria", ()), _stop_criterion(tokenizer, stop)]

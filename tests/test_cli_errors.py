@@ -1,8 +1,5 @@
-"""Issue 11, acceptance 5: every CLI mistake is one line, ``kvstate: error: ...``, and exit code 2;
-``--verbose`` prints what was expected and found (the traceback of an unexpected error) on lines of their own.
-
-Also: the store reuses what it stores, and continuing a saved document with text gives
-the fresh run's answer (the real Gemma model, so these two are marked slow).
+"""Every CLI mistake is one line, ``kvstate: error: ...``, and exit code 2; ``--verbose`` prints what was
+expected and found (the traceback of an unexpected error) on lines of their own.
 """
 
 from __future__ import annotations
@@ -207,23 +204,3 @@ def test_another_models_state_is_one_line_from_the_shell(files):
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "\r" not in done.stderr, done.stderr
     assert done.stderr.startswith("kvstate: error: FingerprintMismatchError: state belongs to a different model "
                                   "(model_type, ") and "fix: load the model the state was made with" in done.stderr
-
-
-@pytest.mark.slow
-def test_continuing_a_saved_document_with_text_equals_a_fresh_run(tmp_path, capsys):
-    from kvstate.testing import load_default_model
-
-    model, tokenizer = load_default_model(progress=False)
-    doc_text, more = "The three primary colours of light are red, green and blue. The colour of grass", "y fields is"
-    (tmp_path / "doc.txt").write_text(doc_text)
-    assert main(["prefill", "--prompt-file", str(tmp_path / "doc.txt"), "--out", str(tmp_path / "doc.kvs")]) == 0
-    capsys.readouterr()
-    assert main(["generate", "--state", str(tmp_path / "doc.kvs"), "--prompt", more, "--max-new-tokens", "8"]) == 0
-    printed = capsys.readouterr().out
-    ids = tokenizer(doc_text + more, return_tensors="pt").input_ids
-    fresh = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-    expected = tokenizer.decode(fresh[0, ids.shape[1]:], skip_special_tokens=True)
-    assert printed.strip() == expected.strip()
-    # "grass" + "y" is one token in the fresh run: appending "y" on its own would have changed the answer
-    alone = tokenizer(more, add_special_tokens=False).input_ids
-    assert tokenizer(doc_text, return_tensors="pt").input_ids.shape[1] + len(alone) != ids.shape[1]

@@ -1,4 +1,4 @@
-"""KV compression (issue 6): identity at ratio 0, exactness against a hand-made masked reference.
+"""KV compression: identity at ratio 0, exactness against a hand-made masked reference.
 
 The reference is independent of kvstate's mask code: a plain forward over the whole
 sequence in which each decoder layer gets an explicit mask (built here) that lets
@@ -313,7 +313,7 @@ def test_attention_policies_refuse_missing_attention():
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_media_spans_keep_or_drop_whole_images_and_the_file_records_it(keep, tmp_path):
-    """Issue 13: a policy can keep or drop an image whole; the continuation stays exact ("attention
+    """A policy can keep or drop an image whole; the continuation stays exact ("attention
     restricted to the retained slots") and ``state.media`` records whether the image survived."""
     from kvstate.compress import MediaSpans
 

@@ -234,7 +234,7 @@ def test_compressed_video_state_resumes_exactly_here_and_in_another_process(arch
     import children
     from kvstate.compress import MediaSpans
     from kvstate.testing.tiny import tiny_video, video_span
-    from test_video import video_inputs
+    from test_media_video import video_inputs
 
     pixels, grid = tiny_video()
     ids = torch.cat([prompt(6), video_span(arch, grid), prompt(14, seed=2)], 1)

@@ -165,7 +165,7 @@ def test_refusals_come_before_any_forward():
 
 def test_a_family_without_per_head_masks_keeps_one_slot_set_per_layer_and_says_so():
     from test_compress import masked_reference
-    from test_selfcheck import build
+    from test_families_selfcheck import build
     from tiny import assert_logits_close
 
     model = build("phi3")  # a structural family: per-head masks unproven

@@ -1,4 +1,4 @@
-"""Issue 16: look-ahead policies, question-aware compression, ratio semantics, compression during generate.
+"""Look-ahead policies, question-aware compression, ratio semantics, compression during generate.
 
 Exactness of KVzip and ExpectedAttention against the hand-made masked reference is in
 ``test_compress.py`` (they are in its policy table); here: their scoring facts, the

@@ -1,4 +1,4 @@
-"""The core resume contract, as one matrix: architectures x operations (issue 2).
+"""The core resume contract, as one matrix: architectures x operations.
 
 Every test compares against a fresh run on plain transformers: token ids exactly,
 logits bitwise where kvstate runs the same computation, else within 1e-5 x scale.
@@ -39,7 +39,7 @@ def arch(request):
 
 
 # 0: the longest-prefix planner (the opt-out); 8: the canonical schedule, whose resumes restart at the last
-# multiple of 8 fed in aligned chunks (issue 23), so reuse is checked against that rule, written apart here
+# multiple of 8 fed in aligned chunks, so reuse is checked against that rule, written apart here
 @pytest.fixture(params=[0, 8], ids=["longest-prefix", "canonical"])
 def chunk(request):
     return request.param

@@ -1,4 +1,4 @@
-"""Model-side and recurrent state (issue 4): Qwen-VL, RecurrentGemma, SSM and linear-attention hybrids."""
+"""Model-side and recurrent state: Qwen-VL, RecurrentGemma, SSM and linear-attention hybrids."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def arch(request):
 
 
 def test_split_resume_equals_full_run(arch):
-    """The longest-prefix planner (``canonical_chunk=0``); tests/test_canonical.py holds the canonical twin."""
+    """The longest-prefix planner (``canonical_chunk=0``); tests/test_schedule.py holds the canonical twin."""
     model = tiny_model(arch)
     ids, inputs = conversation(arch)
     ref_tokens, ref_logits = reference(model, ids, inputs)
@@ -177,7 +177,7 @@ def test_recurrent_gemma_chunked_prefill_and_lost_conv_context():
                     reason="this transformers' Mamba has no selective-scan function: chunks go one token per forward")
 def test_mamba_continues_a_chunk_in_one_forward_from_the_cached_scan_state():
     """transformers 5.24 starts Mamba's selective scan from zeros on a multi-token chunk; kvstate
-    hands it the cached state (issue 12), so a 27-token turn is one forward and equals the whole run."""
+    hands it the cached state, so a 27-token turn is one forward and equals the whole run."""
     from tiny import count_forwards
 
     model = tiny_model("mamba")
@@ -193,7 +193,7 @@ def test_mamba_continues_a_chunk_in_one_forward_from_the_cached_scan_state():
         logits = s.extend(ids[:, 13:])
     assert forwards[0] == 1
     # the same sequential recurrence; the projections run on 27 rows instead of 40, which CPU kernels may
-    # round differently (issue 23: only the same shapes are bitwise), so: the project tolerance, 100x under
+    # round differently (only the same shapes are bitwise), so: the project tolerance, 100x under
     # the drift of transformers' own path above
     assert_logits_close(logits, single, "27-token chunk from the cached scan state")
 

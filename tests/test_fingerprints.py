@@ -1,4 +1,4 @@
-"""Issue 11, acceptance 2: fingerprints cover every weight, and notice in-place edits.
+"""Fingerprints cover every weight, and notice in-place edits.
 
 The old fingerprint sampled three tensors: a copy whose first decoder layer was
 fine-tuned got the same fingerprint and continued another model's state. Now every

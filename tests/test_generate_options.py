@@ -1,4 +1,4 @@
-"""Issue 10, acceptance 1: every generation option equals ``model.generate``, in every state.
+"""Every generation option equals ``model.generate``, in every state.
 
 The matrix: options x {fresh, partly processed, fully processed, rolled back, compressed,
 after load} x {llama, gemma3_text (sliding), qwen3_vl with an image, lfm2, recurrent_gemma}.
@@ -41,7 +41,7 @@ from tiny import (
 
 ARCHS = ["llama", "gemma3_text", "qwen3_vl", "lfm2", "recurrent_gemma"]
 CONDITIONS = ["fresh", "partial", "processed", "rolled_back", "compressed", "loaded"]
-# sessions run the canonical schedule with chunks of 8 (issue 23): a resume that does not end on a multiple
+# sessions run the canonical schedule with chunks of 8: a resume that does not end on a multiple
 # of 8 restarts at the last one ("realign"); with 0 every "realign" below would read "continue"
 CHUNK = 8
 MODES = {"fresh": {"continue"}, "partial": {"continue", "realign"}, "processed": {"stored-logits"},

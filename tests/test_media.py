@@ -1,4 +1,4 @@
-"""Media identity (issue 13): the state records a content hash per processed image, so a history
+"""Media identity: the state records a content hash per processed image, so a history
 whose placeholders match but whose pixels differ never continues on stale K/V."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_the_same_image_is_reused_and_a_changed_second_image_keeps_the_first(arc
     model = tiny_model(arch)
     pixels, grid, n = images(1, 2)
     ids = history(2, n)
-    s = Session(model, canonical_chunk=0)  # the media keys of the longest-prefix planner (test_canonical.py)
+    s = Session(model, canonical_chunk=0)  # the media keys of the longest-prefix planner (test_schedule.py)
     s.generate(ids, pixel_values=pixels, image_grid_thw=grid, **N)
     longer = torch.cat([ids, prompt(3, seed=7)], 1)
     s.generate(longer, pixel_values=pixels, image_grid_thw=grid, **N)

@@ -1,4 +1,4 @@
-"""Issue 10, packaging: a core without the extras, helpers outside it, and a CLI that starts fast.
+"""Packaging: a core without the extras, helpers outside it, and a CLI that starts fast.
 
 Each check runs in a fresh interpreter, so what is imported is what a user's process imports.
 """

@@ -1,4 +1,4 @@
-"""Issue 25 in the server: ``kvstate serve --max-batch N`` answers concurrent requests, each bit for bit
+"""Batching in the server: ``kvstate serve --max-batch N`` answers concurrent requests, each bit for bit
 as it answers the request alone, with the queue, 429s and cancel-on-disconnect of the one-at-a-time server.
 
 "Alone" is the same server asked one request at a time; greedy answers are also checked against

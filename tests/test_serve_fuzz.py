@@ -1,4 +1,4 @@
-"""Issue 24, class 7: schemathesis fuzzes every route of ``kvstate serve`` from its own ``/openapi.json``.
+"""Schemathesis fuzzes every route of ``kvstate serve`` from its own ``/openapi.json``.
 
 Bodies that fit the schema (half of them naming the served model, with ``max_tokens`` kept
 small and the fields kvstate refuses left out, so that they generate) and, on the routes

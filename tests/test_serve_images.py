@@ -44,10 +44,10 @@ def _reference(server: Server, model, tokenizer, messages: list) -> str:
     return text.split(prompt.default_stop[0])[0]
 
 
-@pytest.mark.parametrize("max_batch", [1, 4])  # one at a time, and batched (issue 25)
+@pytest.mark.parametrize("max_batch", [1, 4])  # one at a time, and batched
 def test_images_answer_exactly_and_reuse_only_the_same_pixels(vl, max_batch):
     model, tokenizer, images = vl
-    # canonical chunks of 8 tokens (issue 23), so turn 2 of this short chat can reuse the image's slots
+    # canonical chunks of 8 tokens, so turn 2 of this short chat can reuse the image's slots
     server = Server(model, tokenizer, MODEL, Settings(canonical_chunk=8, max_batch=max_batch), image_processor=images)
     with live(server) as url:
         api = client(url)

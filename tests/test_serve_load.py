@@ -48,7 +48,7 @@ def _chat(api: openai.OpenAI, script: str, log: list, errors: list) -> None:
         errors.append((script, exc))
 
 
-@pytest.mark.parametrize("max_batch", [1, 8])  # one at a time, and batched (issue 25)
+@pytest.mark.parametrize("max_batch", [1, 8])  # one at a time, and batched
 def test_eight_clients_twenty_turns_two_keys(tiny, max_batch):
     model, tokenizer = tiny
     server = make_server(model, tokenizer, api_keys=("alpha", "beta"), max_batch=max_batch)

@@ -1,4 +1,4 @@
-"""Issue 25: ``logprobs`` / ``top_logprobs`` in both OpenAI APIs, streamed and not.
+"""``logprobs`` / ``top_logprobs`` in both OpenAI APIs, streamed and not.
 
 The oracle is plain transformers: the rendered prompt prefilled in the canonical chunks
 (a rule written out here: segments start where the template's "User: " begins, at least 8

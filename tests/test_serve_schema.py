@@ -1,4 +1,4 @@
-"""Issue 24, class 7: the server's typed request schema, its 400s, opaque 500s and image bombs.
+"""The server's typed request schema, its 400s, opaque 500s and image bombs.
 
 One table of hostile bodies (each must be a 400 in OpenAI's shape naming the field, and
 nothing may run the model), then a 500 that must name only a request id, and images whose

@@ -85,7 +85,7 @@ def _limits(prompt: int, new: int):
 
 @pytest.mark.parametrize("body, status, param", [
     ({"messages": HI, "n": 2}, 400, "n"),
-    ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),  # logprobs: issue 25
+    ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),  # logprobs: at most 20
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "tools"),
     ({"messages": HI, "frobnicate": 1}, 400, "frobnicate"),
     ({"messages": HI, "temperature": 3}, 400, "temperature"),

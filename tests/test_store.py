@@ -1,4 +1,4 @@
-"""Prefix store (issue 7): sharing across processes, worker migration, isolation, stress and crashes.
+"""Prefix store: sharing across processes, worker migration, isolation, stress and crashes.
 
 Redis tests start a real ``redis-server`` (Debian's package, installed by .ci/run) on loopback.
 """
@@ -21,7 +21,7 @@ from kvstate.testing.tiny import image_span, tiny_image
 from redis_server import redis_server
 from tiny import prompt, tiny_model
 
-CHUNK = 16  # store entries and canonical chunks alike: every entry ends on a cut of the schedule (issue 23)
+CHUNK = 16  # store entries and canonical chunks alike: every entry ends on a cut of the canonical schedule
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def test_stress_concurrent_processes(location):
 
 
 def test_writer_killed_mid_write_leaves_nothing_wrong(tmp_path):
-    from test_files_robust import synthetic_state
+    from test_state_files_hostile import synthetic_state
 
     store = PrefixStore(tmp_path / "s")
     states = {k: synthetic_state(400 + 10 * k, k) for k in range(6)}

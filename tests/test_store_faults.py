@@ -1,9 +1,11 @@
-"""Issue 11, acceptance 3: a failing prefix store never fails the call, with a folder and a real Redis.
+"""A failing prefix store never fails the call, with a folder and a real Redis; a misused one is refused.
 
-Every case checks that ``generate`` returns exactly the store-less answer, and that the
+Every fault case checks that ``generate`` returns exactly the store-less answer, and that the
 failure shows: a warning, and a count in ``health()`` / ``stats()``. A full disk is
 simulated by an ``OSError(ENOSPC)`` at the backend boundary (mounting a tiny
-filesystem needs privileges the CI machine may not grant).
+filesystem needs privileges the CI machine may not grant). A store given as a string, a
+mistyped path to a read-only command and a negative prune size are refused with the fix, and
+create nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import pytest
 import torch
 
 from kvstate import PrefixStore, Session
-from kvstate.errors import StoreError, StoreWarning
+from kvstate.cli import main
+from kvstate.errors import InputError, StoreError, StoreWarning
 from kvstate.io import state_from_bytes
 from redis_server import redis_server
 from tiny import prompt, tiny_model
@@ -151,7 +154,7 @@ def test_an_unusable_folder_fails_at_construction(tmp_path):
 
 @pytest.mark.parametrize("replacement", ["fifo", "link to /dev/zero", "folder"])
 def test_an_entry_that_is_not_a_regular_file_is_a_warned_miss(model, tmp_path, replacement):
-    """Issue 24, class 2: a store entry replaced by a FIFO, a link to /dev/zero or a folder is read with the
+    """A store entry replaced by a FIFO, a link to /dev/zero or a folder is read with the
     same bounded, regular-files-only reader as every CLI input: a StoreWarning and a miss, never a hang."""
     import os
 
@@ -232,3 +235,34 @@ def test_a_writer_killed_mid_write_leaves_a_temporary_file_that_stats_count_and_
     assert store.stats()["stale_temp_files"] == 1
     assert main(["store", "prune", "--store", str(location), "--max-bytes", "0"]) == 0
     assert not stranded[0].exists() and store.stats()["temp_files"] == 0
+
+
+def test_a_store_given_as_a_string_is_refused_at_construction(tmp_path):
+    with pytest.raises(InputError, match="prefix caches") as info:
+        Session(tiny_model("llama"), store=str(tmp_path / "st"))
+    assert "PrefixStore(" in str(info.value)  # the fix names the class to wrap it in
+    with pytest.raises(InputError, match="prefix caches"):
+        Session(tiny_model("llama"), sources=[object()])
+
+
+@pytest.mark.parametrize("action", [["stats"], ["ls"], ["health"], ["prune", "--max-bytes", "0"]])
+def test_read_only_store_commands_do_not_create_a_store_at_a_mistyped_path(tmp_path, capsys, action):
+    typo = tmp_path / "typo"
+    assert main(["store", action[0], "--store", str(typo), *action[1:]]) == 2
+    assert "no prefix store" in capsys.readouterr().err and not typo.exists()
+
+
+def test_a_store_opened_without_create_must_exist(tmp_path):
+    from kvstate import PrefixStore
+    from kvstate.errors import StoreError
+
+    with pytest.raises(StoreError, match="no prefix store"):
+        PrefixStore(tmp_path / "typo", create=False)
+    assert not (tmp_path / "typo").exists()
+    PrefixStore(tmp_path / "made")
+    PrefixStore(tmp_path / "made", create=False)  # the folder a store wrote
+
+
+def test_prune_takes_no_negative_size(tmp_path, capsys):
+    assert main(["store", "prune", "--store", str(tmp_path), "--max-bytes", "-5"]) == 2
+    assert "N >= 0" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Issue 22, the never-rules: the immutable data imports neither the transformers bridge nor the adapters.
+"""The never-rules: the immutable data imports neither the transformers bridge nor the adapters.
 
 Read from the source with ``ast`` (no import runs), following every kvstate module the data
 modules import, so a rule broken two hops away (``state`` → a helper → ``_compat``) still fails.

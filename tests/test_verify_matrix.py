@@ -1,4 +1,4 @@
-"""The control matrix (issue 5): every family passes, plain rows reproduce the seed, faults are diagnosed."""
+"""The control matrix: every family passes, plain rows reproduce the seed, faults are diagnosed."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_every_family_passes_and_plain_rows_show_the_seed(arch):
     if arch in QWEN_VL:
         assert rows["plain: image prefix, fresh instance, mask only"].verdict == "drifts"
         assert rows["kvstate: image prefix, fresh instance"].matches
-        # the seed's own table on a video prefix (issue 13): the cache variants pass, plain drifts
+        # the seed's own table on a video prefix: the cache variants pass, plain drifts
         # on a fresh instance (rope_deltas stay on the old one) and needs the full mask
         video = [r for r in report.rows if r.name.startswith(("kvstate: video", "plain: video"))]
         assert {r.name for r in video if r.group == "kvstate"} >= {
@@ -103,7 +103,7 @@ def skip_without_a_floor(report) -> None:
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_planted_faults_name_their_branch(fault, arch, branch, dtype):
-    """In bfloat16 too (issue 23): the floor widens, but a planted fault breaks bitwise equality with the
+    """In bfloat16 too: the floor widens, but a planted fault breaks bitwise equality with the
     cold run, so it is still caught and named."""
     report = verify(tiny_model(arch).to(dtype), prompt(24), new_tokens=4, fresh=lambda: tiny_model(arch).to(dtype),
                     fault=fault)

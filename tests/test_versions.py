@@ -1,4 +1,4 @@
-"""The transformers window (issue 15): refused outside it with one line, overridable, reported by verify."""
+"""The transformers window: refused outside it with one line, overridable, reported by verify."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ __all__ = ["CONFIGS", "SLIDING", "WINDOW", "Echo", "assert_logits_close", "asser
            "first_attention_layer", "mute_attention", "prompt", "snapshot", "tiny_config", "tiny_model"]
 
 
-# ----- helpers shared by the core-v2 tests ---------------------------------------------------------
+# ----- helpers shared by the tests ----------------------------------------------------------------
 ATTENTION_OUT = ("self_attn.o_proj", "self_attn.out_proj", "temporal_block.o_proj")
 
 

@@ -84,7 +84,7 @@ def first_max(scores: torch.Tensor) -> int:
 def rows_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` ``[n, V]`` in float32 and their ``log_softmax``, for ``Sampler.choose`` row by row: one call
     for a step's rows instead of one per row (the kernel computes each row alone, so row ``i`` has the bits
-    ``choose`` computes from ``logits[i]``; ``tests/test_batch.py`` checks it)."""
+    ``choose`` computes from ``logits[i]``; ``tests/test_batch_sampling.py`` checks it)."""
     rows = logits.float()
     return rows, torch.log_softmax(rows, dim=-1)
 

@@ -3,7 +3,7 @@
 A tile is a product of ``rows`` rows by each weight ``[N, K]``. ``F.linear`` picks its kernel per call and
 leaves most of the CPU idle for so few rows; oneDNN, given the weight once in its blocked layout for that
 row count, is faster (``docs/benchmarks.md``). The tile contract holds as for ``F.linear``: with the row count
-fixed, a row's result depends neither on its place nor on the other rows (``tests/test_batch.py``). A kernel
+fixed, a row's result depends neither on its place nor on the other rows (``tests/test_batch_tiles.py``). A kernel
 prepacked for ``rows`` rows and called on fewer rows gave each its tile's bits on this project's CPU, which
 ``invariant.rows_free`` probes per weight before relying on it. The bits are not ``F.linear``'s, so a one-row
 tile (``Session``'s decode) never uses these kernels. The packed copy costs about the weight's size again; it

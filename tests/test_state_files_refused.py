@@ -1,12 +1,14 @@
-"""Issue 24, class 3: a well-formed state file must also *mean* something on the model.
+"""State files refused: a well-formed file must also *mean* something on the model, and every misuse of the
+file verbs is a typed error.
 
-Each case saves a real state from a tiny model, rewrites one tensor or header field (with
-fresh checksums, so only the meaning is wrong), and loads it. Every case raises a typed
-kvstate error; the file is not touched, and a live session on the same model keeps its
-state bitwise. Saving K/V that a lossy format cannot hold is refused before anything is
-written.
+* Meaning: each case saves a real state from a tiny model, rewrites one tensor or header field (with
+  fresh checksums, so only the meaning is wrong), and loads it. Every case raises a typed kvstate
+  error; the file is not touched, and a live session on the same model keeps its state bitwise.
+  Saving K/V that a lossy format cannot hold is refused before anything is written.
+* Misuse: ``Session.load`` / ``save`` / ``load_state`` / ``save_state`` given something that is not a
+  path, a model, a state, a floating dtype or a device this machine has raise a typed error that
+  names the fix, and leave the file and the state as they were.
 """
-
 from __future__ import annotations
 
 from dataclasses import replace
@@ -15,7 +17,14 @@ import pytest
 import torch
 
 from kvstate import Session, load_state, save_state
-from kvstate.errors import DtypeMismatchError, KVStateError, LayoutMismatchError, StateFileError
+from kvstate.errors import (
+    DeviceUnavailableError,
+    DtypeMismatchError,
+    InputError,
+    KVStateError,
+    LayoutMismatchError,
+    StateFileError,
+)
 from kvstate.io import container, state_to_bytes
 from tiny import assert_same_state, prompt, snapshot, tiny_model
 
@@ -221,3 +230,69 @@ def test_a_checkpoint_whose_kv_does_not_fit_is_refused(edit, tmp_path):
     with pytest.raises(LayoutMismatchError, match="checkpoint 0 layer 0"):
         Session.load(tmp_path / "forged.kvs", model)
     assert Session.load(tmp_path / "s.kvs", model).state.tokens_seen == 10  # control: the unforged file loads
+
+
+@pytest.fixture(scope="module")
+def session():
+    """A live session with 8 tokens processed, saved afresh by each misuse case."""
+    s = Session(tiny_model("llama"))
+    s.extend(prompt(8))
+    return s
+
+
+FILE_CASES = {
+    "Session.load(path, object())": (lambda s, path: Session.load(path, object()), InputError),
+    "Session.load(path, None)": (lambda s, path: Session.load(path, None), InputError),
+    "Session.load(None, model)": (lambda s, path: Session.load(None, s.model), StateFileError),
+    "Session.load(3, model)": (lambda s, path: Session.load(3, s.model), StateFileError),
+    "save(None)": (lambda s, path: s.save(None), StateFileError),
+    "save(path, metadata=[1])": (lambda s, path: s.save(path, metadata=[1]), StateFileError),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FILE_CASES))
+def test_file_misuse_raises_a_typed_error_and_leaves_the_file(name, session, tmp_path):
+    call, error = FILE_CASES[name]
+    path = tmp_path / "s.kvs"
+    session.save(path)
+    data, before = path.read_bytes(), snapshot(session.state)
+    with pytest.raises(error) as info:
+        call(session, path)
+    assert isinstance(info.value, KVStateError) and "fix:" in str(info.value)
+    assert path.read_bytes() == data and sorted(p.name for p in tmp_path.iterdir()) == ["s.kvs"]
+    assert_same_state(session.state, before)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    session = Session(tiny_model("llama"))
+    session.extend(prompt(6))
+    path = tmp_path_factory.mktemp("files") / "a.kvs"
+    session.save(path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.int8, torch.int64])
+def test_load_state_takes_only_a_floating_dtype(saved, dtype):
+    with pytest.raises(InputError, match="floating torch dtype"):
+        load_state(saved, dtype=dtype)
+
+
+def test_load_state_takes_only_a_device_this_machine_has(saved):
+    with pytest.raises(InputError, match="map_location must be a device"):
+        load_state(saved, map_location="bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceUnavailableError):
+            load_state(saved, map_location="cuda")
+    assert load_state(saved, map_location="cpu", dtype=torch.bfloat16).kv_dtype == torch.bfloat16
+
+
+def test_only_a_state_can_be_saved(tmp_path):
+    with pytest.raises(InputError, match="only a kvstate State"):
+        save_state(None, tmp_path / "n.kvs")  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_session_load_takes_a_bool_cast_dtype(saved):
+    with pytest.raises(InputError, match="cast_dtype must be True or False"):
+        Session.load(saved, tiny_model("llama"), cast_dtype="yes")

@@ -1,4 +1,4 @@
-"""Issue 10, acceptance 5: sessions sharing one model instance are safe across threads.
+"""Sessions sharing one model instance are safe across threads.
 
 Two threads each drive their own session on the same model for 20 rounds of a chat
 (generate, then the reply and a new turn go back in). Every round's tokens and the

@@ -1,4 +1,4 @@
-"""Issue 10, acceptance 4: no tensor handed out or taken in shares memory with the state.
+"""No tensor handed out or taken in shares memory with the state.
 
 Every tensor a caller passes in (ids, masks, positions, pixels) or gets back (logits,
 tokens, scores, ``session.tokens``) is overwritten in place after the call; the

@@ -1,4 +1,4 @@
-"""State files across transformers versions (issue 15): saved under another minor of the window and
+"""State files across transformers versions: saved under another minor of the window and
 continued under this one, and the other way round, with equal tokens and first-step logits within 1e-5 x
 max |logit|. ``KVSTATE_OTHER_PYTHON`` names the Python of a virtual environment with another minor;
 ``.ci/run`` runs this in its compatibility job (the oldest minor) against the newest. Without it these

@@ -1,4 +1,4 @@
-"""``kvstate verify --against``: planted faults are caught by their scenario and named (issue 26).
+"""``kvstate verify --against``: planted faults are caught by their scenario and named.
 
 The servers under test (``tests/fault_servers.py``) are OpenAI-compatible apps over a tiny real
 model with a real block prefix cache, written apart from kvstate; each plants one fault. The cold

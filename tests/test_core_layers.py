@@ -70,7 +70,7 @@ def test_nbytes_counts_only_retained_slots():
 
 
 def test_declared_layer_layout_follows_config_edits():
-    """``layer_specs`` is remembered per config object (issue 11's load budget), never past an edit."""
+    """``layer_specs`` is remembered per config object (a state load asks for it many times), never past an edit."""
     from transformers import Gemma3TextConfig
 
     from kvstate._compat import core as _compat_core

@@ -1,4 +1,4 @@
-"""Issue 24, class 5: the self-check's verdict cache cannot be forged and follows in-place changes.
+"""The self-check's verdict cache cannot be forged and follows in-place changes.
 
 The model is a tiny gpt_neox (no registered adapter: it earns the structural one through the
 self-check). Its verdict, ``exact``, is cached; then it is made non-causal in place (each

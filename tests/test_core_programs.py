@@ -1,4 +1,4 @@
-"""Issue 10, acceptance 3: random sequences of every verb equal a fresh run at every step.
+"""Random sequences of every verb equal a fresh run at every step.
 
 Hypothesis draws programs of extend / generate (continuing or diverging) / fork /
 truncate / reset / compress / save + load. After each step the session's tokens are

@@ -1,4 +1,4 @@
-"""Issue 23, acceptance 3: a local bf16 checkpoint runs in its own precision, and dtype and device are explicit.
+"""A local bf16 checkpoint runs in its own precision, and dtype and device are explicit.
 
 A tiny llama saved in bfloat16 (with a character tokenizer) loads in bfloat16 with ``--dtype auto`` in
 ``verify``, ``generate`` and ``serve``; ``--device cpu`` works; ``--device cuda`` on a machine without CUDA

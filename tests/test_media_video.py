@@ -1,4 +1,4 @@
-"""Video for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (issue 13, the long seed's own modality).
+"""Video for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the long seed's own modality).
 
 Each is checked against a fresh full run of plain ``model.generate`` (with
 ``mm_token_type_ids``, as the processor makes them): a video prefix saved, loaded into a fresh
@@ -83,7 +83,7 @@ def test_generate_over_image_video_and_a_second_video_after_a_resume(arch):
     first, second = tiny_video(seed=2), tiny_video(frames=1, grid_hw=(4, 6), seed=3)
     ids = torch.cat([prompt(5), image_span(n), prompt(3, seed=4), video_span(arch, first[1]), prompt(4, seed=5)], 1)
     media = {"pixel_values": pixels, "image_grid_thw": grid, **video_inputs(arch, first)}
-    s = Session(model, canonical_chunk=0)  # the media keys of the longest-prefix planner (test_canonical.py)
+    s = Session(model, canonical_chunk=0)  # the media keys of the longest-prefix planner (test_schedule.py)
     tokens, logits = greedy(s, ids, media)
     ref_tokens, ref_logits = plain(model, ids, media)
     assert torch.equal(tokens, ref_tokens)

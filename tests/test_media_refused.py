@@ -1,4 +1,4 @@
-"""Issue 13: image-text families without a media adapter. Their text path is exact or refused by
+"""Image-text families without a media adapter. Their text path is exact or refused by
 the self-check, and their media inputs are refused before anything runs (never silently dropped)."""
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def test_stored_logits_only_when_the_whole_history_is_processed():
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(data=st.data())
 def test_plan_never_reuses_media_whose_content_changed(data):
-    """Issue 13: media items the state processed are compared by content; the reused prefix ends
+    """Media items the state processed are compared by content; the reused prefix ends
     before the first one that differs (or that the state holds no record of), and never splits one."""
     from dataclasses import replace
 

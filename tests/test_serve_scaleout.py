@@ -1,4 +1,4 @@
-"""Issue 25, acceptance 3: two ``kvstate serve`` workers on one Redis behind nginx (``docs/deploy.md``).
+"""Two ``kvstate serve`` workers on one Redis behind nginx (``docs/deploy.md``).
 
 A client chats 10 turns through nginx with a conversation id (affinity), streaming every other
 turn and asking for logprobs; three turns carry an id that hashes to the other worker. Every

@@ -1,4 +1,4 @@
-"""Issue 24, classes 1, 2 and 8 (paths): saving never replaces a special file, input files are
+"""Paths: saving never replaces a special file, input files are
 regular and bounded, and a path never splits the CLI's one-line error.
 
 Each table case checks that nothing was written, replaced or lost: the target keeps its

@@ -1,4 +1,4 @@
-"""Issue 12: unregistered causal decoders through the structural adapter and its self-check.
+"""Unregistered causal decoders through the structural adapter and its self-check.
 
 Each accepted architecture must hold kvstate's contract against plain transformers
 (split resume, rollback, fork, save + load into a fresh instance, reset); refused ones

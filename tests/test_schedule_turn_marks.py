@@ -1,4 +1,4 @@
-"""Turn marks: canonical cuts where a chat template starts a user turn (issue 23, point 4).
+"""Turn marks: canonical cuts where a chat template starts a user turn.
 
 With ``canonical_marks`` the schedule also cuts where each occurrence of the marks begins, with
 the chunks of ``C`` aligned to it. A chat whose answer was settled through the template's

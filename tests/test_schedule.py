@@ -1,4 +1,4 @@
-"""Issue 23: a warm answer is the cold answer, bit for bit, in every dtype.
+"""The canonical schedule: a warm answer is the cold answer, bit for bit, in every dtype.
 
 *Cold* is a new ``Session`` on the whole history; *warm* is every other way of reaching
 it: the next turn of the same session (after decoded tokens), a fork, a truncation, a
@@ -121,7 +121,7 @@ def test_store_and_pool_hits_equal_the_cold_run_bitwise(arch, dtype, tmp_path):
 
 def test_a_bf16_warm_answer_without_the_schedule_can_differ():
     """The control: the longest-prefix resume feeds the tail through a forward of another shape; in bf16
-    that changes the bits (what issue 23 measured on the default model), which the schedule removes."""
+    that changes the bits (as measured on the default model), which the schedule removes."""
     model = model_in("gemma3_text", torch.bfloat16)
     ids = prompt(37)
     s = Session(model, canonical_chunk=0)
@@ -172,7 +172,7 @@ def test_cuts_follow_the_rule(chunk, end, data):
 def test_plan_restarts_at_the_last_canonical_cut():
     from kvstate.resume import plan
     from kvstate.state import State
-    from test_resume import attention
+    from test_core_plan import attention
 
     T = 21
     state = State(tokens=torch.arange(T)[None], mask=torch.ones(1, T, dtype=torch.bool),

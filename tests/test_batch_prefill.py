@@ -1,4 +1,4 @@
-"""Issue 25: prefill chunks in tiles, alone or packed with other prompts' chunks, with the same bits.
+"""Prefill chunks in tiles, alone or packed with other prompts' chunks, with the same bits.
 
 ``Session(prefill_rows=R)`` runs each prefill chunk as a tiled forward (``kvstate.engine.batched.prefill``);
 ``Session.extend_many`` (what ``kvstate.batch`` admits prompts with) packs the chunks of a round into

@@ -1,4 +1,4 @@
-"""Issue 25: the decode pool (``kvstate.engine.batched.pool``): one K/V buffer a layer for every stream of packed
+"""The decode pool (``kvstate.engine.batched.pool``): one K/V buffer a layer for every stream of packed
 decode steps, one append and (where the padding probe holds) one attention call a layer and step.
 
 Oracles: each request alone through the same scheduler (bitwise), a cold ``Session`` (greedy tokens), transformers'

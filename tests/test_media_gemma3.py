@@ -1,4 +1,4 @@
-"""Gemma 3 with images (issue 13): image tokens attend bidirectionally within their image.
+"""Gemma 3 with images: image tokens attend bidirectionally within their image.
 
 Checked against plain ``model.generate`` with the processor's ``token_type_ids``: a split
 before the image, a resume on a fresh instance from a file, a swapped image, a divergence

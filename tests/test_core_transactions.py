@@ -1,4 +1,4 @@
-"""Issue 10, acceptance 2: a failure at any stage leaves the state exactly as it was.
+"""A failure at any stage leaves the state exactly as it was.
 
 Faults are planted at every stage of ``generate`` and ``extend``: validation,
 planning, each forward of the prefill (chunk by chunk), each decoding step inside

@@ -1,9 +1,9 @@
-"""Issue 24, classes 4 and 6: a conversation over several turns answers what a fresh run would.
+"""A conversation over several turns answers what a fresh run would.
 
 * ``continue_text`` keeps every token of an answer in the history, so turn two equals
-  plain ``model.generate`` on ``prompt + answer1 + text2`` (class 4).
+  plain ``model.generate`` on ``prompt + answer1 + text2``.
 * A history given without a mask gets ``model.generate``'s own default mask: pad ids are
-  masked unless the pad id is also an EOS id, even inside an earlier answer (class 6).
+  masked unless the pad id is also an EOS id, even inside an earlier answer.
 
 The oracle is always plain transformers on a fresh history; kvstate's state is reused.
 """
@@ -47,7 +47,7 @@ def assert_same_answer(ours, reference):
         assert_logits_close(a, b, f"step {step}")
 
 
-# ----- class 4: continue_text ---------------------------------------------------------------
+# ----- continue_text ------------------------------------------------------------------------
 STOPS = {
     "max_new_tokens": dict(max_new_tokens=5, suppress_tokens=[2, *NO_TEXT]),
     "eos": dict(max_new_tokens=5, eos_token_id=2, forced_eos_token_id=2, suppress_tokens=NO_TEXT),
@@ -72,7 +72,7 @@ def test_continue_text_turns_equal_a_fresh_run_on_the_whole_text(model, stop, ch
         assert TOKENIZER.decode(session.tokens[0], skip_special_tokens=False) == "<bos>" + said
 
 
-# ----- class 6: pad ids in a history without a mask ------------------------------------------
+# ----- pad ids in a history without a mask --------------------------------------------------
 def answer_with_pad(model, ids):
     """The first answer, made to contain the pad id 0 (a bias on 0 after the first new token)."""
     first = int(model.generate(ids, max_new_tokens=1, do_sample=False)[0, -1])

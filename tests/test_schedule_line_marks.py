@@ -7,7 +7,7 @@ next question's tokens and still answers bit for bit as a cold ``Session`` on th
 new session that shares nothing with the warm one). The cuts are decided by the token at them, so they are
 prefix-stable; line marks travel in state files and a reader that predates them refuses such a file. States
 made under line marks keep their meaning; ``kvstate serve`` now cuts completions prompts with prompt marks
-(``tests/test_prompt_marks.py``), which cost a cold multi-line prompt a forward a gap of lines, not one a line.
+(``tests/test_schedule_prompt_marks.py``), which cost a cold multi-line prompt a forward a gap of lines, not one a line.
 """
 
 from __future__ import annotations

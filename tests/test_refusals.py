@@ -1,4 +1,10 @@
-"""Each broken contract raises its typed error, with expected / found / fix (issue 2, point 8)."""
+"""Each broken contract raises its typed error, with expected / found / fix.
+
+Masks, positions, batch sizes, dtypes and devices that disagree with the state, a state from
+another model, a rollback past what a layer retains, a model that is not causal or still has
+dropout on, empty inputs and settings below their least value: each is refused with an error from
+the one ``KVStateError`` hierarchy.
+"""
 
 from __future__ import annotations
 
@@ -155,3 +161,22 @@ def test_errors_share_one_hierarchy():
     for cls in (MaskError, PositionError, EmptyStateError, BatchMismatchError, DtypeMismatchError,
                 DeviceMismatchError, FingerprintMismatchError, RollbackError, UnsupportedModelError):
         assert issubclass(cls, KVStateError)
+
+
+@pytest.mark.parametrize("call", ["generate", "extend"])
+def test_a_batch_of_no_rows_is_refused(call):
+    session = Session(tiny_model("llama"))
+    ids = torch.zeros(0, 5, dtype=torch.long)
+    with pytest.raises(InputError, match="no row"):
+        session.generate(ids, max_new_tokens=2) if call == "generate" else session.extend(ids)
+    assert session.state.is_empty
+
+
+@pytest.mark.parametrize("setting, least", [("canonical_chunk", "canonical_chunk=0 (off) or more"),
+                                            ("max_checkpoints", "max_checkpoints=0 (off) or more"),
+                                            ("chunk_size", "chunk_size=1 or more")])
+def test_a_setting_below_its_least_value_names_that_value_in_the_fix(setting, least):
+    """0 is a valid canonical chunk (the schedule off): the fix must not ask for 1 or more."""
+    with pytest.raises(InputError) as info:
+        Session(tiny_model("llama"), **{setting: -1})
+    assert info.value.fix == f"pass {least}", info.value.fix

@@ -1,8 +1,12 @@
-"""Issue 24, class 8: the misuses that still escaped as untyped errors, or ran on nonsense.
+"""Misuse of the library's calls raises a typed kvstate error before anything runs.
 
-One table, as in test_validation.py: the call and the ``KVStateError`` subclass it must
-raise, with expected / found / fix in one line. Nothing runs the model and the state is
-bitwise unchanged.
+Two tables: the call and the ``KVStateError`` subclass it must raise, with found / fix in the
+message. The first holds the misuses an adversarial pass found (ids, settings, media inputs,
+save targets); the second the ones that had escaped as untyped errors or ran on nonsense (what is
+not a model, generate's length rule, ``continue_text``'s arguments, options transformers refuses
+late, masks that are not 0/1), whose message must also fit on one line. Nothing runs the model and
+the state is bitwise unchanged; controls show that the nearest valid calls still answer as plain
+``generate``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from kvstate.errors import (
     StateFileError,
     UnsupportedError,
 )
+from kvstate.testing.tiny import image_span, tiny_image, tiny_video, video_span
 from kvstate.testing.tiny_tokenizer import tiny_tokenizer
 from tiny import assert_same_state, count_forwards, prompt, snapshot, tiny_model
 
@@ -30,7 +35,76 @@ T = 8  # tokens the llama session has processed
 def sessions():
     llama = Session(tiny_model("llama"))
     llama.extend(prompt(T))
-    return {"llama": llama, "empty": Session(llama.model), "mamba": Session(tiny_model("mamba"))}
+    return {"llama": llama, "empty": Session(llama.model), "mamba": Session(tiny_model("mamba")),
+            "vl": Session(tiny_model("qwen3_vl"))}
+
+
+def image_history(n_tokens=None):
+    pixels, grid, n = tiny_image((4, 6))
+    return torch.cat([prompt(4), image_span(n if n_tokens is None else n_tokens), prompt(3)], 1), pixels, grid
+
+
+def video_history():
+    pixels, grid = tiny_video()
+    return torch.cat([prompt(4), video_span("qwen3_vl", grid), prompt(3)], 1), pixels, grid
+
+
+CASES = {
+    "negative id": ("llama", lambda s: s.extend(torch.tensor([[3, -1]])), InputError),
+    "out-of-vocab id": ("llama", lambda s: s.extend(torch.tensor([[3, 100_000]])), InputError),
+    "ragged id lists": ("llama", lambda s: s.extend([[3, 4], [5]]), InputError),
+    "string ids": ("llama", lambda s: s.extend(["hello"]), InputError),
+    "float ids": ("llama", lambda s: s.extend(torch.rand(1, 3)), InputError),
+    "ids on the meta device": ("llama", lambda s: s.extend(torch.zeros(1, 2, dtype=torch.long, device="meta")),
+                               InputError),
+    "generate: out-of-vocab history": ("llama", lambda s: s.generate(torch.tensor([[3, 999]])), InputError),
+    "truncate(2.5)": ("llama", lambda s: s.truncate(2.5), InputError),
+    "truncate('3')": ("llama", lambda s: s.truncate("3"), InputError),
+    "checkpoint_every=-4": ("llama", lambda s: Session(s.model, checkpoint_every=-4), InputError),
+    "checkpoint_every=0": ("llama", lambda s: Session(s.model, checkpoint_every=0), InputError),
+    "max_checkpoints=-1": ("llama", lambda s: Session(s.model, max_checkpoints=-1), InputError),
+    "chunk_size=0": ("llama", lambda s: Session(s.model, chunk_size=0), InputError),
+    "sliding_reserve=1.5": ("llama", lambda s: Session(s.model, sliding_reserve=1.5), InputError),
+    "unknown model input": ("llama", lambda s: s.extend(prompt(2), frames_per_second=torch.rand(4)), InputError),
+    "media on a text-only family": ("llama", lambda s: s.extend(prompt(2), pixel_values=torch.rand(4, 24)),
+                                    UnsupportedError),
+    "media to generate on a text-only family": ("llama", lambda s: s.generate(prompt(2), pixel_values=torch.rand(
+        4, 24), max_new_tokens=2), UnsupportedError),
+    "save onto a folder": ("llama", lambda s: s.save("/tmp"), StateFileError),
+    "save into a missing folder": ("llama", lambda s: s.save("/tmp/kvstate-no-such-folder/s.kvs"), StateFileError),
+    "pixels without image_grid_thw": ("vl", lambda s: s.extend(image_history()[0], pixel_values=image_history()[1]),
+                                      InputError),
+    "too few placeholder tokens": ("vl", lambda s: s.extend(image_history(n_tokens=4)[0],
+                                                            pixel_values=image_history()[1],
+                                                            image_grid_thw=image_history()[2]), InputError),
+    "image placeholders without pixels": ("vl", lambda s: s.generate(image_history()[0], max_new_tokens=2),
+                                          InputError),
+    "video pixels do not match the grid": ("vl", lambda s: s.extend(
+        video_history()[0], pixel_values_videos=video_history()[1][:-1], video_grid_thw=video_history()[2]),
+        InputError),
+    "video placeholders without pixels": ("vl", lambda s: s.generate(video_history()[0], max_new_tokens=2),
+                                          InputError),
+    "second_per_grid_ts without its video": ("vl", lambda s: s.generate(
+        video_history()[0], pixel_values_videos=video_history()[1], video_grid_thw=video_history()[2],
+        second_per_grid_ts=torch.tensor([1.0, 1.0]), max_new_tokens=2), InputError),
+    "two rows with one image each": ("vl", lambda s: s.extend(
+        torch.cat([image_history()[0]] * 2), pixel_values=torch.cat([image_history()[1]] * 2),
+        image_grid_thw=torch.cat([image_history()[2]] * 2)), UnsupportedError),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_misuse_raises_a_typed_error(name, sessions):
+    which, call, error = CASES[name]
+    session = sessions[which]
+    before = snapshot(session.state)
+    with count_forwards(session.model) as calls, pytest.raises(error) as info:
+        call(session)
+    assert isinstance(info.value, KVStateError)
+    text = str(info.value)
+    assert "found:" in text and "fix:" in text, text
+    assert calls[0] == 0
+    assert_same_state(session.state, before)
 
 
 def history(n_new=3):
@@ -45,7 +119,8 @@ def mask_with(value, length=T + 3, dtype=torch.float32):
 
 TOKENIZER = tiny_tokenizer()
 
-CASES = {
+
+GENERATE_CASES = {
     # a model that is not one
     "Session(object())": ("llama", lambda s: Session(object()), InputError),
     "Session(None)": ("llama", lambda s: Session(None), InputError),
@@ -124,9 +199,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_misuse_raises_a_typed_error(name, sessions):
-    which, call, error = CASES[name]
+@pytest.mark.parametrize("name", sorted(GENERATE_CASES))
+def test_misused_sessions_generate_and_masks_raise_a_one_line_typed_error(name, sessions):
+    which, call, error = GENERATE_CASES[name]
     session = sessions[which]
     before = snapshot(session.state)
     with count_forwards(session.model) as calls, pytest.raises(error) as info:
@@ -155,30 +230,6 @@ def test_max_length_just_past_the_history_still_generates(max_length, sessions):
     new = s.generate(history(), max_length=max_length, do_sample=False)
     plain = s.model.generate(history(), max_length=max_length, do_sample=False)
     assert torch.equal(new, plain[:, T + 3:]) and new.shape[1] == max_length - T - 3
-
-
-FILE_CASES = {
-    "Session.load(path, object())": (lambda s, path: Session.load(path, object()), InputError),
-    "Session.load(path, None)": (lambda s, path: Session.load(path, None), InputError),
-    "Session.load(None, model)": (lambda s, path: Session.load(None, s.model), StateFileError),
-    "Session.load(3, model)": (lambda s, path: Session.load(3, s.model), StateFileError),
-    "save(None)": (lambda s, path: s.save(None), StateFileError),
-    "save(path, metadata=[1])": (lambda s, path: s.save(path, metadata=[1]), StateFileError),
-}
-
-
-@pytest.mark.parametrize("name", sorted(FILE_CASES))
-def test_file_misuse_raises_a_typed_error_and_leaves_the_file(name, sessions, tmp_path):
-    call, error = FILE_CASES[name]
-    session = sessions["llama"]
-    path = tmp_path / "s.kvs"
-    session.save(path)
-    data, before = path.read_bytes(), snapshot(session.state)
-    with pytest.raises(error) as info:
-        call(session, path)
-    assert isinstance(info.value, KVStateError) and "fix:" in str(info.value)
-    assert path.read_bytes() == data and sorted(p.name for p in tmp_path.iterdir()) == ["s.kvs"]
-    assert_same_state(session.state, before)
 
 
 def test_a_mask_that_contradicts_a_long_state_is_summarised(sessions):

@@ -1,4 +1,4 @@
-"""The CI subset of the coverage sweep (issue 12; the full sweep is ``scripts/coverage.py``).
+"""The CI subset of the coverage sweep of causal-LM types (the full sweep is ``scripts/coverage.py``).
 
 One type per cache-layer class, head layout (MHA, GQA, MQA, MLA, per-layer shapes), sliding
 window, hybrid, recurrent and looped pattern, each built tiny by the shrinker and proved by

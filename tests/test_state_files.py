@@ -1,4 +1,4 @@
-"""State files (issue 3): lossless, portable across processes, bounded, refused when foreign."""
+"""State files: lossless, portable across processes, bounded, refused when foreign."""
 
 from __future__ import annotations
 
@@ -250,7 +250,7 @@ def _checked(header: dict, tensors: dict[str, torch.Tensor]) -> dict:
 
 
 def test_large_files_read_back_exactly_and_every_corrupt_byte_is_caught(tmp_path):
-    """The one-pass load (issue 11: pieces read and hashed while in cache) and the save that hashes
+    """The one-pass load (pieces read and hashed while still in cache) and the save that hashes
     on the I/O thread while it writes: exact tensors, and a flipped byte anywhere is a typed error."""
     from kvstate.io import container
 
