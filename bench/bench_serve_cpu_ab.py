@@ -5,6 +5,8 @@ the same completions prompt (a 200-token text, greedy, no stop string) again and
 request: the pool holds the prompt, so this is the prefill of its tail and the first token: the TTFT's work), then
 for ``--tokens`` tokens; per answer token is the difference over the extra tokens. Each request's process CPU time
 is taken around ``runner.submit(job).result()``, after ``runner.drain()`` (settles done), medians of ``--repeats``.
+With ``--burst N`` it measures batched decoding instead: N different warm prompts submitted at once (run at
+``--max-batch N``), ``--tokens`` each; the burst's process CPU time per answer token, medians of ``--repeats``.
 Prints one JSON line; run it once per source, alternating, with ``PYTHONPATH`` naming the source:
 
     for i in 1 2; do for src in /tmp/old/src src; do PYTHONPATH=$src python bench/bench_serve_cpu_ab.py; done; done
@@ -38,7 +40,10 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--burst", type=int, default=0, help="N prompts at once: batched decoding's CPU time")
     args = parser.parse_args()
+    if args.burst:
+        return burst(args)
     torch.set_num_threads(1)
     model, tokenizer = load("default")
     server = Server(model, tokenizer, "m", Settings(max_batch=args.max_batch))
@@ -64,6 +69,36 @@ def main() -> None:
     print(json.dumps({"source": kvstate.__file__, "max_batch": args.max_batch, "warm_first_token_cpu_s": one,
                       "cpu_ms_per_answer_token": (many - one) / (n - 1) * 1000, "answer_tokens": n,
                       "first_s": first, "runs_s": [c for c, _ in runs]}))
+
+
+def burst(args: argparse.Namespace) -> None:
+    """``--burst N``: N warm prompts (each its own text) submitted together; CPU time per answer token."""
+    torch.set_num_threads(1)
+    model, tokenizer = load("default")
+    server = Server(model, tokenizer, "m", Settings(max_batch=args.max_batch))
+    texts = [f"Note {i}: " + PROMPT for i in range(args.burst)]
+
+    def once() -> tuple[float, int]:
+        jobs = []
+        for text in texts:
+            prompt, inputs = server.render(text, False)
+            request = parse({"model": "m", "prompt": text, "max_tokens": args.tokens, "temperature": 0},
+                            COMPLETION_FIELDS, server.limits, prompt.default_stop, 16)
+            jobs.append(Job("default", prompt, request, inputs))
+        server.runner.drain()
+        start = time.process_time()
+        results = [future.result() for future in [server.runner.submit(job) for job in jobs]]
+        return time.process_time() - start, sum(r.completion_tokens for r in results)
+
+    try:
+        once()  # warm: the pool holds every prompt
+        runs = [once() for _ in range(args.repeats)]
+    finally:
+        server.close()
+    per_token = [cpu / tokens * 1000 for cpu, tokens in runs]
+    print(json.dumps({"source": kvstate.__file__, "max_batch": args.max_batch, "burst": args.burst,
+                      "cpu_ms_per_answer_token": statistics.median(per_token), "answer_tokens": runs[0][1],
+                      "runs_s": [cpu for cpu, _ in runs]}))
 
 
 if __name__ == "__main__":
