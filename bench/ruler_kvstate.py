@@ -87,15 +87,14 @@ def aware() -> dict[str, Callable[[float], Any]]:
 def keep_policy(slots: list[torch.Tensor]) -> Any:
     """kvstate's policy that keeps exactly ``slots`` (per layer ``[H, S]`` bool), for the cross-check.
 
-    The one place the bench meets that policy's constructor: it takes, per layer, per KV head, the
-    slot indices to keep.
+    ``Keep`` takes ``{layer index: [[kept slots of KV head 0], [head 1], ...]}``; slot ``j`` is token
+    ``j`` of the uncompressed prefill, as in kvpress's cache.
     """
     from kvstate import compress
 
     if not hasattr(compress, "Keep"):
         raise SystemExit("this kvstate has no Keep policy (per-head slot indices) yet: the cross-check needs it")
-    return compress.Keep(slots=tuple(tuple(tuple(int(i) for i in head.nonzero()[:, 0]) for head in layer)
-                                     for layer in slots))
+    return compress.Keep({i: [head.nonzero()[:, 0].tolist() for head in layer] for i, layer in enumerate(slots)})
 
 
 def kv_bytes(state: Any) -> int:
@@ -136,6 +135,7 @@ class Runner:
         base.extend(ids)
         prefill_s, prefill_cpu = clock.read()
         full = kv_bytes(base.state)
+        plain = {"plain_prefill_cpu": self.plain_prefill(ids)} if "kvstate/KVzip/0.5" in todo else {}
         for run in todo:
             side, name, share = run.split("/")
             if side == "aware":
@@ -152,7 +152,19 @@ class Runner:
                 got = [self.answer(session, ids, q) for q in ctx["questions"]]
                 (answer_s, answer_cpu), held = clock.read(), kv_bytes(session.state)
             emit(run, got, prefill_s=prefill_s, prefill_cpu=prefill_cpu, compress_s=compress_s,
-                 compress_cpu=compress_cpu, answer_s=answer_s, answer_cpu=answer_cpu, bytes_held=held / full)
+                 compress_cpu=compress_cpu, answer_s=answer_s, answer_cpu=answer_cpu, bytes_held=held / full,
+                 **(plain if run == "kvstate/KVzip/0.5" else {}))
+
+    def plain_prefill(self, ids: torch.Tensor) -> float:
+        """CPU seconds of the context in one plain transformers forward into a ``DynamicCache``: the cheapest
+        correct prefill, the fair baseline of KVzip's scoring cost (``bench/bench_kvzip_cost.py``'s)."""
+        from transformers import DynamicCache
+
+        from kvstate._compat.core import cache_kwarg
+
+        cache, clock = DynamicCache(config=self.model.config), Clock()
+        self.model(ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(self.model): cache})
+        return clock.read()[1]
 
     def aware_run(self, base: Any, ids: torch.Tensor, questions: list[dict], policy: Any) -> tuple[
             list[str], tuple[float, float], tuple[float, float], float]:
