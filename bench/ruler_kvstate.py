@@ -139,21 +139,21 @@ class Runner:
         for run in todo:
             side, name, share = run.split("/")
             if side == "aware":
-                got, (compress_s, compress_cpu), (answer_s, answer_cpu), held = self.aware_run(
+                got, (compress_s, compress_cpu), (answer_s, answer_cpu), held, kept = self.aware_run(
                     base, ids, ctx["questions"], self.aware[name](round(1 - float(share), 6)))
             else:
-                session, clock = base.fork(), Clock()
+                session, clock, kept = base.fork(), Clock(), 1.0
                 if side == "keep":
-                    session.compress(keep_policy(load_slots(self.slots_dir / ctx["id"].replace("/", "_") /
-                                                            f"{name}_{share}.safetensors")))
+                    kept = session.compress(keep_policy(load_slots(self.slots_dir / ctx["id"].replace("/", "_") /
+                                                                   f"{name}_{share}.safetensors"))).entries_kept
                 elif name != "none":
-                    session.compress(self.policies[name](round(1 - float(share), 6)))
+                    kept = session.compress(self.policies[name](round(1 - float(share), 6))).entries_kept
                 (compress_s, compress_cpu), clock = clock.read(), Clock()
                 got = [self.answer(session, ids, q) for q in ctx["questions"]]
                 (answer_s, answer_cpu), held = clock.read(), kv_bytes(session.state)
             emit(run, got, prefill_s=prefill_s, prefill_cpu=prefill_cpu, compress_s=compress_s,
                  compress_cpu=compress_cpu, answer_s=answer_s, answer_cpu=answer_cpu, bytes_held=held / full,
-                 **(plain if run == "kvstate/KVzip/0.5" else {}))
+                 slots_kept=kept, **(plain if run == "kvstate/KVzip/0.5" else {}))
 
     def plain_prefill(self, ids: torch.Tensor) -> float:
         """CPU seconds of the context in one plain transformers forward into a ``DynamicCache``: the cheapest
@@ -167,19 +167,19 @@ class Runner:
         return clock.read()[1]
 
     def aware_run(self, base: Any, ids: torch.Tensor, questions: list[dict], policy: Any) -> tuple[
-            list[str], tuple[float, float], tuple[float, float], float]:
+            list[str], tuple[float, float], tuple[float, float], float, float]:
         """Each question compresses its own fork with its own attention: answers, (wall, CPU) seconds of the
-        compressions and of the answers, mean bytes held."""
-        got, spent, answering, held = [], [0.0, 0.0], [0.0, 0.0], 0.0
+        compressions and of the answers, mean bytes held, mean share of entries kept."""
+        got, spent, answering, held, kept = [], [0.0, 0.0], [0.0, 0.0], 0.0, 0.0
         for q in questions:
             session, clock = base.fork(), Clock()
-            session.compress(policy, query_ids=torch.tensor([q["ids"]]))
+            kept += session.compress(policy, query_ids=torch.tensor([q["ids"]])).entries_kept / len(questions)
             spent = [a + b for a, b in zip(spent, clock.read(), strict=True)]
             held += kv_bytes(session.state) / len(questions)
             clock = Clock()
             got.append(self.answer(session, ids, q))
             answering = [a + b for a, b in zip(answering, clock.read(), strict=True)]
-        return got, (spent[0], spent[1]), (answering[0], answering[1]), held
+        return got, (spent[0], spent[1]), (answering[0], answering[1]), held, kept
 
 
 def done_runs(path: Path) -> set[tuple[str, str]]:
