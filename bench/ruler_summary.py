@@ -147,7 +147,21 @@ def cross_check(rows: dict[tuple[str, str], dict], contexts: list[dict]) -> dict
                     differ.append({"question": f"{ctx['id']}#{i}", "kvstate": x, "kvpress": y})
         if total:
             out[mine] = {"against": theirs, "questions": total, "same_answer": total - len(differ),
-                         "resume_differences": differ}
+                         "resume_differences": differ, "accuracy": _accuracies(
+                             rows, contexts, [mine, theirs, "kvstate/" + mine.split("/", 1)[1]])}
+    return out
+
+
+def _accuracies(rows: dict[tuple[str, str], dict], contexts: list[dict], runs: list[str]) -> dict[str, float]:
+    """Each run's accuracy on the contexts all of ``runs`` cover (the cross-check's subset): kvstate keeping
+    kvpress's slots, kvpress itself, and kvstate's own policy of that name, on identical questions."""
+    both = [c for c in contexts if all((c["id"], r) in rows for r in runs)]
+    out = {}
+    for run in runs:
+        scores = [string_match_all(rows[(c["id"], run)]["answers"][i], q["outputs"]) for c in both
+                  for i, q in enumerate(c["questions"])]
+        if scores:
+            out[run] = sum(scores) / len(scores)
     return out
 
 
@@ -180,8 +194,10 @@ def merge(tasks: dict, contexts: list[dict], folder: Path, models: list[str]) ->
     for model in models:
         rows = load_runs(folder, model)
         asked = {c["id"] for c in contexts}
-        runs = {run for ctx, run in rows if ctx in asked}
-        done = [c for c in contexts if all((c["id"], run) in rows for run in runs)]  # a partial run: what is whole
+        # a partial run counts on the contexts every run has covered; the cross-check's keep runs, on a subset,
+        # are compared where they exist and do not narrow that
+        runs = {run for ctx, run in rows if ctx in asked and not run.startswith("keep/")}
+        done = [c for c in contexts if all((c["id"], run) in rows for run in runs)]
         results[model] = model_result(model, done, rows)
         shares = sorted({r.rsplit("/", 1)[1] for r in results[model]["accuracy"] if "/none/" not in r})
         results[model]["vs_kvpress_by_share"] = {s: versus(results[model], s) for s in shares}
