@@ -72,8 +72,8 @@ def agnostic(tokenizer: Any) -> dict[str, Callable[[float], Any]]:
         "StreamingLLM": lambda r: c.StreamingLLM(r, sinks=4),
         "Random": lambda r: c.Random(r, seed=0),
     }
-    # hybrid models (Gemma 3): every attention layer in one ranking, instead of the default that empties the
-    # full-attention layers down to their floors before it touches a sliding one
+    # hybrid models (Gemma 3): every attention layer in one ranking, instead of the default that, when the sliding
+    # layers cannot stay whole, empties the full-attention layers down to their floors first
     table["KVzipRanked"] = lambda r: c.KVzip(r, sliding="ranked")
     if hasattr(c, "ChunkKV"):  # the span wrapper, once the library has it
         table["ChunkKV"] = lambda r: c.ChunkKV(policy=c.KVzip(r))

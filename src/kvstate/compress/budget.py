@@ -10,7 +10,8 @@ function of the scores alone.
   row holds, ``N - int(ratio * N)`` stay, so "50%" means half the K/V entries. Each head first keeps
   ``int(floor * (1 - ratio) * n)`` of its ``n`` candidates (Ada-KV's safeguard). With ``sliding="whole"``
   the sliding-window layers stay whole while the full-attention layers can give the whole ratio above
-  their floors; otherwise every layer is ranked together (as ``mode="ranked"``).
+  their floors; otherwise the full layers keep only their floors and the sliding layers give the rest,
+  ranked among themselves.
 """
 
 from __future__ import annotations
@@ -74,15 +75,17 @@ def _row(rows: list[torch.Tensor], sliding: list[bool], budget: int, mode: str) 
     slide = [i for i, s in enumerate(sliding) if s]
     window = sum(int((rows[i] > -INF).sum()) for i in slide)
     forced = sum(int((rows[i] == INF).sum()) for i in full)
-    if budget < window + forced:
-        # the sliding layers cannot stay whole: one ranking over every layer. Emptying the full layers down to
-        # their floors first would take the layers a hybrid model retrieves through (Gemma 3's global ones)
-        return _top(rows, budget)
     out: list[torch.Tensor] = [torch.zeros_like(r, dtype=torch.bool) for r in rows]
-    for i, kept in zip(full, _top([rows[i] for i in full], budget - window), strict=True):
-        out[i] = kept  # the full layers give the whole ratio: the sliding layers stay whole
-    for i in slide:
-        out[i] = rows[i] > -INF
+    if budget >= window + forced:  # the full layers can give the whole ratio: sliding layers stay whole
+        picked = _top([rows[i] for i in full], budget - window)
+        kept_slide = [rows[i] > -INF for i in slide]
+    else:  # the full layers keep their floors; the sliding layers give the rest
+        picked = [rows[i] == INF for i in full]
+        kept_slide = _top([rows[i] for i in slide], budget - forced)
+    for i, kept in zip(full, picked, strict=True):
+        out[i] = kept
+    for i, kept in zip(slide, kept_slide, strict=True):
+        out[i] = kept
     return out
 
 

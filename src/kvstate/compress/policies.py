@@ -75,8 +75,8 @@ class Ranking:
 
     ``floor``: each head keeps at least ``floor`` of its share of the budget (Ada-KV's safeguard);
     ``sliding``: ``"whole"`` keeps sliding-window layers whole unless the full-attention layers cannot
-    give the whole ratio above their floors (then every layer is ranked together); ``"ranked"`` always
-    ranks them with the others.
+    give the whole ratio above their floors (then the sliding layers give the rest, by their own
+    ranking); ``"ranked"`` ranks them with the others.
     """
 
     floor: float = 0.0
