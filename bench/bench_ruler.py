@@ -50,13 +50,18 @@ PRESSES = ("KNorm", "ExpectedAttention+AdaKV", "KVzip", "Compactor", "ChunkKV")
 QUICK_SETS = 2
 
 
+def names(text: str) -> list[str]:
+    """A comma-separated list (empty items dropped: ``--baselines ''`` is none)."""
+    return [x for x in text.split(",") if x]
+
+
 def runs_for(side: str, args: argparse.Namespace) -> list[str]:
     """The run names of one (side, model) job: ``<side>/<method>/<share kept>``."""
     shares = [f"{s:g}" for s in args.shares]
     if side == "kvpress":
         return ["kvpress/none/1", *(f"kvpress/{p}/{s}" for p in args.presses for s in shares)]
     if side == "keep":
-        return [f"keep/{p}/{s}" for p in args.presses for s in shares]
+        return [f"keep/{p}/{s}" for p in args.cross_check for s in shares]
     return ["kvstate/none/1", *(f"kvstate/{p}/{s}" for p in args.policies for s in shares),
             *(f"kvstate/{p}/0.5" for p in args.baselines if p not in args.policies), "aware/SnapKV/0.25"]
 
@@ -106,7 +111,9 @@ def jobs(args: argparse.Namespace, prepared: dict[str, tuple[Path, str]]) -> lis
                                                "--out", str(RUNS / f"{model}.kvpress.jsonl"),
                                                *slots]))
         if args.cross_check:
-            then.append((f"keep-{model}", [sys.executable, __file__, "--worker", model, *common, "--runs",
+            checked = ["--ids", str(ids), "--contexts", ",".join(c["id"] for c in json.loads(ids.read_text())[
+                "contexts"][:args.cross_check_contexts])]
+            then.append((f"keep-{model}", [sys.executable, __file__, "--worker", model, *checked, "--runs",
                                            ",".join(runs_for("keep", args)), "--out", str(RUNS / f"{model}.keep.jsonl"),
                                            *slots]))
     return [group for group in (first, then) if group]
@@ -145,20 +152,24 @@ def setup_kvpress() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", type=lambda s: s.split(","), default=["smollm2", "gemma3"])
-    parser.add_argument("--sides", type=lambda s: s.split(","), default=["kvstate", "kvpress"])
+    parser.add_argument("--models", type=names, default=["smollm2", "gemma3"])
+    parser.add_argument("--sides", type=names, default=["kvstate", "kvpress"])
     parser.add_argument("--shares", type=lambda s: [float(x) for x in s.split(",")], default=list(SHARES),
                         help="shares of the context's K/V kept")
-    parser.add_argument("--policies", type=lambda s: s.split(","), default=None,
+    parser.add_argument("--policies", type=names, default=None,
                         help=f"kvstate policies at every share (default: {','.join(AGNOSTIC)}, and ChunkKV where "
                         "kvstate has it)")
-    parser.add_argument("--baselines", type=lambda s: s.split(","), default=list(BASELINES),
+    parser.add_argument("--baselines", type=names, default=list(BASELINES),
                         help="kvstate policies at 50%% only")
-    parser.add_argument("--presses", type=lambda s: s.split(","), default=list(PRESSES))
+    parser.add_argument("--presses", type=names, default=list(PRESSES))
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_SETS} contexts of each kind per length")
-    parser.add_argument("--contexts", type=lambda s: s.split(","), default=[], help="only these context ids")
+    parser.add_argument("--contexts", type=names, default=[], help="only these context ids")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes at once")
-    parser.add_argument("--cross-check", action="store_true", help="kvstate keeps the slots kvpress kept")
+    parser.add_argument("--cross-check", nargs="?", const=",".join(PRESSES), default=None,
+                        type=names,
+                        help="kvstate keeps the slots these presses kept (default: every press run)")
+    parser.add_argument("--cross-check-contexts", type=int, default=None,
+                        help="the cross-check on the first N contexts only")
     parser.add_argument("--tasks", type=Path, default=TASK_FILE)
     parser.add_argument("--name", default="ruler", help="results file bench/results/<name>.json")
     parser.add_argument("--merge", action="store_true", help="only merge the runs written so far")

@@ -72,6 +72,9 @@ def agnostic(tokenizer: Any) -> dict[str, Callable[[float], Any]]:
         "StreamingLLM": lambda r: c.StreamingLLM(r, sinks=4),
         "Random": lambda r: c.Random(r, seed=0),
     }
+    # hybrid models (Gemma 3): every attention layer in one ranking, instead of the default that, when the sliding
+    # layers cannot stay whole, empties the full-attention layers down to their floors first
+    table["KVzipRanked"] = lambda r: c.KVzip(r, sliding="ranked")
     if hasattr(c, "ChunkKV"):  # the span wrapper, once the library has it
         table["ChunkKV"] = lambda r: c.ChunkKV(policy=c.KVzip(r))
     return table
@@ -87,15 +90,14 @@ def aware() -> dict[str, Callable[[float], Any]]:
 def keep_policy(slots: list[torch.Tensor]) -> Any:
     """kvstate's policy that keeps exactly ``slots`` (per layer ``[H, S]`` bool), for the cross-check.
 
-    The one place the bench meets that policy's constructor: it takes, per layer, per KV head, the
-    slot indices to keep.
+    ``Keep`` takes ``{layer index: [[kept slots of KV head 0], [head 1], ...]}``; slot ``j`` is token
+    ``j`` of the uncompressed prefill, as in kvpress's cache.
     """
     from kvstate import compress
 
     if not hasattr(compress, "Keep"):
         raise SystemExit("this kvstate has no Keep policy (per-head slot indices) yet: the cross-check needs it")
-    return compress.Keep(slots=tuple(tuple(tuple(int(i) for i in head.nonzero()[:, 0]) for head in layer)
-                                     for layer in slots))
+    return compress.Keep({i: [head.nonzero()[:, 0].tolist() for head in layer] for i, layer in enumerate(slots)})
 
 
 def kv_bytes(state: Any) -> int:
@@ -136,38 +138,51 @@ class Runner:
         base.extend(ids)
         prefill_s, prefill_cpu = clock.read()
         full = kv_bytes(base.state)
+        plain = {"plain_prefill_cpu": self.plain_prefill(ids)} if "kvstate/KVzip/0.5" in todo else {}
         for run in todo:
             side, name, share = run.split("/")
             if side == "aware":
-                got, (compress_s, compress_cpu), (answer_s, answer_cpu), held = self.aware_run(
+                got, (compress_s, compress_cpu), (answer_s, answer_cpu), held, kept = self.aware_run(
                     base, ids, ctx["questions"], self.aware[name](round(1 - float(share), 6)))
             else:
-                session, clock = base.fork(), Clock()
+                session, clock, kept = base.fork(), Clock(), 1.0
                 if side == "keep":
-                    session.compress(keep_policy(load_slots(self.slots_dir / ctx["id"].replace("/", "_") /
-                                                            f"{name}_{share}.safetensors")))
+                    kept = session.compress(keep_policy(load_slots(self.slots_dir / ctx["id"].replace("/", "_") /
+                                                                   f"{name}_{share}.safetensors"))).entries_kept
                 elif name != "none":
-                    session.compress(self.policies[name](round(1 - float(share), 6)))
+                    kept = session.compress(self.policies[name](round(1 - float(share), 6))).entries_kept
                 (compress_s, compress_cpu), clock = clock.read(), Clock()
                 got = [self.answer(session, ids, q) for q in ctx["questions"]]
                 (answer_s, answer_cpu), held = clock.read(), kv_bytes(session.state)
             emit(run, got, prefill_s=prefill_s, prefill_cpu=prefill_cpu, compress_s=compress_s,
-                 compress_cpu=compress_cpu, answer_s=answer_s, answer_cpu=answer_cpu, bytes_held=held / full)
+                 compress_cpu=compress_cpu, answer_s=answer_s, answer_cpu=answer_cpu, bytes_held=held / full,
+                 slots_kept=kept, **(plain if run == "kvstate/KVzip/0.5" else {}))
+
+    def plain_prefill(self, ids: torch.Tensor) -> float:
+        """CPU seconds of the context in one plain transformers forward into a ``DynamicCache``: the cheapest
+        correct prefill, the fair baseline of KVzip's scoring cost (``bench/bench_kvzip_cost.py``'s)."""
+        from transformers import DynamicCache
+
+        from kvstate._compat.core import cache_kwarg
+
+        cache, clock = DynamicCache(config=self.model.config), Clock()
+        self.model(ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(self.model): cache})
+        return clock.read()[1]
 
     def aware_run(self, base: Any, ids: torch.Tensor, questions: list[dict], policy: Any) -> tuple[
-            list[str], tuple[float, float], tuple[float, float], float]:
+            list[str], tuple[float, float], tuple[float, float], float, float]:
         """Each question compresses its own fork with its own attention: answers, (wall, CPU) seconds of the
-        compressions and of the answers, mean bytes held."""
-        got, spent, answering, held = [], [0.0, 0.0], [0.0, 0.0], 0.0
+        compressions and of the answers, mean bytes held, mean share of entries kept."""
+        got, spent, answering, held, kept = [], [0.0, 0.0], [0.0, 0.0], 0.0, 0.0
         for q in questions:
             session, clock = base.fork(), Clock()
-            session.compress(policy, query_ids=torch.tensor([q["ids"]]))
+            kept += session.compress(policy, query_ids=torch.tensor([q["ids"]])).entries_kept / len(questions)
             spent = [a + b for a, b in zip(spent, clock.read(), strict=True)]
             held += kv_bytes(session.state) / len(questions)
             clock = Clock()
             got.append(self.answer(session, ids, q))
             answering = [a + b for a, b in zip(answering, clock.read(), strict=True)]
-        return got, (spent[0], spent[1]), (answering[0], answering[1]), held
+        return got, (spent[0], spent[1]), (answering[0], answering[1]), held, kept
 
 
 def done_runs(path: Path) -> set[tuple[str, str]]:

@@ -184,6 +184,30 @@ def test_exported_slots_round_trip_through_the_file(worker, tmp_path):
     assert len(back) == 4 and all(torch.equal(a, b) for a, b in zip(slots, back, strict=True))
 
 
+def test_the_cross_check_keeps_exactly_the_exported_slots_per_head(worker, tmp_path, monkeypatch):
+    """kvpress's exported masks, through the file, become kvstate's ``Keep``: every KV head of every layer then
+    holds exactly the slots its mask names (read back from the state's per-head positions)."""
+    from kvstate import Session
+    from kvstate.layers import PAD, attention_of
+    from kvstate.models.tiny import tiny_model, tiny_prompt
+
+    model = tiny_model("llama")
+    ids = tiny_prompt(30)
+    session = Session(model)
+    session.extend(ids)
+    layers = [attention_of(layer) for layer in session.state.layers]
+    H = layers[0].keys.shape[1]
+    masks = [torch.rand(H, 30, generator=torch.Generator().manual_seed(i)) > 0.5 for i in range(len(layers))]
+    worker.save_slots(tmp_path / "s.safetensors", masks)
+    monkeypatch.syspath_prepend(str(BENCH))  # the bench's own modules (common, kvpress_worker)
+    session.compress(bench_module("ruler_kvstate").keep_policy(worker.load_slots(tmp_path / "s.safetensors")))
+    for layer, mask in zip(session.state.layers, masks, strict=True):
+        positions = attention_of(layer).head_positions()[0]  # [H, S]
+        for h in range(H):
+            held = positions[h][positions[h] != PAD].tolist()
+            assert held == mask[h].nonzero()[:, 0].tolist()
+
+
 # ---- SmolLM2's loader ---------------------------------------------------------------------------------------------
 
 def test_smollm2_without_its_package_is_refused_with_the_install_command(monkeypatch):
