@@ -97,6 +97,7 @@ def supervise(args: argparse.Namespace, plan: list[Step], index: int, events: Pa
     seen, current, after, since = 0, None, index, time.monotonic()  # after: the step the child runs next
     try:
         while True:
+            exited = child.poll() is not None  # before reading: every event of an exited child is in the file
             text = events.read_text()
             complete = text[:text.rfind("\n") + 1].splitlines()  # a line being written waits for the next look
             for line in complete[seen:]:
@@ -109,7 +110,7 @@ def supervise(args: argparse.Namespace, plan: list[Step], index: int, events: Pa
                     current, after, since = None, event["index"] + 1, time.monotonic()
                     write(args, reports, began)
             seen = len(complete)
-            if child.poll() is not None:
+            if exited:
                 if after < len(plan):  # it died in a step, or before one began
                     record(reports, plan[after], {"status": f"crashed: exit {child.returncode}",
                                                   "seconds": round(time.monotonic() - since, 1)})
