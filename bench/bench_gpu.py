@@ -57,24 +57,24 @@ def one_stream(model, device: str) -> dict[str, float]:
     return out
 
 
-def requests(n: int, vocab: int, device: str) -> list:
-    """``n`` greedy requests with prompts of 64 to 460 tokens."""
+def requests(n: int, vocab: int, device: str, longest: int = 460) -> list:
+    """``n`` greedy requests with prompts of 64 to ``longest`` tokens."""
     from kvstate.batch import BatchRequest
 
     gen = torch.Generator().manual_seed(7)
-    lengths = [64 + (396 * i) // max(n - 1, 1) for i in range(n)]
+    lengths = [64 + ((longest - 64) * i) // max(n - 1, 1) for i in range(n)]
     return [BatchRequest(torch.randint(100, vocab, (length,), generator=gen).to(device), max_new_tokens=N,
                          stop_ids=()) for length in lengths]
 
 
-def streams(model, n: int, device: str) -> dict[str, object]:
-    """``n`` streams through kvstate (invariant, then not) and transformers' ``generate_batch``: tokens per second,
-    and whether each invariant answer is bitwise the same request alone."""
+def streams(model, n: int, device: str, longest: int = 460) -> dict[str, object]:
+    """``n`` streams (prompts of 64 to ``longest`` tokens) through kvstate (invariant, then not) and transformers'
+    ``generate_batch``: tokens per second, and whether each invariant answer is bitwise the same request alone."""
     from transformers import GenerationConfig
 
     from kvstate.batch import generate_many
 
-    batch = requests(n, model.config.vocab_size, device)
+    batch = requests(n, model.config.vocab_size, device, longest)
     out: dict[str, object] = {"streams": n}
     answers = {}
     for name, invariant, static in (("kvstate", True, False), ("kvstate_no_invariance", False, False),

@@ -260,7 +260,7 @@ class Context:
         if kind == "bandwidth":
             return {"bandwidth_bytes_s": bench_gpu.bandwidth(a.device)}
         if kind == "streams":
-            return {"streams": bench_gpu.streams(self.big(), int(value), a.device)}
+            return {"streams": bench_gpu.streams(self.big(), int(value), a.device, a.longest_prompt)}
         raise ValueError(f"unknown step {step.name!r}")
 
 
@@ -290,6 +290,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.chunk = 32 if trial else 512  # the device's canonical chunk (the CUDA path's, stood in on the CPU trial)
     args.cost_length = 100 if trial else 4000
     args.streams = [4] if trial else [16, 8]
+    args.longest_prompt = 128 if trial else 460  # the streams' prompts: 64 tokens up to this
     args.tiny = ["tiny:llama", "tiny:qwen3_vl"] if trial else ["tiny:llama", "tiny:gemma3_text", "tiny:qwen3_vl",
                                                                   "tiny:lfm2"]
     return args
