@@ -84,7 +84,8 @@ def aware() -> dict[str, Callable[[float], Any]]:
     """Question-aware policies (``compress(policy, query_ids=question)``)."""
     from kvstate.compress import SnapKV
 
-    return {"SnapKV": lambda r: SnapKV(r, window=16, kernel=5)}
+    return {"SnapKV": lambda r: SnapKV(r, window=16, kernel=5),
+            "SnapKVHeads": lambda r: SnapKV(r, window=16, kernel=5, heads=True)}
 
 
 def keep_policy(slots: list[torch.Tensor]) -> Any:

@@ -40,6 +40,7 @@ POLICIES = {
     "random": lambda: Random(0.5, seed=3),
     "tova": lambda: TOVA(0.5),
     "snapkv": lambda: SnapKV(0.5, window=4, kernel=3),
+    "snapkv-heads": lambda: SnapKV(0.5, window=4, kernel=3, heads=True),
     "pyramid": lambda: PerLayerBudget(0.5, policy=KNorm()),
     "kvzip": lambda: KVzip(0.5, chunk=16),  # the reference method: per head, one ranking; two re-read chunks
     "kvzip_plus": lambda: KVzip(0.5, normalize=True),

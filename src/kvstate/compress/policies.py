@@ -275,10 +275,15 @@ class TOVA(Policy):
 
 @dataclass(frozen=True)
 class SnapKV(Policy):
-    """Observation-window attention, pooled; the window itself is kept (Li et al. 2024, arXiv:2404.14469)."""
+    """Observation-window attention, pooled; the window itself is kept (Li et al. 2024, arXiv:2404.14469).
+
+    ``heads=True`` scores each KV head by its own query heads' attention (the paper's and kvpress's per-head
+    selection, ``[B, H, S]``); the default, one slot set per layer, averages every head.
+    """
 
     window: int = 16
     kernel: int = 5
+    heads: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -291,11 +296,14 @@ class SnapKV(Policy):
         return self.window
 
     def scores(self, x: ScoreInput) -> torch.Tensor:
-        votes = _attention(x, self).float().sum(dim=2).mean(dim=1)  # [B, S]
-        pooled = torch.nn.functional.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
+        votes = _attention(x, self).float().sum(dim=2)  # [B, Hq, S]
+        B, Hq, S = votes.shape
+        H = x.keys.shape[1] if self.heads else 1  # query heads h * Hq / H .. read KV head h (repeat_kv's order)
+        votes = votes.view(B, H, Hq // H, S).mean(dim=2).view(B * H, 1, S)
+        pooled = torch.nn.functional.avg_pool1d(votes, self.kernel, stride=1, padding=self.kernel // 2).view(B, H, S)
         if x.tail:
-            pooled[:, -x.tail:] = float("inf")  # the observation window always stays
-        return pooled
+            pooled[..., -x.tail:] = float("inf")  # the observation window always stays
+        return pooled if self.heads else pooled[:, 0]
 
 
 def with_sinks(scores: torch.Tensor, x: ScoreInput, sinks: int) -> torch.Tensor:
