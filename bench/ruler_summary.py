@@ -181,11 +181,19 @@ def summary(results: dict[str, dict]) -> dict:
             "kvpress_best_at_50": None if press is None else {
                 "press": press.split("/")[1], "share_of_uncompressed": r["share_of_uncompressed"][press]},
             "paired_ci_low_vs_kvpress": None if vs is None else vs["ci95"][0],
-            "aware_at_25": r["share_of_uncompressed"].get("aware/SnapKV/0.25"),
+            **_aware(r),
         }
     costs = [r["seconds"]["kvzip_cost_vs_prefill"] for r in results.values() if r["seconds"]["kvzip_cost_vs_prefill"]]
     out["kvzip_cost_vs_prefill"] = max(costs) if costs else None  # the worse model's median
     return out
+
+
+def _aware(r: dict) -> dict[str, object]:
+    """The best question-aware run at 25% kept: its share of the uncompressed accuracy and its policy."""
+    runs = {k: v for k, v in r["share_of_uncompressed"].items() if k.startswith("aware/") and k.endswith("/0.25")}
+    top = max(runs, key=lambda k: (runs[k], k), default=None)
+    return {"aware_at_25": None if top is None else runs[top],
+            "aware_at_25_policy": None if top is None else top.split("/")[1]}
 
 
 def merge(tasks: dict, contexts: list[dict], folder: Path, models: list[str]) -> dict:
@@ -250,8 +258,9 @@ def plot(result: dict, path: Path) -> None:
                 points.append((100.0, base))
             style = {"kvstate": "o-", "kvpress": "s--", "keep": "x:"}[side]
             ax.plot(*zip(*points, strict=True), style, color=color[name], label=f"{name} ({side})")
-        if "aware/SnapKV/0.25" in acc:
-            ax.plot([25], [acc["aware/SnapKV/0.25"]], "k*", markersize=12, label="SnapKV, question-aware")
+        for run, marker in (("aware/SnapKV/0.25", "k*"), ("aware/SnapKVHeads/0.25", "r*")):
+            if run in acc:
+                ax.plot([25], [acc[run]], marker, markersize=12, label=f"{run.split('/')[1]}, question-aware")
         ax.set(xlabel="share of the context's K/V kept (%)", ylabel="RULER string-match accuracy",
                title=f"{model}: {result['models'][model]['questions']} questions", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
