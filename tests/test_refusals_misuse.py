@@ -95,16 +95,21 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_misuse_raises_a_typed_error(name, sessions):
-    which, call, error = CASES[name]
+    text = _refused(sessions, *CASES[name])
+    assert "found:" in text and "fix:" in text, text
+
+
+def _refused(sessions, which, call, error) -> str:
+    """``call`` on session ``which`` raises ``error`` (a ``KVStateError``) before any forward, the state
+    unchanged; the error's text."""
     session = sessions[which]
     before = snapshot(session.state)
     with count_forwards(session.model) as calls, pytest.raises(error) as info:
         call(session)
     assert isinstance(info.value, KVStateError)
-    text = str(info.value)
-    assert "found:" in text and "fix:" in text, text
     assert calls[0] == 0
     assert_same_state(session.state, before)
+    return str(info.value)
 
 
 def history(n_new=3):
@@ -201,16 +206,8 @@ GENERATE_CASES = {
 
 @pytest.mark.parametrize("name", sorted(GENERATE_CASES))
 def test_misused_sessions_generate_and_masks_raise_a_one_line_typed_error(name, sessions):
-    which, call, error = GENERATE_CASES[name]
-    session = sessions[which]
-    before = snapshot(session.state)
-    with count_forwards(session.model) as calls, pytest.raises(error) as info:
-        call(session)
-    assert isinstance(info.value, KVStateError)
-    text = str(info.value)
+    text = _refused(sessions, *GENERATE_CASES[name])
     assert "found:" in text and "fix:" in text and "\n" not in text, text
-    assert calls[0] == 0
-    assert_same_state(session.state, before)
 
 
 @pytest.mark.parametrize("mask", [torch.ones(1, T + 3, dtype=torch.bool), torch.ones(1, T + 3, dtype=torch.long),
