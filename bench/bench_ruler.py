@@ -46,6 +46,7 @@ KVPRESS_SETUP = [["{python}", "-m", "venv", str(KVPRESS_VENV)],
 SHARES = (0.25, 0.5, 0.75)
 AGNOSTIC = ("KNorm", "KVzip", "ExpectedAttention")  # at every share (and ChunkKV, where kvstate has it)
 BASELINES = ("SnapKV", "StreamingLLM", "Random")  # at 50% only: weak or floor policies, kept to place the others
+AWARE = ("SnapKV", "SnapKV21")
 PRESSES = ("KNorm", "ExpectedAttention+AdaKV", "KVzip", "Compactor", "ChunkKV")
 QUICK_SETS = 2
 
@@ -63,7 +64,8 @@ def runs_for(side: str, args: argparse.Namespace) -> list[str]:
     if side == "keep":
         return [f"keep/{p}/{s}" for p in args.cross_check for s in shares]
     return ["kvstate/none/1", *(f"kvstate/{p}/{s}" for p in args.policies for s in shares),
-            *(f"kvstate/{p}/0.5" for p in args.baselines if p not in args.policies), "aware/SnapKV/0.25"]
+            *(f"kvstate/{p}/0.5" for p in args.baselines if p not in args.policies),
+            *(f"aware/{p}/0.25" for p in args.aware)]
 
 
 def prepare(args: argparse.Namespace, tasks: dict) -> dict[str, tuple[Path, str]]:
@@ -162,6 +164,7 @@ def main() -> None:
     parser.add_argument("--baselines", type=names, default=list(BASELINES),
                         help="kvstate policies at 50%% only")
     parser.add_argument("--presses", type=names, default=list(PRESSES))
+    parser.add_argument("--aware", type=names, default=list(AWARE), help="question-aware kvstate policies at 25%%")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_SETS} contexts of each kind per length")
     parser.add_argument("--contexts", type=names, default=[], help="only these context ids")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes at once")

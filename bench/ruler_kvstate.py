@@ -72,20 +72,27 @@ def agnostic(tokenizer: Any) -> dict[str, Callable[[float], Any]]:
         "StreamingLLM": lambda r: c.StreamingLLM(r, sinks=4),
         "Random": lambda r: c.Random(r, seed=0),
     }
-    # hybrid models (Gemma 3): every attention layer in one ranking, instead of the default that, when the sliding
-    # layers cannot stay whole, empties the full-attention layers down to their floors first
+    # the ranking alone, each head its own count (a layer pads its heads to the fullest: more bytes than entries)
+    table["KVzipEntries"] = lambda r: c.KVzip(r, count="entries")
+    table["ExpectedAttentionEntries"] = lambda r: c.ExpectedAttention(r, count="entries")
+    # hybrid models (Gemma 3): every attention layer in one ranking even when the sliding layers could stay whole
     table["KVzipRanked"] = lambda r: c.KVzip(r, sliding="ranked")
+    table["KVzipRankedEntries"] = lambda r: c.KVzip(r, sliding="ranked", count="entries")
     if hasattr(c, "ChunkKV"):  # the span wrapper, once the library has it
         table["ChunkKV"] = lambda r: c.ChunkKV(policy=c.KVzip(r))
     return table
 
 
 def aware() -> dict[str, Callable[[float], Any]]:
-    """Question-aware policies (``compress(policy, query_ids=question)``)."""
+    """Question-aware policies (``compress(policy, query_ids=question)``). ``SnapKV21`` pools over 21 slots:
+    both models write a number one digit per token, so a 7-digit value spans 8 slots after the key the
+    question finds, which 5-slot pooling cuts (kernel chosen on contexts 0-3 of each kind, see
+    docs/compression.md)."""
     from kvstate.compress import SnapKV
 
     return {"SnapKV": lambda r: SnapKV(r, window=16, kernel=5),
-            "SnapKVHeads": lambda r: SnapKV(r, window=16, kernel=5, heads=True)}
+            "SnapKVHeads": lambda r: SnapKV(r, window=16, kernel=5, heads=True),
+            "SnapKV21": lambda r: SnapKV(r, window=16, kernel=21)}
 
 
 def keep_policy(slots: list[torch.Tensor]) -> Any:

@@ -110,10 +110,19 @@ def timings(contexts: list[dict], rows: dict[tuple[str, str], dict], complete: l
     return out
 
 
+BYTES_SLACK = 0.01  # a run "at 50%" may hold up to 51% of the bytes (rounding to whole slots per head)
+
+
 def best(result: dict, side: str, share: str) -> str | None:
-    """The run of ``side`` with the highest accuracy at ``share`` kept (None if there is none)."""
+    """The run of ``side`` with the highest accuracy at ``share`` kept (None if there is none): of the bytes,
+    where the run measured them (a run that keeps ``share`` of the entries but pads to more bytes is not
+    at ``share``)."""
+    def within(run: str) -> bool:
+        held = result["facts"].get(run, {}).get("bytes_held")
+        return held is None or held <= float(share) + BYTES_SLACK
+
     runs = [r for r in result["accuracy"] if r.startswith(f"{side}/") and r.endswith(f"/{share}")
-            and "/none/" not in r]
+            and "/none/" not in r and within(r)]
     return max(runs, key=lambda r: (result["accuracy"][r], r)) if runs else None
 
 

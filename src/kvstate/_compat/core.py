@@ -479,3 +479,17 @@ def rope_inv_freq(model: Any) -> torch.Tensor:
 def empty_cache(config: object) -> DynamicCache:
     """An empty transformers cache for ``config`` (a placeholder that ``generate`` never reads)."""
     return DynamicCache(config=config)  # type: ignore[arg-type]
+
+
+def unbounded_cache(model: Any) -> DynamicCache | None:
+    """The transformers cache ``generate`` makes for ``model``, but whose sliding-window attention layers keep
+    every token: a reference that masks by hand then sees every column it masks. None unless every layer of
+    that cache is a plain attention layer (recurrent and hybrid layers keep state this cannot replace)."""
+    own = getattr(model, "_supports_default_dynamic_cache", None)  # generate's own test (private)
+    if cache_kwarg(model) is None or (own is not None and not own()):
+        return None
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))  # type: ignore[arg-type]
+    if not all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
+        return None
+    cache.layers = [DynamicLayer() for _ in cache.layers]
+    return cache

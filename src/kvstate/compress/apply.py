@@ -187,7 +187,7 @@ def _choose(policy: Policy, layers: list[_Layer], ranking: Ranking | None, head_
         ranked = [i for i, s in enumerate(scores) if s is not None]
         chosen = global_keep([scores[i] for i in ranked], [layers[i].x.valid for i in ranked],  # type: ignore[misc]
                              [layers[i].layer.window is not None for i in ranked], _ratio(policy, layers),
-                             ranking.floor, ranking.sliding)
+                             ranking.floor, ranking.sliding, ranking.count)
         for i, keep in zip(ranked, chosen, strict=True):
             masks[i] = keep
     out: list[torch.Tensor | bool | None] = []

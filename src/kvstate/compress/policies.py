@@ -23,6 +23,7 @@ import torch
 from ..errors import InputError, UnsupportedError
 
 SLIDING_RANKS = ("whole", "ranked")
+COUNTS = ("bytes", "entries")
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,15 @@ class Ranking:
 
     ``floor``: each head keeps at least ``floor`` of its share of the budget (Ada-KV's safeguard);
     ``sliding``: ``"whole"`` keeps sliding-window layers whole unless the full-attention layers cannot
-    give the whole ratio above their floors (then the sliding layers give the rest, by their own
-    ranking); ``"ranked"`` ranks them with the others.
+    give the whole ratio above their floors (then every layer is ranked together); ``"ranked"`` always
+    ranks them with the others. ``count``: ``"bytes"``, each layer's heads keep equal counts (the ranking
+    sets the layer's share), so the ratio is of the bytes held; ``"entries"``, the ranking alone (heads
+    differ; a layer pads its heads to the fullest one).
     """
 
     floor: float = 0.0
     sliding: str = "whole"
+    count: str = "bytes"
 
 
 @dataclass(frozen=True)
@@ -186,26 +190,28 @@ class Ranked(Policy):
     """A policy whose default is the faithful method: scored per KV head, one ranking across layers and heads.
 
     ``heads=False`` gives one slot set per layer (the most any head scores a slot); ``scope="layer"``
-    ranks each layer alone, as before (``keep_count``); ``floor`` and ``sliding``: ``Ranking``.
+    ranks each layer alone, as before (``keep_count``); ``floor``, ``sliding`` and ``count``: ``Ranking``.
     """
 
     heads: bool = True
     scope: str = "global"
     floor: float = 0.0
     sliding: str = "whole"
+    count: str = "bytes"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.scope not in ("global", "layer") or self.sliding not in SLIDING_RANKS \
                 or isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) \
-                or not 0.0 <= self.floor <= 1.0 or not isinstance(self.heads, bool):
+                or not 0.0 <= self.floor <= 1.0 or not isinstance(self.heads, bool) or self.count not in COUNTS:
             raise InputError(f"invalid {type(self).__name__} budget settings",
                              expected=f"scope 'global' or 'layer', sliding one of {SLIDING_RANKS}, 0 <= floor <= 1, "
-                             "heads a bool", found={"scope": self.scope, "sliding": self.sliding,
-                                                     "floor": self.floor, "heads": self.heads})
+                             f"heads a bool, count one of {COUNTS}",
+                             found={"scope": self.scope, "sliding": self.sliding, "floor": self.floor,
+                                    "heads": self.heads, "count": self.count})
 
     def ranking(self) -> Ranking | None:
-        return Ranking(float(self.floor), self.sliding) if self.scope == "global" else None
+        return Ranking(float(self.floor), self.sliding, self.count) if self.scope == "global" else None
 
     def per_head(self, scores: torch.Tensor) -> torch.Tensor:
         """``[B, H, S]`` scores as the policy hands them out: as they are, or the most any head gives a slot."""
