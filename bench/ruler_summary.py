@@ -114,12 +114,12 @@ BYTES_SLACK = 0.01  # a run "at 50%" may hold up to 51% of the bytes (rounding t
 
 
 def best(result: dict, side: str, share: str) -> str | None:
-    """The run of ``side`` with the highest accuracy at ``share`` kept (None if there is none): of the bytes,
-    where the run measured them (a run that keeps ``share`` of the entries but pads to more bytes is not
-    at ``share``)."""
+    """The run of ``side`` with the highest accuracy at ``share`` kept (None if there is none). kvstate's
+    share is of the bytes: a run that keeps ``share`` of the entries but pads to more bytes is not at
+    ``share``. kvpress's is its ``compression_ratio``'s (AdaKV and KVzip mask evicted keys and hold them)."""
     def within(run: str) -> bool:
         held = result["facts"].get(run, {}).get("bytes_held")
-        return held is None or held <= float(share) + BYTES_SLACK
+        return side != "kvstate" or held is None or held <= float(share) + BYTES_SLACK
 
     runs = [r for r in result["accuracy"] if r.startswith(f"{side}/") and r.endswith(f"/{share}")
             and "/none/" not in r and within(r)]
@@ -211,19 +211,30 @@ def merge(tasks: dict, contexts: list[dict], folder: Path, models: list[str]) ->
     for model in models:
         rows = load_runs(folder, model)
         asked = {c["id"] for c in contexts}
-        # a partial run counts on the contexts every run has covered; the cross-check's keep runs, on a subset,
-        # are compared where they exist and do not narrow that
+        # the figures count the contexts that the wide runs (over at least half as many contexts as the widest)
+        # all covered; the narrower runs are scored again, with every run, on the contexts all of them covered
+        # ("every_run"). The cross-check's keep runs, on a subset, are compared where they exist and narrow neither
         runs = {run for ctx, run in rows if ctx in asked and not run.startswith("keep/")}
-        done = [c for c in contexts if all((c["id"], run) in rows for run in runs)]
-        results[model] = model_result(model, done, rows)
-        shares = sorted({r.rsplit("/", 1)[1] for r in results[model]["accuracy"] if "/none/" not in r})
-        results[model]["vs_kvpress_by_share"] = {s: versus(results[model], s) for s in shares}
+        cover = {run: sum((c["id"], run) in rows for c in contexts) for run in runs}
+        widest = [run for run in runs if 2 * cover[run] >= max(cover.values())]
+        done = [c for c in contexts if all((c["id"], run) in rows for run in widest)]
+        every = [c for c in contexts if all((c["id"], run) in rows for run in runs)]
+        results[model] = _scored(model, done, rows)
+        if len(every) < len(done):
+            results[model]["every_run"] = _scored(model, every, rows)
         checks[model] = cross_check(rows, done)
     return {"summary": summary(results), "suite": {"task_file": "bench/data/ruler_tasks.json", "seed": tasks["seed"],
                                                    "sources": tasks["sources"], "contexts": len(contexts),
                                                    "kvpress_models": "smollm2 only: kvpress 0.5.5's KVzipPress "
                                                    "refuses Gemma3ForCausalLM"},
             "models": results, "cross_check": checks}
+
+
+def _scored(model: str, contexts: list[dict], rows: dict[tuple[str, str], dict]) -> dict:
+    result = model_result(model, contexts, rows)
+    shares = sorted({r.rsplit("/", 1)[1] for r in result["accuracy"] if "/none/" not in r})
+    result["vs_kvpress_by_share"] = {s: versus(result, s) for s in shares}
+    return result
 
 
 def table(result: dict) -> str:
@@ -267,9 +278,9 @@ def plot(result: dict, path: Path) -> None:
                 points.append((100.0, base))
             style = {"kvstate": "o-", "kvpress": "s--", "keep": "x:"}[side]
             ax.plot(*zip(*points, strict=True), style, color=color[name], label=f"{name} ({side})")
-        for run, marker in (("aware/SnapKV/0.25", "k*"), ("aware/SnapKVHeads/0.25", "r*")):
-            if run in acc:
-                ax.plot([25], [acc[run]], marker, markersize=12, label=f"{run.split('/')[1]}, question-aware")
+        for i, run in enumerate(sorted(r for r in acc if r.startswith("aware/"))):
+            ax.plot([float(run.split("/")[2]) * 100], [acc[run]], "*", color=("k", "r", "g", "m")[i % 4],
+                    markersize=12, label=f"{run.split('/')[1]}, question-aware")
         ax.set(xlabel="share of the context's K/V kept (%)", ylabel="RULER string-match accuracy",
                title=f"{model}: {result['models'][model]['questions']} questions", ylim=(0, 1.02))
         ax.grid(alpha=0.3)

@@ -101,32 +101,32 @@ class ChunkScores:
 
 def _score(watched: Watched, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """``[B, H, C]``: the most attention any re-read query of each head's group pays each of the ``C`` state
-    slots ``keys`` ``[B, H, C, D]`` (``allowed`` ``[B, H, C]``: in the softmax for that head)."""
+    slots ``keys`` ``[B, H, C, D]`` (``allowed`` ``[B, H, C]``: in the softmax for that head).
+
+    One matrix per block of queries, the state's columns then the re-read's own, worked on in place: the
+    scoring is memory-bound, so each pass over it counts (``bench/bench_kvzip_cost.py``)."""
     query, own = watched.query.float(), watched.key[:, :, -watched.query.shape[2]:].float()
     B, Hq, q, D = query.shape
     H, C = keys.shape[1], keys.shape[2]
     G = Hq // H
-    queries = query.view(B, H, G, q, D)
-    scale = D ** -0.5
+    queries = query.view(B, H, G, q, D) * D ** -0.5  # a power of two for D = 4^k: exactly (q . k) / sqrt(D)
+    columns = torch.cat([keys.float(), own], dim=2)[:, :, None].transpose(-1, -2)  # [B, H, 1, D, C + q]
     column = _column_norms(watched, values, G) if watched.out_proj is not None else None  # [B, H, G, C]
-    best = torch.full((B, H, C), float("-inf"), dtype=torch.float32, device=query.device)
+    best = torch.zeros((B, H, C), dtype=torch.float32, device=query.device)
     hidden = None if bool(allowed.all()) else (~allowed)[:, :, None, None, :]
     for r0 in range(0, q, _ROWS):
         rows = queries[:, :, :, r0:r0 + _ROWS]  # [B, H, G, r, D]
         r = rows.shape[3]
-        to_state = (rows @ keys.float()[:, :, None].transpose(-1, -2)) * scale  # [B, H, G, r, C]
+        logits = rows @ columns  # [B, H, G, r, C + q]
         if hidden is not None:
-            to_state = to_state.masked_fill(hidden, float("-inf"))
-        to_own = (rows @ own[:, :, None].transpose(-1, -2)) * scale  # [B, H, G, r, q]
+            logits[..., :C].masked_fill_(hidden, float("-inf"))
         future = torch.arange(q, device=query.device)[None, :] > torch.arange(r0, r0 + r, device=query.device)[:, None]
-        # log of the softmax over the state's columns and the re-read's own, without building the whole row
-        total = torch.logaddexp(to_state.logsumexp(-1), to_own.masked_fill(future, float("-inf")).logsumexp(-1))
-        logp = to_state - total[..., None]
-        if watched.hidden_norm is not None and column is not None:  # KVzip+, in log space
-            norms = watched.hidden_norm[:, None, None, r0:r0 + r, None].float()
-            logp = logp - norms.log() + column.log()[:, :, :, None]
-        best = torch.maximum(best, logp.amax(dim=(2, 3)))
-    return best.exp()
+        logits[..., C:].masked_fill_(future, float("-inf"))
+        probs = logits.softmax(-1)[..., :C]  # one fused pass (the row always holds its own token)
+        if watched.hidden_norm is not None and column is not None:  # KVzip+
+            probs = probs.div_(watched.hidden_norm[:, None, None, r0:r0 + r, None].float()).mul_(column[:, :, :, None])
+        best = torch.maximum(best, probs.amax(dim=(2, 3)))
+    return best
 
 
 def _column_norms(watched: Watched, values: torch.Tensor, groups: int) -> torch.Tensor:
