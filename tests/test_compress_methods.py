@@ -94,6 +94,36 @@ def test_kvzip_scores_are_kvpress_scores(chunk):
         torch.testing.assert_close(layer_seen.reread, expected[i], atol=1e-5, rtol=1e-4, msg=f"layer {i}")
 
 
+@pytest.mark.parametrize("arch,fast", [("llama", True), ("qwen2", True), ("gemma3_text", False)])
+def test_kvzip_attends_from_its_own_softmax_where_that_is_the_layers(arch, fast, monkeypatch):
+    """One re-read chunk over the whole state, full attention, Llama's softmax: the layer's output comes from
+    the scores' softmax instead of running the layer's attention too. The scores equal the path that runs
+    both; Gemma 3 (sliding layers, its own eager function) and chunks that leave slots out never take it."""
+    from kvstate.compress import reread
+
+    model = tiny_model(arch)
+    s = Session(model)
+    s.extend(prompt(T))
+    calls, attend = [], reread.ChunkScores.attend
+
+    def counted(self, first, watched):
+        out = attend(self, first, watched)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(reread.ChunkScores, "attend", counted)
+    seen, _ = watch(s._engine, model, s.state, KVzip(0.5).needs(), None)
+    one, calls[:] = list(calls), []
+    watch(s._engine, model, s.state, KVzip(0.5, chunk=16).needs(), None)  # two chunks: each leaves slots out
+    assert (bool(one) and all(one)) if fast else not any(one)  # Gemma 3's layers never ask
+    assert not any(calls) and (bool(calls) or not fast)  # asked, and declined
+    monkeypatch.setattr(reread.ChunkScores, "attend", lambda self, first, watched: None)
+    both, _ = watch(s._engine, model, s.state, KVzip(0.5).needs(), None)
+    for i in seen:
+        torch.testing.assert_close(seen[i].reread, both[i].reread, atol=1e-6, rtol=1e-5, msg=f"layer {i}")
+    assert s.state.tokens_seen == T  # the watched forwards left the session as it was
+
+
 def test_kvzip_rereads_inside_the_chat_template_without_being_told(tmp_path):
     tokenizer = tiny_tokenizer()
     assert reread_for(None, tokenizer).how == "raw text"  # no template: kvpress's "\n" suffix

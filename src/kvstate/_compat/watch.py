@@ -19,7 +19,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -65,18 +65,40 @@ def _family_eager(module: Any) -> Callable[..., Any]:
 
 
 def _watched_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                       attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     inner = getattr(_LOCAL, "inner", None)
-    function = _family_eager(module) if inner is None else _inner_function(module, inner, query.device.type)
-    out, weights = function(module, query, key, value, attention_mask, **kwargs)
     listener = getattr(_LOCAL, "listener", None)
+    attend = getattr(listener, "attend", None) if inner is not None and plain_softmax(module) else None
     if listener is not None:
         scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
         norms = getattr(_LOCAL, "norms", None)
         projection = getattr(getattr(module, "o_proj", None), "weight", None) if norms is not None else None
-        listener(Watched(_LOCAL.layer, query, key, value, None if inner is not None else weights, float(scaling),
-                         _LOCAL.rope, None if norms is None else norms.get(_LOCAL.layer), projection))
+        watched = Watched(_LOCAL.layer, query, key, value, None, float(scaling), _LOCAL.rope,
+                          None if norms is None else norms.get(_LOCAL.layer), projection)
+        if attend is not None and kwargs.get("sliding_window") is None and not kwargs.get("dropout"):
+            out = attend(watched)  # the listener's own softmax is the layer's: it gives the output too
+            if out is not None:
+                return out, None
+    function = _family_eager(module) if inner is None else _inner_function(module, inner, query.device.type)
+    out, weights = function(module, query, key, value, attention_mask, **kwargs)
+    if listener is not None:
+        listener(watched if inner is not None else replace(watched, weights=weights))
     return out, weights
+
+
+_PLAIN: dict[type, bool] = {}
+
+
+def plain_softmax(module: Any) -> bool:
+    """Whether ``module``'s family attends as Llama does, ``softmax(q k^T * scaling + mask) v`` and nothing else
+    (no softcap, no sinks): its eager function is Llama's, instruction for instruction."""
+    if type(module) not in _PLAIN:
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        mine, llama = _family_eager(module).__code__, eager_attention_forward.__code__
+        _PLAIN[type(module)] = (mine.co_code, mine.co_consts, mine.co_names) == (
+            llama.co_code, llama.co_consts, llama.co_names)
+    return _PLAIN[type(module)]
 
 
 def _inner_function(module: Any, name: str, device: str) -> Callable[..., Any]:

@@ -19,7 +19,7 @@ import torch
 
 from .._compat.watch import Watched
 from ..errors import UnsupportedError
-from ..layers import attention_of
+from ..layers import AttentionLayerState, attention_of
 from ..state import State
 from .template import Reread
 
@@ -75,33 +75,63 @@ class ChunkScores:
         layer = self.layers.get(watched.layer)
         if layer is None:
             return
-        seen = self.seen[watched.layer]
         assert layer.keys is not None and layer.values is not None
         if watched.key.shape[1] != layer.keys.shape[1]:  # e.g. MLA: the cache holds a latent, not the heads
             raise UnsupportedError("KVzip scores the state's keys per KV head, and this family's attention reads "
                                    "other heads than its cache holds", expected=f"{layer.keys.shape[1]} KV heads",
                                    found=f"{watched.key.shape[1]} in layer {watched.layer}'s attention",
                                    fix="use KVzip(softmax='model', heads=False), or another policy")
+        inside, subset = self._domain(layer)
+        cols = subset.any(dim=1).any(dim=0).nonzero().flatten()
+        if cols.numel() == 0:
+            return
+        score, _ = _score(watched, layer.keys[:, :, cols], layer.values[:, :, cols], subset[:, :, cols])
+        self._fold(watched.layer, inside, cols, score)
+
+    def attend(self, first_key: int, watched: Watched) -> torch.Tensor | None:
+        """The layer's attention output ``[B, q, Hq, Dv]`` computed from the scores' own softmax, where that is the
+        layer's softmax (every key the call reads is a scored slot or a re-read token, no window, KVzip's scale;
+        the caller checked the family attends as Llama does); None otherwise (the model's attention then runs
+        and ``__call__`` scores). It saves the layer's own attention: a third of a re-read's cost on SmolLM2."""
+        layer = self.layers.get(watched.layer)
+        q, D = watched.query.shape[2], watched.query.shape[3]
+        if layer is None or layer.keys is None or layer.window is not None or first_key != 0 \
+                or watched.key.shape[1] != layer.keys.shape[1] or watched.key.shape[2] != layer.keys.shape[2] + q \
+                or abs(watched.scaling - D ** -0.5) > 1e-9 * D ** -0.5:
+            return None
+        inside, subset = self._domain(layer)
+        if not bool(subset.all()):
+            return None
+        C = layer.keys.shape[2]
+        score, out = _score(watched, watched.key[:, :, :C], watched.value[:, :, :C], subset, watched.value)
+        self._fold(watched.layer, inside, torch.arange(C, device=subset.device), score)
+        assert out is not None
+        return out.transpose(1, 2).contiguous().to(watched.query.dtype)
+
+    def _domain(self, layer: AttentionLayerState) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, H, S]`` bool each: the slots of this chunk, and those in its softmax (the chunk's and the sinks)."""
         positions = layer.head_positions()
         assert positions is not None
         time = positions if positions.dim() == 3 else positions.amax(-1)  # [B, H, S]
         valid = time >= 0
         inside = valid & (time >= self.piece.lo) & (time <= self.piece.hi)
-        subset = inside | (valid & (time < self.sinks))
-        cols = subset.any(dim=1).any(dim=0).nonzero().flatten()
-        if cols.numel() == 0:
-            return
-        score = _score(watched, layer.keys[:, :, cols], layer.values[:, :, cols], subset[:, :, cols])
-        full = torch.zeros(time.shape, dtype=torch.float32, device=time.device)
+        return inside, inside | (valid & (time < self.sinks))
+
+    def _fold(self, index: int, inside: torch.Tensor, cols: torch.Tensor, score: torch.Tensor) -> None:
+        full = torch.zeros(inside.shape, dtype=torch.float32, device=inside.device)
         full[:, :, cols] = score
         full = full.masked_fill(~inside, 0.0)
+        seen = self.seen[index]
         previous = getattr(seen, "reread", None)
         seen.reread = full if previous is None else torch.maximum(previous, full)  # type: ignore[attr-defined]
 
 
-def _score(watched: Watched, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def _score(watched: Watched, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+           attend: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[B, H, C]``: the most attention any re-read query of each head's group pays each of the ``C`` state
-    slots ``keys`` ``[B, H, C, D]`` (``allowed`` ``[B, H, C]``: in the softmax for that head).
+    slots ``keys`` ``[B, H, C, D]`` (``allowed`` ``[B, H, C]``: in the softmax for that head); with ``attend``
+    (the values ``[B, H, C + q, Dv]`` of those slots and of the re-read), also the attention output
+    ``[B, Hq, q, Dv]`` of that softmax.
 
     One matrix per block of queries, the state's columns then the re-read's own, worked on in place: the
     scoring is memory-bound, so each pass over it counts (``bench/bench_kvzip_cost.py``)."""
@@ -112,7 +142,8 @@ def _score(watched: Watched, keys: torch.Tensor, values: torch.Tensor, allowed: 
     queries = query.view(B, H, G, q, D) * D ** -0.5  # a power of two for D = 4^k: exactly (q . k) / sqrt(D)
     columns = torch.cat([keys.float(), own], dim=2)[:, :, None].transpose(-1, -2)  # [B, H, 1, D, C + q]
     column = _column_norms(watched, values, G) if watched.out_proj is not None else None  # [B, H, G, C]
-    best = torch.zeros((B, H, C), dtype=torch.float32, device=query.device)
+    mixed = None if attend is None else attend.float()[:, :, None]  # [B, H, 1, C + q, Dv]
+    best, outs = torch.zeros((B, H, C), dtype=torch.float32, device=query.device), []
     hidden = None if bool(allowed.all()) else (~allowed)[:, :, None, None, :]
     for r0 in range(0, q, _ROWS):
         rows = queries[:, :, :, r0:r0 + _ROWS]  # [B, H, G, r, D]
@@ -122,11 +153,15 @@ def _score(watched: Watched, keys: torch.Tensor, values: torch.Tensor, allowed: 
             logits[..., :C].masked_fill_(hidden, float("-inf"))
         future = torch.arange(q, device=query.device)[None, :] > torch.arange(r0, r0 + r, device=query.device)[:, None]
         logits[..., C:].masked_fill_(future, float("-inf"))
-        probs = logits.softmax(-1)[..., :C]  # one fused pass (the row always holds its own token)
+        weights = logits.softmax(-1)  # one fused pass (the row always holds its own token)
+        if mixed is not None:
+            outs.append(weights @ mixed)  # [B, H, G, r, Dv]
+        probs = weights[..., :C]
         if watched.hidden_norm is not None and column is not None:  # KVzip+
             probs = probs.div_(watched.hidden_norm[:, None, None, r0:r0 + r, None].float()).mul_(column[:, :, :, None])
         best = torch.maximum(best, probs.amax(dim=(2, 3)))
-    return best
+    out = torch.cat(outs, dim=3).view(B, Hq, q, -1) if outs else None
+    return best, out
 
 
 def _column_norms(watched: Watched, values: torch.Tensor, groups: int) -> torch.Tensor:

@@ -192,9 +192,7 @@ class Engine:
         keys = {i: layer.slots for i, layer in enumerate(base.layers) if layer.kind in (FULL_ATTENTION,
                                                                                        SLIDING_ATTENTION, HYBRID)}
 
-        def counted(watched: Watched) -> None:
-            keys[watched.layer] += watched.query.shape[2]
-            listener(keys[watched.layer] - watched.key.shape[2], watched)
+        counted = _Counted(listener, keys)
 
         mask = torch.ones(ids.shape[0], base.tokens_seen + ids.shape[1], dtype=torch.bool, device=ids.device)
         with self.lock, torch.no_grad(), watching(self.model, counted, weights, norms):
@@ -339,6 +337,28 @@ class Engine:
     def _masks(self, layers: tuple[LayerState, ...], recorder: Recorder) -> AbstractContextManager[object]:
         """Per-layer masks while a compressed state is in use; nothing otherwise (bitwise the plain path)."""
         return layer_masks(self.model, layers, recorder) if needs_masks(layers) else nullcontext()
+
+
+class _Counted:
+    """The watch listener of ``Engine.observe``: tells ``listener`` which key each call's first key is (``keys``:
+    the layer's keys so far), and passes on a listener's ``attend`` (one that computes the attention itself)."""
+
+    def __init__(self, listener: Listener, keys: dict[int, int]) -> None:
+        self.listener, self.keys = listener, keys
+
+    def __call__(self, watched: Watched) -> None:
+        self.keys[watched.layer] += watched.query.shape[2]
+        self.listener(self.keys[watched.layer] - watched.key.shape[2], watched)
+
+    def attend(self, watched: Watched) -> torch.Tensor | None:
+        inner = getattr(self.listener, "attend", None)
+        if inner is None:
+            return None
+        first = self.keys[watched.layer] + watched.query.shape[2] - watched.key.shape[2]
+        out = inner(first, watched)
+        if out is not None:
+            self.keys[watched.layer] += watched.query.shape[2]
+        return out
 
 
 class _StepLogits:
