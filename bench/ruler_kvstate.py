@@ -72,12 +72,11 @@ def agnostic(tokenizer: Any) -> dict[str, Callable[[float], Any]]:
         "StreamingLLM": lambda r: c.StreamingLLM(r, sinks=4),
         "Random": lambda r: c.Random(r, seed=0),
     }
-    # the ranking alone, each head its own count (a layer pads its heads to the fullest: more bytes than entries)
-    table["KVzipEntries"] = lambda r: c.KVzip(r, count="entries")
-    table["ExpectedAttentionEntries"] = lambda r: c.ExpectedAttention(r, count="entries")
+    # every head of a layer keeps as many slots (no padding: the ratio is of the bytes)
+    table["KVzipBytes"] = lambda r: c.KVzip(r, count="bytes")
+    table["ExpectedAttentionBytes"] = lambda r: c.ExpectedAttention(r, count="bytes")
     # hybrid models (Gemma 3): every attention layer in one ranking even when the sliding layers could stay whole
     table["KVzipRanked"] = lambda r: c.KVzip(r, sliding="ranked")
-    table["KVzipRankedEntries"] = lambda r: c.KVzip(r, sliding="ranked", count="entries")
     if hasattr(c, "ChunkKV"):  # the span wrapper, once the library has it
         table["ChunkKV"] = lambda r: c.ChunkKV(policy=c.KVzip(r))
     return table

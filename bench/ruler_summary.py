@@ -107,6 +107,12 @@ def timings(contexts: list[dict], rows: dict[tuple[str, str], dict], complete: l
     out["kvzip_cost_vs_prefill"] = statistics.median(plain) if plain else None
     out["kvzip_cost_vs_kvstate_prefill"] = statistics.median(chunked) if chunked else None
     out["kvzip_cost_contexts"] = len(plain)
+    # the scoring grows with the square of the length, a prefill of a small model nearly linearly
+    lengths = sorted({c["id"].split("/")[0] for c in contexts})
+    by_length = {n: [r["compress_cpu"] / r["plain_prefill_cpu"] for c in contexts if c["id"].startswith(n + "/")
+                     and (r := rows.get((c["id"], "kvstate/KVzip/0.5"))) and r.get("plain_prefill_cpu")]
+                 for n in lengths}
+    out["kvzip_cost_vs_prefill_by_length"] = {n: statistics.median(v) for n, v in by_length.items() if v}
     return out
 
 

@@ -7,12 +7,13 @@ function of the scores alone.
 
 * ``layer_keep``: each head keeps its ``k`` best slots (kvpress's per-head selection).
 * ``global_keep``: one ranking across every layer and head (KVzip's): of the ``N`` candidate entries a
-  row holds, ``N - int(ratio * N)`` stay, so "50%" means half the K/V entries; by default every head of a
-  layer then keeps the same number (``even_heads``), so half the entries is half the bytes. Each head first keeps
-  ``int(floor * (1 - ratio) * n)`` of its ``n`` candidates (Ada-KV's safeguard). With ``sliding="whole"``
-  the sliding-window layers stay whole while the full-attention layers can give the whole ratio above
-  their floors; otherwise every layer is ranked together, as with ``sliding="ranked"`` (emptying the
-  full layers first loses what only they hold: Gemma 3 retrieves through them).
+  row holds, ``N - int(ratio * N)`` stay, so "50%" means half the K/V entries; with ``count="bytes"``
+  every head of a layer then keeps the same number (``even_heads``), so half the entries is half the
+  bytes. Each head first keeps ``int(floor * (1 - ratio) * n)`` of its ``n`` candidates (Ada-KV's
+  safeguard). With ``sliding="whole"`` the sliding-window layers stay whole while the full-attention
+  layers can give the whole ratio above their floors; otherwise every layer is ranked together, as with
+  ``sliding="ranked"`` (emptying the full layers first loses what only they hold: Gemma 3 retrieves
+  through them).
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ def layer_keep(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tenso
 
 
 def global_keep(scores: Sequence[torch.Tensor], valid: Sequence[torch.Tensor], sliding: Sequence[bool],
-                ratio: float, floor: float = 0.0, mode: str = "whole", count: str = "bytes") -> list[torch.Tensor]:
+                ratio: float, floor: float = 0.0, mode: str = "whole", count: str = "entries") -> list[torch.Tensor]:
     """Keep masks of every layer under one ranking (see the module docstring); ``sliding[i]``: layer ``i``
-    has a sliding window. ``count="bytes"``: the ranking sets each layer's share, then every head of the layer
-    keeps that share's mean count, its own best slots (``even_heads``); ``"entries"``: the ranking alone."""
+    has a sliding window. ``count="entries"``: the ranking alone; ``"bytes"``: the ranking sets each layer's
+    share, then every head of the layer keeps that share's mean count, its own best slots (``even_heads``)."""
     ranked = [_with_floor(s.float().masked_fill(~v, -INF), v, ratio, floor) for s, v in zip(scores, valid,
                                                                                              strict=True)]
     B = ranked[0].shape[0] if ranked else 0

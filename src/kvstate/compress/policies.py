@@ -77,14 +77,15 @@ class Ranking:
     ``floor``: each head keeps at least ``floor`` of its share of the budget (Ada-KV's safeguard);
     ``sliding``: ``"whole"`` keeps sliding-window layers whole unless the full-attention layers cannot
     give the whole ratio above their floors (then every layer is ranked together); ``"ranked"`` always
-    ranks them with the others. ``count``: ``"bytes"``, each layer's heads keep equal counts (the ranking
-    sets the layer's share), so the ratio is of the bytes held; ``"entries"``, the ranking alone (heads
-    differ; a layer pads its heads to the fullest one).
+    ranks them with the others. ``count``: ``"entries"``, the ranking alone (heads differ; a layer pads its
+    heads to the fullest one, so the bytes held exceed the entries kept); ``"bytes"``, each layer's heads
+    keep equal counts (the ranking sets the layer's share), so the ratio is of the bytes held, at a cost in
+    accuracy (docs/compression.md).
     """
 
     floor: float = 0.0
     sliding: str = "whole"
-    count: str = "bytes"
+    count: str = "entries"
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ class Ranked(Policy):
     scope: str = "global"
     floor: float = 0.0
     sliding: str = "whole"
-    count: str = "bytes"
+    count: str = "entries"
 
     def __post_init__(self) -> None:
         super().__post_init__()
