@@ -75,6 +75,8 @@ def agnostic(tokenizer: Any) -> dict[str, Callable[[float], Any]]:
     # every head of a layer keeps as many slots (no padding: the ratio is of the bytes)
     table["KVzipBytes"] = lambda r: c.KVzip(r, count="bytes")
     table["ExpectedAttentionBytes"] = lambda r: c.ExpectedAttention(r, count="bytes")
+    # the ranking alone, cut short so that the padded layers hold the ratio's bytes
+    table["KVzipPadded"] = lambda r: c.KVzip(r, count="padded")
     # hybrid models (Gemma 3): every attention layer in one ranking even when the sliding layers could stay whole
     table["KVzipRanked"] = lambda r: c.KVzip(r, sliding="ranked")
     if hasattr(c, "ChunkKV"):  # the span wrapper, once the library has it

@@ -43,20 +43,41 @@ def global_keep(scores: Sequence[torch.Tensor], valid: Sequence[torch.Tensor], s
                 ratio: float, floor: float = 0.0, mode: str = "whole", count: str = "entries") -> list[torch.Tensor]:
     """Keep masks of every layer under one ranking (see the module docstring); ``sliding[i]``: layer ``i``
     has a sliding window. ``count="entries"``: the ranking alone; ``"bytes"``: the ranking sets each layer's
-    share, then every head of the layer keeps that share's mean count, its own best slots (``even_heads``)."""
+    share, then every head of the layer keeps that share's mean count, its own best slots (``even_heads``);
+    ``"padded"``: the ranking alone, cut short so that each layer padded to its fullest head fits the
+    budget (``_padded_row``)."""
     ranked = [_with_floor(s.float().masked_fill(~v, -INF), v, ratio, floor) for s, v in zip(scores, valid,
                                                                                              strict=True)]
     B = ranked[0].shape[0] if ranked else 0
     keeps = [torch.zeros_like(v) for v in valid]
     for b in range(B):
         candidates = sum(int(v[b].sum()) for v in valid)
-        chosen = _row([r[b].flatten() for r in ranked], [bool(s) for s in sliding],
-                      candidates - int(candidates * ratio), mode)
+        rows, flags, budget = [r[b].flatten() for r in ranked], [bool(s) for s in sliding], \
+            candidates - int(candidates * ratio)
+        chosen = _padded_row(rows, flags, budget, mode, [r.shape[1] for r in ranked]) if count == "padded" \
+            else _row(rows, flags, budget, mode)
         for i, kept in enumerate(chosen):
             keeps[i][b] = kept.view(ranked[i].shape[1:])
     if count == "bytes":
         keeps = even_heads([k & v for k, v in zip(keeps, valid, strict=True)], ranked, valid)
     return [k & v for k, v in zip(keeps, valid, strict=True)]
+
+
+def _padded_row(rows: list[torch.Tensor], sliding: list[bool], budget: int, mode: str,
+                heads: list[int]) -> list[torch.Tensor]:
+    """``_row`` with the most entries whose padded size (each layer's heads times its fullest head's count)
+    is within ``budget`` entries (a binary search over the ranking's length)."""
+    def padded(chosen: list[torch.Tensor]) -> int:
+        return sum(h * int(c.view(h, -1).sum(-1).max()) for c, h in zip(chosen, heads, strict=True) if c.numel())
+
+    low, high = 0, budget  # padded(_row(.., low)) <= budget holds for 0 (only forced +inf slots aside)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if padded(_row(rows, sliding, mid, mode)) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return _row(rows, sliding, low, mode)
 
 
 def even_heads(keeps: Sequence[torch.Tensor], scores: Sequence[torch.Tensor],

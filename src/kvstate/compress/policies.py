@@ -23,7 +23,7 @@ import torch
 from ..errors import InputError, UnsupportedError
 
 SLIDING_RANKS = ("whole", "ranked")
-COUNTS = ("bytes", "entries")
+COUNTS = ("entries", "bytes", "padded")
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,8 @@ class Ranking:
     ranks them with the others. ``count``: ``"entries"``, the ranking alone (heads differ; a layer pads its
     heads to the fullest one, so the bytes held exceed the entries kept); ``"bytes"``, each layer's heads
     keep equal counts (the ranking sets the layer's share), so the ratio is of the bytes held, at a cost in
-    accuracy (docs/compression.md).
+    accuracy (docs/compression.md); ``"padded"``, the ranking alone, cut short so that the layers padded to
+    their fullest heads hold the ratio's bytes.
     """
 
     floor: float = 0.0
