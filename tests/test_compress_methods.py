@@ -239,7 +239,7 @@ def test_the_floor_keeps_a_share_of_every_head():
     assert int(floored[0, 1].sum()) == int(0.5 * int(0.5 * 8)) and int(floored.sum()) == 8
 
 
-def test_counting_bytes_gives_every_head_of_a_layer_the_same_count_its_own_best_slots():
+def test_counting_bytes_evens_the_heads_of_a_layer_and_counting_padding_cuts_the_ranking_short():
     """``count="bytes"``: the ranking sets each layer's share (8 of 16 entries here, all of them head 0's); the
     layer's two heads then keep 4 each, so nothing pads: half the entries is half the bytes."""
     scores = [torch.tensor([[[9.0, 8, 7, 6, 5, 4, 3, 2], [-1.0, -1, -1, -1, -0.5, -0.5, -0.5, -0.5]]]),
@@ -260,6 +260,11 @@ def test_counting_bytes_gives_every_head_of_a_layer_the_same_count_its_own_best_
     counts = [k.sum(-1).tolist() for k in global_keep(three, [torch.ones(1, 2, 4, dtype=torch.bool)] * 3,
                                                        [False] * 3, ratio=0.68, count="bytes")]
     assert counts == [[[2, 2]], [[1, 1]], [[1, 1]]]
+    # count="padded": the ranking alone, cut to its 6 best so that each layer padded to its fullest head holds
+    # 2 x 2 + 2 x 2 + 0 = 8 entries (the 8 best would pad to 10)
+    cut = [k.sum(-1).tolist() for k in global_keep(three, [torch.ones(1, 2, 4, dtype=torch.bool)] * 3,
+                                                    [False] * 3, ratio=0.68, count="padded")]
+    assert cut == [[[2, 1]], [[1, 2]], [[0, 0]]]
 
 
 def test_sliding_layers_stay_whole_unless_the_ratio_asks_for_them():

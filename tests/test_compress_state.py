@@ -81,6 +81,12 @@ def test_per_head_state_file_round_trips_and_frees_bytes(tmp_path):
     assert counted.padding == 0 and counted.kv_bytes_after < report.kv_bytes_after
     for layer in even.state.layers:
         assert layer.slots == int(layer.valid.sum(-1).min())
+    cut = Session(tiny_model("llama"))
+    cut.extend(prompt(T))  # or the ranking alone, cut short until the padded layers hold half the bytes
+    padded = cut.compress(KVzip(0.5, count="padded"))
+    budget = report.window_entries // 2
+    assert padded.entries_after < budget and padded.entries_after + padded.padding <= budget
+    assert padded.kv_bytes_after <= counted.kv_bytes_after
 
 
 def test_a_shared_layout_file_keeps_version_2_and_old_readers_refuse_version_3(tmp_path):
