@@ -72,11 +72,12 @@ def agnostic(tokenizer: Any) -> dict[str, Callable[[float], Any]]:
         "StreamingLLM": lambda r: c.StreamingLLM(r, sinks=4),
         "Random": lambda r: c.Random(r, seed=0),
     }
-    # every head of a layer keeps as many slots (no padding: the ratio is of the bytes)
+    # the ratio of the entries kept (each layer's padding to its fullest head holds more bytes), and every head
+    # of a layer keeping as many slots (no padding)
+    table["KVzipEntries"] = lambda r: c.KVzip(r, count="entries")
+    table["ExpectedAttentionEntries"] = lambda r: c.ExpectedAttention(r, count="entries")
     table["KVzipBytes"] = lambda r: c.KVzip(r, count="bytes")
     table["ExpectedAttentionBytes"] = lambda r: c.ExpectedAttention(r, count="bytes")
-    # the ranking alone, cut short so that the padded layers hold the ratio's bytes
-    table["KVzipPadded"] = lambda r: c.KVzip(r, count="padded")
     # hybrid models (Gemma 3): every attention layer in one ranking even when the sliding layers could stay whole
     table["KVzipRanked"] = lambda r: c.KVzip(r, sliding="ranked")
     if hasattr(c, "ChunkKV"):  # the span wrapper, once the library has it

@@ -210,11 +210,16 @@ def summary(results: dict[str, dict]) -> dict:
 
 
 def _aware(r: dict) -> dict[str, object]:
-    """The best question-aware run at 25% kept: its share of the uncompressed accuracy and its policy."""
-    runs = {k: v for k, v in r["share_of_uncompressed"].items() if k.startswith("aware/") and k.endswith("/0.25")}
-    top = max(runs, key=lambda k: (runs[k], k), default=None)
-    return {"aware_at_25": None if top is None else runs[top],
-            "aware_at_25_policy": None if top is None else top.split("/")[1]}
+    """The best question-aware run at 25% kept: its share of the uncompressed accuracy, its policy and the
+    questions it was measured on (those every run covered, when the question-aware runs covered fewer)."""
+    for scored in (r, r.get("every_run") or {}):
+        runs = {k: v for k, v in scored.get("share_of_uncompressed", {}).items()
+                if k.startswith("aware/") and k.endswith("/0.25")}
+        top = max(runs, key=lambda k: (runs[k], k), default=None)
+        if top is not None:
+            return {"aware_at_25": runs[top], "aware_at_25_policy": top.split("/")[1],
+                    "aware_at_25_questions": scored["questions"]}
+    return {"aware_at_25": None, "aware_at_25_policy": None}
 
 
 def merge(tasks: dict, contexts: list[dict], folder: Path, models: list[str]) -> dict:

@@ -7,13 +7,14 @@ function of the scores alone.
 
 * ``layer_keep``: each head keeps its ``k`` best slots (kvpress's per-head selection).
 * ``global_keep``: one ranking across every layer and head (KVzip's): of the ``N`` candidate entries a
-  row holds, ``N - int(ratio * N)`` stay, so "50%" means half the K/V entries; with ``count="bytes"``
-  every head of a layer then keeps the same number (``even_heads``), so half the entries is half the
-  bytes. Each head first keeps ``int(floor * (1 - ratio) * n)`` of its ``n`` candidates (Ada-KV's
-  safeguard). With ``sliding="whole"`` the sliding-window layers stay whole while the full-attention
-  layers can give the whole ratio above their floors; otherwise every layer is ranked together, as with
-  ``sliding="ranked"`` (emptying the full layers first loses what only they hold: Gemma 3 retrieves
-  through them).
+  row holds, ``N - int(ratio * N)`` may be held, padding included (``count="padded"``, the default: the
+  ranking is cut short until the layers, each padded to its fullest head, fit), so "50%" means half the
+  K/V bytes; ``"entries"`` counts the kept entries alone (their padding holds more), ``"bytes"`` gives
+  every head of a layer the same number (``even_heads``). Each head first keeps
+  ``int(floor * (1 - ratio) * n)`` of its ``n`` candidates (Ada-KV's safeguard). With
+  ``sliding="whole"`` the sliding-window layers stay whole while the full-attention layers can give the
+  whole ratio above their floors; otherwise every layer is ranked together, as with ``sliding="ranked"``
+  (emptying the full layers first loses what only they hold: Gemma 3 retrieves through them).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def layer_keep(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tenso
 
 
 def global_keep(scores: Sequence[torch.Tensor], valid: Sequence[torch.Tensor], sliding: Sequence[bool],
-                ratio: float, floor: float = 0.0, mode: str = "whole", count: str = "entries") -> list[torch.Tensor]:
+                ratio: float, floor: float = 0.0, mode: str = "whole", count: str = "padded") -> list[torch.Tensor]:
     """Keep masks of every layer under one ranking (see the module docstring); ``sliding[i]``: layer ``i``
     has a sliding window. ``count="entries"``: the ranking alone; ``"bytes"``: the ranking sets each layer's
     share, then every head of the layer keeps that share's mean count, its own best slots (``even_heads``);

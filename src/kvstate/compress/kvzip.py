@@ -38,7 +38,7 @@ class KVzip(Ranked):
         softmax: ``"chunk"``, the reference's score; ``"model"``, the peak of the model's own attention over
             every key its layer sees (eager weights; the earlier kvstate score).
         normalize: KVzip+'s normalisation.
-        heads, scope, floor, sliding: ``Ranked``. ``KVzip(r, prompt=..., softmax="model", heads=False,
+        heads, scope, floor, sliding, count: ``Ranked``. ``KVzip(r, prompt=..., softmax="model", heads=False,
             scope="layer")`` is kvstate's earlier KVzip.
     """
 

@@ -77,16 +77,16 @@ class Ranking:
     ``floor``: each head keeps at least ``floor`` of its share of the budget (Ada-KV's safeguard);
     ``sliding``: ``"whole"`` keeps sliding-window layers whole unless the full-attention layers cannot
     give the whole ratio above their floors (then every layer is ranked together); ``"ranked"`` always
-    ranks them with the others. ``count``: ``"entries"``, the ranking alone (heads differ; a layer pads its
-    heads to the fullest one, so the bytes held exceed the entries kept); ``"bytes"``, each layer's heads
-    keep equal counts (the ranking sets the layer's share), so the ratio is of the bytes held, at a cost in
-    accuracy (docs/compression.md); ``"padded"``, the ranking alone, cut short so that the layers padded to
-    their fullest heads hold the ratio's bytes.
+    ranks them with the others. ``count``: what the ratio is of. ``"padded"`` (the default): the bytes held;
+    the ranking alone (heads keep unequal counts), cut short so that the layers, each padded to its fullest
+    head, hold ``1 - ratio`` of the bytes. ``"entries"``: the entries; the ranking alone, whose padding then
+    holds more bytes. ``"bytes"``: the bytes, every head of a layer keeping the same count (the ranking sets
+    the layer's share), which loses more of the answer (docs/compression.md).
     """
 
     floor: float = 0.0
     sliding: str = "whole"
-    count: str = "entries"
+    count: str = "padded"
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class Ranked(Policy):
     scope: str = "global"
     floor: float = 0.0
     sliding: str = "whole"
-    count: str = "entries"
+    count: str = "padded"
 
     def __post_init__(self) -> None:
         super().__post_init__()
