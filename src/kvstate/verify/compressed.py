@@ -98,13 +98,12 @@ def per_head_row(m: Matrix) -> None:
 
 
 def masked_floor(m: Matrix, state: State, reference: Result) -> Floor:
-    """The matrix's floor, widened by the masked reference against itself: its prefix fed whole and split at a
-    quarter and three quarters of the history instead of the state's chunks. A compressed history is another
-    history, whose near-ties the uncompressed one's floor does not see; plain transformers' own spread on it is
-    what a kvstate path may show."""
+    """The matrix's floor, widened by the masked reference against itself: its prefix fed whole instead of in
+    the state's chunks (one more run). A compressed history is another history, whose near-ties the
+    uncompressed one's floor does not see; plain transformers' own spread on it is what a kvstate path may
+    show."""
     worst, splits = m.floor, list(m.floor.splits)
-    L = m.ids.shape[1]
-    for split in sorted({0, max(1, L // 4), max(1, 3 * L // 4)} - {m.chunk}):
+    for split in sorted({0} - {m.chunk}):
         row = compare("floor", "plain", "", *masked_greedy(m.model, m.ids, m.n, state, split), *reference)
         splits.append(split)
         worst = replace(worst, max_abs=max(worst.max_abs, row.max_abs), relative=max(worst.relative, row.relative),
