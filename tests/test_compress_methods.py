@@ -28,6 +28,25 @@ T = 3 * WINDOW
 
 
 # ----- KVzip ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal,groups", [(False, 1), (False, 3), (True, 3)])
+def test_attention_lse_is_softmax_and_its_normaliser(causal, groups):
+    """The kernel KVzip scores through, and its blocked fallback (CUDA float32, a torch without the CPU op):
+    the output and log-sum-exp of the written-out softmax, grouped K/V heads read as ``repeat_kv`` reads them."""
+    from kvstate._compat import lse
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (700, 700) if causal else (700, 300)
+    query = torch.randn(1, 3 * groups, q, 16, generator=g)
+    key, value = torch.randn(1, 3, k, 16, generator=g), torch.randn(1, 3, k, 16, generator=g)
+    logits = query @ repeat_kv(key, groups).transpose(-1, -2) * 0.3
+    if causal:
+        logits = logits.masked_fill(torch.ones(q, k, dtype=torch.bool).triu(1), float("-inf"))
+    want_out, want_lse = logits.softmax(-1) @ repeat_kv(value, groups), logits.logsumexp(-1)
+    for out, norm in (lse.attention_lse(query, key, value, 0.3, causal), lse._math(query, key, value, 0.3, causal)):
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(norm, want_lse, atol=1e-5, rtol=1e-5)
+
+
 def _plain_context(model, ids):
     """The context's cache from one plain forward."""
     cache = DynamicCache(config=model.config)
@@ -46,6 +65,7 @@ def _queries_of(model, ids, cache):
             q = module.q_proj(h).view(*h.shape[:2], -1, module.head_dim).transpose(1, 2)
             cos, sin = kwargs["position_embeddings"]
             out[i] = apply_rotary_pos_emb(q, q, cos, sin)[0]
+            out[("norm", i)] = h.norm(dim=-1)  # [B, n]: KVzip+ divides each row by it
         hooks.append(layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():
@@ -57,9 +77,10 @@ def _queries_of(model, ids, cache):
     return out
 
 
-def kvpress_kvzip(model, ids, chunk, sinks=4):
+def kvpress_kvzip(model, ids, chunk, sinks=4, plus=False):
     """``[L][B, H, T]`` KVzip scores as kvpress computes them (re-read with no instruction, as a model without
-    a tokenizer gets; chunks after the previous chunk's last 8 tokens)."""
+    a tokenizer gets; chunks after the previous chunk's last 8 tokens); ``plus``: with KVzip+'s normalisation
+    (``kvzip_plus_normalization``: rows over the norm of the attention's input, columns times ``||W_o v||``)."""
     T_ = ids.shape[1]
     scores = [torch.zeros(1, model.config.num_key_value_heads, T_) for _ in model.model.layers]
     for start in range(0, T_, chunk):
@@ -68,6 +89,8 @@ def kvpress_kvzip(model, ids, chunk, sinks=4):
         cache = _plain_context(model, ids)
         queries = _queries_of(model, feed, cache)
         for i, q in queries.items():
+            if not isinstance(i, int):
+                continue
             keys = cache.layers[i].keys  # context + re-read, post-RoPE
             B, Hq, n, D = q.shape
             H = keys.shape[1]
@@ -78,18 +101,27 @@ def kvpress_kvzip(model, ids, chunk, sinks=4):
                 torch.arange(n)[None, :] <= torch.arange(n)[:, None], 0.0)
             w[..., -n:, -n:] += mask
             w = w.softmax(-1)[..., sink:sink + end - start]
+            if plus:
+                attn = model.model.layers[i].self_attn
+                Wo = attn.o_proj.weight.view(-1, H, Hq // H, D)  # [hidden, H, G, Dv]
+                values = cache.layers[i].values[:, :, start:end]
+                column = torch.einsum("jhgi,bhti->bhgtj", Wo, values).norm(dim=-1)  # [B, H, G, t]
+                w = w / queries[("norm", i)][:, None, None, :, None] * column[:, :, :, None, :]
             scores[i][..., start:end] = w.amax(dim=(-3, -2))
     return scores
 
 
-@pytest.mark.parametrize("chunk", [T, 16])
-def test_kvzip_scores_are_kvpress_scores(chunk):
+@pytest.mark.parametrize("chunk,plus", [(T, False), (16, False), (T, True), (16, True)])
+def test_kvzip_scores_are_kvpress_scores(chunk, plus):
+    """Scored from each query's log-sum-exp (``_compat.lse``), KVzip's and KVzip+'s scores are the
+    reference's softmax probabilities, one chunk over the whole state (the layer's output then comes from the
+    scoring's own kernels too) or many."""
     model = tiny_model("llama")
     ids = prompt(T)
     s = Session(model)
     s.extend(ids)
-    seen, _ = watch(s._engine, model, s.state, KVzip(0.5, chunk=chunk).needs(), None)
-    expected = kvpress_kvzip(model, ids, chunk)
+    seen, _ = watch(s._engine, model, s.state, KVzip(0.5, chunk=chunk, normalize=plus).needs(), None)
+    expected = kvpress_kvzip(model, ids, chunk, plus=plus)
     for i, layer_seen in seen.items():
         torch.testing.assert_close(layer_seen.reread, expected[i], atol=1e-5, rtol=1e-4, msg=f"layer {i}")
 

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .._compat.lse import attention_lse
 from .._compat.watch import Watched
 from ..errors import UnsupportedError
 from ..layers import AttentionLayerState, attention_of
 from ..state import State
 from .template import Reread
 
-_ROWS = 512  # re-read queries scored at once (bounds the score matrix)
+_ROWS = 64  # re-read queries scored at once: the block of logits stays in cache (bench_kvzip_cost.py)
 
 
 @dataclass(frozen=True)
@@ -130,38 +131,68 @@ def _score(watched: Watched, keys: torch.Tensor, values: torch.Tensor, allowed: 
            attend: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[B, H, C]``: the most attention any re-read query of each head's group pays each of the ``C`` state
     slots ``keys`` ``[B, H, C, D]`` (``allowed`` ``[B, H, C]``: in the softmax for that head); with ``attend``
-    (the values ``[B, H, C + q, Dv]`` of those slots and of the re-read), also the attention output
-    ``[B, Hq, q, Dv]`` of that softmax.
+    (the values ``[B, H, C + q, Dv]`` of those slots and of the re-read; every slot allowed), also the
+    attention output ``[B, Hq, q, Dv]`` of that softmax.
 
-    One matrix per block of queries, the state's columns then the re-read's own, worked on in place: the
-    scoring is memory-bound, so each pass over it counts (``bench/bench_kvzip_cost.py``)."""
-    query, own = watched.query.float(), watched.key[:, :, -watched.query.shape[2]:].float()
-    B, Hq, q, D = query.shape
+    The softmax's normaliser ``lse`` of each query comes first (``_normaliser``); a slot's score is then
+    ``exp(max(q . k - lse))``: one matrix product and one max per block of queries, no softmax pass over the
+    matrix (the scoring is memory-bound: ``bench/bench_kvzip_cost.py``)."""
+    B, Hq, q, D = watched.query.shape
     H, C = keys.shape[1], keys.shape[2]
     G = Hq // H
-    queries = query.view(B, H, G, q, D) * D ** -0.5  # a power of two for D = 4^k: exactly (q . k) / sqrt(D)
-    columns = torch.cat([keys.float(), own], dim=2)[:, :, None].transpose(-1, -2)  # [B, H, 1, D, C + q]
-    column = _column_norms(watched, values, G) if watched.out_proj is not None else None  # [B, H, G, C]
-    mixed = None if attend is None else attend.float()[:, :, None]  # [B, H, 1, C + q, Dv]
-    best, outs = torch.zeros((B, H, C), dtype=torch.float32, device=query.device), []
-    hidden = None if bool(allowed.all()) else (~allowed)[:, :, None, None, :]
+    queries = (watched.query.float() * D ** -0.5).view(B, H, G, q, D)  # a power of two for D = 4^k: exact
+    keys = keys.float()
+    hidden = None if bool(allowed.all()) else (~allowed).reshape(B * H, 1, C)
+    lse, out = _normaliser(watched, queries, keys, hidden, attend)  # [B, H, G, q]
+    plus = watched.hidden_norm is not None and watched.out_proj is not None  # KVzip+: rows / ||h||, columns * ||W_o v||
+    bias = lse + watched.hidden_norm.float().log()[:, None, None] if plus else lse  # type: ignore[union-attr]
+    best = torch.empty((B, H, G, C), dtype=torch.float32, device=keys.device)
+    columns = keys.reshape(B * H, C, D).transpose(1, 2)
     for r0 in range(0, q, _ROWS):
-        rows = queries[:, :, :, r0:r0 + _ROWS]  # [B, H, G, r, D]
-        r = rows.shape[3]
-        logits = rows @ columns  # [B, H, G, r, C + q]
+        r = min(_ROWS, q - r0)
+        rows = queries[:, :, :, r0:r0 + r].reshape(B * H, G * r, D)
+        logits = torch.baddbmm(bias[:, :, :, r0:r0 + r].reshape(B * H, G * r, 1).neg(), rows, columns)
         if hidden is not None:
-            logits[..., :C].masked_fill_(hidden, float("-inf"))
-        future = torch.arange(q, device=query.device)[None, :] > torch.arange(r0, r0 + r, device=query.device)[:, None]
-        logits[..., C:].masked_fill_(future, float("-inf"))
-        weights = logits.softmax(-1)  # one fused pass (the row always holds its own token)
-        if mixed is not None:
-            outs.append(weights @ mixed)  # [B, H, G, r, Dv]
-        probs = weights[..., :C]
-        if watched.hidden_norm is not None and column is not None:  # KVzip+
-            probs = probs.div_(watched.hidden_norm[:, None, None, r0:r0 + r, None].float()).mul_(column[:, :, :, None])
-        best = torch.maximum(best, probs.amax(dim=(2, 3)))
-    out = torch.cat(outs, dim=3).view(B, Hq, q, -1) if outs else None
-    return best, out
+            logits.masked_fill_(hidden, float("-inf"))
+        peak = logits.view(B, H, G, r, C).amax(dim=3)
+        best = peak if r0 == 0 else torch.maximum(best, peak)
+    best = best.exp_()
+    if plus:
+        best = best.mul_(_column_norms(watched, values, G))  # [B, H, G, C]
+    return best.amax(dim=2), out
+
+
+def _normaliser(watched: Watched, queries: torch.Tensor, keys: torch.Tensor, hidden: torch.Tensor | None,
+                attend: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``lse`` ``[B, H, G, q]`` of the reference's softmax (the allowed state slots, then the re-read causally;
+    ``queries`` already scaled), and with ``attend`` its output ``[B, Hq, q, Dv]``: the state's part and the
+    re-read's part each in one kernel call (``attention_lse``), merged by their normalisers."""
+    B, H, G, q, D = queries.shape
+    C = keys.shape[2]
+    own = watched.key[:, :, -q:].float()
+    own_values = attend[:, :, C:].float() if attend is not None else own  # the flash op wants Dv == D
+    o2, l2 = attention_lse(queries.view(B, H * G, q, D), own, own_values, 1.0, causal=True)
+    l2 = l2.reshape(B, H, G, q)  # the kernels' outputs may be strided
+    if hidden is None:
+        state_values = attend[:, :, :C].float() if attend is not None else keys
+        o1, l1 = attention_lse(queries.reshape(B, H, G * q, D), keys, state_values, 1.0, causal=False)
+        l1 = l1.reshape(B, H, G, q)
+    else:
+        o1, l1 = None, torch.cat([_masked_lse(queries[:, :, :, r0:r0 + _ROWS], keys, hidden)
+                                  for r0 in range(0, q, _ROWS)], dim=3)
+    lse = torch.logaddexp(l1, l2)
+    if attend is None or o1 is None:
+        return lse, None
+    share = [(part - lse).exp()[..., None] for part in (l1, l2)]  # each part's weight in the whole softmax
+    out = o1.reshape(B, H, G, q, -1) * share[0] + o2.reshape(B, H, G, q, -1) * share[1]
+    return lse, out.reshape(B, H * G, q, -1)
+
+
+def _masked_lse(rows: torch.Tensor, keys: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``[B, H, G, r]``: log-sum-exp of ``rows`` ``[B, H, G, r, D]`` over the allowed slots of ``keys``."""
+    B, H, G, r, D = rows.shape
+    logits = torch.bmm(rows.reshape(B * H, G * r, D), keys.reshape(B * H, -1, D).transpose(1, 2))
+    return logits.masked_fill_(hidden, float("-inf")).logsumexp(-1).view(B, H, G, r)
 
 
 def _column_norms(watched: Watched, values: torch.Tensor, groups: int) -> torch.Tensor:
