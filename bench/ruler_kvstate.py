@@ -75,6 +75,8 @@ def agnostic(tokenizer: Any) -> dict[str, Callable[[float], Any]]:
     # the ratio of the entries kept (each layer's padding to its fullest head holds more bytes), and every head
     # of a layer keeping as many slots (no padding)
     table["KVzipEntries"] = lambda r: c.KVzip(r, count="entries")
+    table["KVzipFilled"] = lambda r: c.KVzip(r, count="filled")
+    table["ExpectedAttentionFilled"] = lambda r: c.ExpectedAttention(r, count="filled")
     table["ExpectedAttentionEntries"] = lambda r: c.ExpectedAttention(r, count="entries")
     table["KVzipBytes"] = lambda r: c.KVzip(r, count="bytes")
     table["ExpectedAttentionBytes"] = lambda r: c.ExpectedAttention(r, count="bytes")

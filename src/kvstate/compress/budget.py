@@ -10,8 +10,9 @@ function of the scores alone.
   row holds, ``N - int(ratio * N)`` may be held, padding included (``count="padded"``, the default: the
   ranking is cut short until the layers, each padded to its fullest head, fit), so "50%" means half the
   K/V bytes; ``"entries"`` counts the kept entries alone (their padding holds more), ``"bytes"`` gives
-  every head of a layer the same number (``even_heads``). Each head first keeps
-  ``int(floor * (1 - ratio) * n)`` of its ``n`` candidates (Ada-KV's safeguard). With
+  every head of a layer the same number (``even_heads``), ``"filled"`` is ``"padded"`` with every head then
+  keeping as many as the layer's fullest (``fill_heads``: its next-best slots, in bytes already held).
+  Each head first keeps ``int(floor * (1 - ratio) * n)`` of its ``n`` candidates (Ada-KV's safeguard). With
   ``sliding="whole"`` the sliding-window layers stay whole while the full-attention layers can give the
   whole ratio above their floors; otherwise every layer is ranked together, as with ``sliding="ranked"``
   (emptying the full layers first loses what only they hold: Gemma 3 retrieves through them).
@@ -55,12 +56,14 @@ def global_keep(scores: Sequence[torch.Tensor], valid: Sequence[torch.Tensor], s
         candidates = sum(int(v[b].sum()) for v in valid)
         rows, flags, budget = [r[b].flatten() for r in ranked], [bool(s) for s in sliding], \
             candidates - int(candidates * ratio)
-        chosen = _padded_row(rows, flags, budget, mode, [r.shape[1] for r in ranked]) if count == "padded" \
+        chosen = _padded_row(rows, flags, budget, mode, [r.shape[1] for r in ranked]) if count in ("padded", "filled") \
             else _row(rows, flags, budget, mode)
         for i, kept in enumerate(chosen):
             keeps[i][b] = kept.view(ranked[i].shape[1:])
     if count == "bytes":
         keeps = even_heads([k & v for k, v in zip(keeps, valid, strict=True)], ranked, valid)
+    elif count == "filled":
+        keeps = fill_heads([k & v for k, v in zip(keeps, valid, strict=True)], ranked, valid)
     return [k & v for k, v in zip(keeps, valid, strict=True)]
 
 
@@ -101,6 +104,19 @@ def even_heads(keeps: Sequence[torch.Tensor], scores: Sequence[torch.Tensor],
                 each[i], left = each[i] + 1, left - heads[i]
         for i, k in enumerate(each):
             out[i][b] = layer_keep(scores[i][b:b + 1], valid[i][b:b + 1], k)[0]
+    return out
+
+
+def fill_heads(keeps: Sequence[torch.Tensor], scores: Sequence[torch.Tensor],
+               valid: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Every head of a layer keeps as many slots as the layer's fullest head in ``keeps``, its own best: the
+    padded ``[B, H, S', D]`` tensor holds those bytes anyway. Each head's kept slots are its best-scored, so
+    its keep set only grows."""
+    out = []
+    for k, s, v in zip(keeps, scores, valid, strict=True):
+        rows = [layer_keep(s[b:b + 1], v[b:b + 1], int(k[b].sum(-1).max()))[0] if k[b].numel() else k[b]
+                for b in range(k.shape[0])]
+        out.append(torch.stack(rows) if rows else k)
     return out
 
 

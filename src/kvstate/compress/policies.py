@@ -23,7 +23,7 @@ import torch
 from ..errors import InputError, UnsupportedError
 
 SLIDING_RANKS = ("whole", "ranked")
-COUNTS = ("entries", "bytes", "padded")
+COUNTS = ("entries", "bytes", "padded", "filled")
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ class Ranking:
     the ranking alone (heads keep unequal counts), cut short so that the layers, each padded to its fullest
     head, hold ``1 - ratio`` of the bytes. ``"entries"``: the entries; the ranking alone, whose padding then
     holds more bytes. ``"bytes"``: the bytes, every head of a layer keeping the same count (the ranking sets
-    the layer's share), which loses more of the answer (docs/compression.md).
+    the layer's share), which loses more of the answer (docs/compression.md). ``"filled"``: ``"padded"``,
+    then every head fills its layer's padded row with its own next-best slots (the bytes are held anyway).
     """
 
     floor: float = 0.0
