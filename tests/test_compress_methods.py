@@ -305,7 +305,7 @@ def test_counting_bytes_evens_the_heads_of_a_layer_and_counting_padding_cuts_the
     assert filled[0][0, 1].tolist() == [True, True, False, False]  # head 1 adds its next best: a tie, the earliest
 
 
-def test_sliding_layers_stay_whole_unless_the_ratio_asks_for_them():
+def test_sliding_layers_stay_whole_unless_the_ratio_asks_for_them_then_the_full_layers_do():
     full = torch.arange(20.0).view(1, 1, 20)  # one full layer, 20 slots
     window = torch.full((1, 1, 10), 100.0)  # one sliding layer, 10 slots, scored above all
     valid = [torch.ones(1, 1, 20, dtype=torch.bool), torch.ones(1, 1, 10, dtype=torch.bool)]
@@ -314,8 +314,16 @@ def test_sliding_layers_stay_whole_unless_the_ratio_asks_for_them():
     ranked = global_keep([full, -window], valid, [False, True], ratio=0.3, mode="ranked")
     assert int(ranked[1].sum()) == 1  # ranked with the rest, the low-scored window goes first
     heavy = global_keep([full, window], valid, [False, True], ratio=0.8, floor=0.25)  # 24 to drop of 30
-    assert int(heavy[0].sum()) == int(0.25 * int(0.2 * 20))  # the full layer keeps its floor only
+    assert int(heavy[0].sum()) == int(0.25 * int(0.2 * 20))  # neither kind can stay whole: ranked together
     assert int(heavy[0].sum()) + int(heavy[1].sum()) == 30 - int(30 * 0.8)
+    # Gemma 3's case: the sliding layers hold most slots. 18 of 30 stay: the sliding layer (20) cannot stay
+    # whole, the full one (10) can, so it does, and the sliding layer keeps its 8 best, scored above it or not
+    few, many = torch.arange(10.0).view(1, 1, 10), torch.arange(20.0).view(1, 1, 20)
+    valid = [torch.ones(1, 1, 10, dtype=torch.bool), torch.ones(1, 1, 20, dtype=torch.bool)]
+    kept = global_keep([few, many], valid, [False, True], ratio=0.4)
+    assert bool(kept[0].all()) and kept[1][0, 0].nonzero().flatten().tolist() == list(range(12, 20))
+    together = global_keep([few, many], valid, [False, True], ratio=0.4, mode="ranked")
+    assert int(together[0].sum()) == 4  # one ranking: the full layer gives 6 of its 10
 
 
 def test_layer_budget_keeps_k_per_head_and_prefers_earlier_slots_on_ties():

@@ -14,8 +14,10 @@ function of the scores alone.
   keeping as many as the layer's fullest (``fill_heads``: its next-best slots, in bytes already held).
   Each head first keeps ``int(floor * (1 - ratio) * n)`` of its ``n`` candidates (Ada-KV's safeguard). With
   ``sliding="whole"`` the sliding-window layers stay whole while the full-attention layers can give the
-  whole ratio above their floors; otherwise every layer is ranked together, as with ``sliding="ranked"``
-  (emptying the full layers first loses what only they hold: Gemma 3 retrieves through them).
+  whole ratio above their floors; when they cannot, the full layers stay whole while the sliding layers can
+  give it (ranked among themselves); only then is every layer ranked together, as ``sliding="ranked"``
+  always does. Gemma 3 retrieves through its few full layers: emptying them first loses every answer, and
+  ranking them with the sliding layers loses a quarter on RULER, keeping them whole far less.
 """
 
 from __future__ import annotations
@@ -141,10 +143,15 @@ def _row(rows: list[torch.Tensor], sliding: list[bool], budget: int, mode: str) 
     slide = [i for i, s in enumerate(sliding) if s]
     window = sum(int((rows[i] > -INF).sum()) for i in slide)
     forced = sum(int((rows[i] == INF).sum()) for i in full)
-    if budget < window + forced:  # the sliding layers cannot stay whole: one ranking decides
-        return _top(rows, budget)
-    out: list[torch.Tensor] = [rows[i] > -INF for i in range(len(rows))]  # sliding layers whole
-    for i, kept in zip(full, _top([rows[i] for i in full], budget - window), strict=True):
+    out: list[torch.Tensor] = [rows[i] > -INF for i in range(len(rows))]
+    if budget >= window + forced:  # the sliding layers stay whole, the full layers give the ratio
+        give, rest = full, budget - window
+    else:  # the full layers stay whole and the sliding ones give, else one ranking decides
+        held = sum(int((rows[i] > -INF).sum()) for i in full)
+        if budget < held + sum(int((rows[i] == INF).sum()) for i in slide):
+            return _top(rows, budget)
+        give, rest = slide, budget - held
+    for i, kept in zip(give, _top([rows[i] for i in give], rest), strict=True):
         out[i] = kept
     return out
 

@@ -76,7 +76,8 @@ class Ranking:
 
     ``floor``: each head keeps at least ``floor`` of its share of the budget (Ada-KV's safeguard);
     ``sliding``: ``"whole"`` keeps sliding-window layers whole unless the full-attention layers cannot
-    give the whole ratio above their floors (then every layer is ranked together); ``"ranked"`` always
+    give the whole ratio above their floors (then the full layers stay whole and the sliding ones give it,
+    and where neither kind can, every layer is ranked together); ``"ranked"`` always
     ranks them with the others. ``count``: what the ratio is of. ``"padded"`` (the default): the bytes held;
     the ranking alone (heads keep unequal counts), cut short so that the layers, each padded to its fullest
     head, hold ``1 - ratio`` of the bytes. ``"entries"``: the entries; the ranking alone, whose padding then
