@@ -72,11 +72,11 @@ def agnostic(tokenizer: Any) -> dict[str, Callable[[float], Any]]:
         "StreamingLLM": lambda r: c.StreamingLLM(r, sinks=4),
         "Random": lambda r: c.Random(r, seed=0),
     }
-    # the ratio of the entries kept (each layer's padding to its fullest head holds more bytes), and every head
-    # of a layer keeping as many slots (no padding)
+    # the ratio of the entries kept (each layer's padding to its fullest head holds more bytes), every head of
+    # a layer keeping as many slots (no padding), and the padded cut unfilled (the default before "filled")
     table["KVzipEntries"] = lambda r: c.KVzip(r, count="entries")
-    table["KVzipFilled"] = lambda r: c.KVzip(r, count="filled")
-    table["ExpectedAttentionFilled"] = lambda r: c.ExpectedAttention(r, count="filled")
+    table["KVzipPadded"] = lambda r: c.KVzip(r, count="padded")
+    table["ExpectedAttentionPadded"] = lambda r: c.ExpectedAttention(r, count="padded")
     table["ExpectedAttentionEntries"] = lambda r: c.ExpectedAttention(r, count="entries")
     table["KVzipBytes"] = lambda r: c.KVzip(r, count="bytes")
     table["ExpectedAttentionBytes"] = lambda r: c.ExpectedAttention(r, count="bytes")

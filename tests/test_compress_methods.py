@@ -292,15 +292,13 @@ def test_counting_bytes_evens_the_heads_of_a_layer_and_counting_padding_cuts_the
     counts = [k.sum(-1).tolist() for k in global_keep(three, [torch.ones(1, 2, 4, dtype=torch.bool)] * 3,
                                                        [False] * 3, ratio=0.68, count="bytes")]
     assert counts == [[[2, 2]], [[1, 1]], [[1, 1]]]
-    # count="padded" (the default): the ranking alone, cut to its 6 best so that each layer padded to its
-    # fullest head holds 2 x 2 + 2 x 2 + 0 = 8 entries (the 8 best would pad to 10)
-    cut = [k.sum(-1).tolist() for k in global_keep(three, [torch.ones(1, 2, 4, dtype=torch.bool)] * 3,
-                                                    [False] * 3, ratio=0.68)]  # the default
-    assert cut == [[[2, 1]], [[1, 2]], [[0, 0]]]
-    # count="filled": the same cut, then each head fills its layer's padded row with its next-best slots
-    filled = global_keep(three, [torch.ones(1, 2, 4, dtype=torch.bool)] * 3, [False] * 3, ratio=0.68, count="filled")
+    # count="padded": the ranking alone, cut to its 6 best so that each layer padded to its fullest head
+    # holds 2 x 2 + 2 x 2 + 0 = 8 entries (the 8 best would pad to 10)
+    padded = global_keep(three, [torch.ones(1, 2, 4, dtype=torch.bool)] * 3, [False] * 3, ratio=0.68, count="padded")
+    assert [k.sum(-1).tolist() for k in padded] == [[[2, 1]], [[1, 2]], [[0, 0]]]
+    # count="filled" (the default): the same cut, then each head fills its layer's padded row with its next-best
+    filled = global_keep(three, [torch.ones(1, 2, 4, dtype=torch.bool)] * 3, [False] * 3, ratio=0.68)
     assert [k.sum(-1).tolist() for k in filled] == [[[2, 2]], [[2, 2]], [[0, 0]]]
-    padded = global_keep(three, [torch.ones(1, 2, 4, dtype=torch.bool)] * 3, [False] * 3, ratio=0.68)
     assert all(bool((f | ~p).all()) for f, p in zip(filled, padded, strict=True))  # every slot the cut kept stays
     assert filled[0][0, 1].tolist() == [True, True, False, False]  # head 1 adds its next best: a tie, the earliest
 

@@ -7,11 +7,11 @@ function of the scores alone.
 
 * ``layer_keep``: each head keeps its ``k`` best slots (kvpress's per-head selection).
 * ``global_keep``: one ranking across every layer and head (KVzip's): of the ``N`` candidate entries a
-  row holds, ``N - int(ratio * N)`` may be held, padding included (``count="padded"``, the default: the
-  ranking is cut short until the layers, each padded to its fullest head, fit), so "50%" means half the
-  K/V bytes; ``"entries"`` counts the kept entries alone (their padding holds more), ``"bytes"`` gives
-  every head of a layer the same number (``even_heads``), ``"filled"`` is ``"padded"`` with every head then
-  keeping as many as the layer's fullest (``fill_heads``: its next-best slots, in bytes already held).
+  row holds, ``N - int(ratio * N)`` may be held, padding included, so "50%" means half the K/V bytes:
+  ``count="filled"`` (the default) cuts the ranking short until the layers, each padded to its fullest
+  head, fit, then every head keeps as many as its layer's fullest (``fill_heads``: its next-best slots,
+  in bytes held anyway); ``"padded"`` is the cut alone; ``"entries"`` counts the kept entries alone (their
+  padding holds more); ``"bytes"`` gives every head of a layer the same number (``even_heads``).
   Each head first keeps ``int(floor * (1 - ratio) * n)`` of its ``n`` candidates (Ada-KV's safeguard). With
   ``sliding="whole"`` the sliding-window layers stay whole while the full-attention layers can give the
   whole ratio above their floors; when they cannot, the full layers stay whole while the sliding layers can
@@ -44,7 +44,7 @@ def layer_keep(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tenso
 
 
 def global_keep(scores: Sequence[torch.Tensor], valid: Sequence[torch.Tensor], sliding: Sequence[bool],
-                ratio: float, floor: float = 0.0, mode: str = "whole", count: str = "padded") -> list[torch.Tensor]:
+                ratio: float, floor: float = 0.0, mode: str = "whole", count: str = "filled") -> list[torch.Tensor]:
     """Keep masks of every layer under one ranking (see the module docstring); ``sliding[i]``: layer ``i``
     has a sliding window. ``count="entries"``: the ranking alone; ``"bytes"``: the ranking sets each layer's
     share, then every head of the layer keeps that share's mean count, its own best slots (``even_heads``);

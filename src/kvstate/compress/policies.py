@@ -78,17 +78,17 @@ class Ranking:
     ``sliding``: ``"whole"`` keeps sliding-window layers whole unless the full-attention layers cannot
     give the whole ratio above their floors (then the full layers stay whole and the sliding ones give it,
     and where neither kind can, every layer is ranked together); ``"ranked"`` always
-    ranks them with the others. ``count``: what the ratio is of. ``"padded"`` (the default): the bytes held;
-    the ranking alone (heads keep unequal counts), cut short so that the layers, each padded to its fullest
-    head, hold ``1 - ratio`` of the bytes. ``"entries"``: the entries; the ranking alone, whose padding then
-    holds more bytes. ``"bytes"``: the bytes, every head of a layer keeping the same count (the ranking sets
-    the layer's share), which loses more of the answer (docs/compression.md). ``"filled"``: ``"padded"``,
-    then every head fills its layer's padded row with its own next-best slots (the bytes are held anyway).
+    ranks them with the others. ``count``: what the ratio is of. ``"filled"`` (the default): the bytes held;
+    the ranking, cut short so that the layers, each padded to its fullest head, hold ``1 - ratio`` of the
+    bytes, then every head fills its layer's row with its own next-best slots (those bytes are held anyway).
+    ``"padded"``: the same cut, unfilled (heads keep unequal counts). ``"entries"``: the entries; the ranking
+    alone, whose padding then holds more bytes. ``"bytes"``: the bytes, every head of a layer keeping the
+    same count (the ranking sets the layer's share), which loses more of the answer (docs/compression.md).
     """
 
     floor: float = 0.0
     sliding: str = "whole"
-    count: str = "padded"
+    count: str = "filled"
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ class Ranked(Policy):
     scope: str = "global"
     floor: float = 0.0
     sliding: str = "whole"
-    count: str = "padded"
+    count: str = "filled"
 
     def __post_init__(self) -> None:
         super().__post_init__()
