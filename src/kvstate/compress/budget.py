@@ -17,7 +17,8 @@ function of the scores alone.
   whole ratio above their floors; when they cannot, the full layers stay whole while the sliding layers can
   give it (ranked among themselves); only then is every layer ranked together, as ``sliding="ranked"``
   always does. Gemma 3 retrieves through its few full layers: emptying them first loses every answer, and
-  ranking them with the sliding layers loses a quarter on RULER, keeping them whole far less.
+  on RULER ranking them with the sliding layers loses more than keeping them whole (a single pass key
+  favours the one ranking: docs/benchmarks.md).
 """
 
 from __future__ import annotations
