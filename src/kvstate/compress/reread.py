@@ -146,7 +146,7 @@ def _score(watched: Watched, keys: torch.Tensor, values: torch.Tensor, allowed: 
     lse, out = _normaliser(watched, queries, keys, hidden, attend)  # [B, H, G, q]
     plus = watched.hidden_norm is not None and watched.out_proj is not None  # KVzip+: rows / ||h||, columns * ||W_o v||
     bias = lse + watched.hidden_norm.float().log()[:, None, None] if plus else lse  # type: ignore[union-attr]
-    best = torch.empty((B, H, G, C), dtype=torch.float32, device=keys.device)
+    best: torch.Tensor | None = None  # [B, H, G, C]: the largest q . k - lse over the rows so far
     columns = keys.reshape(B * H, C, D).transpose(1, 2)
     for r0 in range(0, q, _ROWS):
         r = min(_ROWS, q - r0)
@@ -155,7 +155,8 @@ def _score(watched: Watched, keys: torch.Tensor, values: torch.Tensor, allowed: 
         if hidden is not None:
             logits.masked_fill_(hidden, float("-inf"))
         peak = logits.view(B, H, G, r, C).amax(dim=3)
-        best = peak if r0 == 0 else torch.maximum(best, peak)
+        best = peak if best is None else torch.maximum(best, peak)
+    assert best is not None  # a re-read feeds at least one token
     best = best.exp_()
     if plus:
         best = best.mul_(_column_norms(watched, values, G))  # [B, H, G, C]
