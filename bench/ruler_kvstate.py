@@ -73,12 +73,17 @@ def agnostic(tokenizer: Any) -> dict[str, Callable[[float], Any]]:
         "Random": lambda r: c.Random(r, seed=0),
     }
     # the ratio of the entries kept (each layer's padding to its fullest head holds more bytes), every head of
-    # a layer keeping as many slots (no padding), and the padded cut unfilled (the default before "filled")
-    table["KVzipEntries"] = lambda r: c.KVzip(r, count="entries")
-    table["KVzipPadded"] = lambda r: c.KVzip(r, count="padded")
+    # a layer keeping as many slots (no padding), and the padded cut unfilled (the default before "filled");
+    # these rows were made when the re-read also re-read the chat template's prefix (prefix="reread")
+    table["KVzipEntries"] = lambda r: c.KVzip(r, count="entries", prefix="reread")
+    table["KVzipPadded"] = lambda r: c.KVzip(r, count="padded", prefix="reread")
+    table["KVzipBytes"] = lambda r: c.KVzip(r, count="bytes", prefix="reread")
+    table["KVzipReread"] = lambda r: c.KVzip(r, prefix="reread")
+    # kvpress's KVzipPress exactly: its prefix rule and its count (the same slots, bench/kvzip_overlap.py)
+    table["KVzipEvictEntries"] = lambda r: c.KVzip(r, count="entries", prefix="evict")
+    table["KVzipEvict"] = lambda r: c.KVzip(r, prefix="evict")
     table["ExpectedAttentionPadded"] = lambda r: c.ExpectedAttention(r, count="padded")
     table["ExpectedAttentionEntries"] = lambda r: c.ExpectedAttention(r, count="entries")
-    table["KVzipBytes"] = lambda r: c.KVzip(r, count="bytes")
     table["ExpectedAttentionBytes"] = lambda r: c.ExpectedAttention(r, count="bytes")
     # hybrid models (Gemma 3): every attention layer in one ranking even when the sliding layers could stay whole
     table["KVzipRanked"] = lambda r: c.KVzip(r, sliding="ranked")

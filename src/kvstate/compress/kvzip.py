@@ -24,6 +24,7 @@ from .policies import Facts, Needs, Ranked, ScoreInput, with_sinks
 
 KVZIP_PROMPT = "\n\nRepeat the previous context exactly.\n"
 SOFTMAX = ("chunk", "model")
+PREFIX = ("sink", "evict", "reread")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class KVzip(Ranked):
         softmax: ``"chunk"``, the reference's score; ``"model"``, the peak of the model's own attention over
             every key its layer sees (eager weights; the earlier kvstate score).
         normalize: KVzip+'s normalisation.
+        prefix: the chat template's tokens before the user's content (a system prompt), when the state starts
+            with them: ``"sink"``, the reference's (Kim et al.'s code: they are its sinks, always kept and in
+            every softmax; only the context after them is re-read); ``"evict"``, kvpress's ``KVzipPress``
+            (they are not re-read and score 0, so they go first; only the first ``sinks`` slots stay);
+            ``"reread"``, kvstate's earlier (re-read as part of the context).
         heads, scope, floor, sliding, count: ``Ranked``. ``KVzip(r, prompt=..., softmax="model", heads=False,
             scope="layer")`` is kvstate's earlier KVzip.
     """
@@ -47,6 +53,7 @@ class KVzip(Ranked):
     sinks: int = 4
     softmax: str = "chunk"
     normalize: bool = False
+    prefix: str = "sink"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,9 +62,12 @@ class KVzip(Ranked):
             raise InputError("KVzip prompt must be token ids", expected="None or a tuple of ints "
                              "(tokenizer.encode(...))", found=repr(self.prompt)[:80],
                              fix="KVzip(0.5) finds the model's own re-read; or KVzip(prompt=kvzip_prompt(tokenizer))")
-        if self.chunk < 16 or self.sinks < 0 or self.softmax not in SOFTMAX or not isinstance(self.normalize, bool):
-            raise InputError("invalid KVzip settings", expected=f"chunk >= 16, sinks >= 0, softmax one of {SOFTMAX}",
+        if self.chunk < 16 or self.sinks < 0 or self.softmax not in SOFTMAX or not isinstance(self.normalize, bool) \
+                or self.prefix not in PREFIX:
+            raise InputError("invalid KVzip settings", expected=f"chunk >= 16, sinks >= 0, softmax one of {SOFTMAX}, "
+                             f"prefix one of {PREFIX}",
                              found={"chunk": self.chunk, "sinks": self.sinks, "softmax": self.softmax,
+                                    "prefix": self.prefix,
                                     "normalize": self.normalize})
         if self.normalize and self.softmax != "chunk":
             raise InputError("KVzip+ normalises the reference score", expected="softmax='chunk' with normalize=True",
@@ -65,7 +75,7 @@ class KVzip(Ranked):
 
     def needs(self) -> Needs:
         return Needs(reconstruct=True, prompt=self.prompt, chunk=self.chunk, softmax=self.softmax,
-                     sinks=self.sinks, normalize=self.normalize)
+                     sinks=self.sinks, normalize=self.normalize, prefix=self.prefix)
 
     def check(self, facts: Facts) -> None:
         if self.normalize and not facts.out_projections:

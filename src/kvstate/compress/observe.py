@@ -28,7 +28,7 @@ from ..layers import attention_of
 from ..protocols import AttentionObserver
 from ..state import State
 from .policies import Needs
-from .reread import ChunkScores, feeds
+from .reread import ChunkScores, feeds, sink_bound, template_prefix
 from .template import Reread, reread_for
 
 _OVERLAP = 8  # each reconstruction chunk starts after the previous chunk's last tokens (as KVzip does)
@@ -93,14 +93,17 @@ def watch(observer: AttentionObserver, model: Any, state: State, needs: Needs, q
 def _reread(observer: AttentionObserver, model: Any, state: State, needs: Needs, seen: dict[int, Seen],
             tokenizer: Any) -> None:
     """KVzip's re-read, chunk by chunk: each chunk in one forward, scored as the reference does
-    (``softmax="chunk"``) or by the peak of the model's attention weights (``"model"``)."""
+    (``softmax="chunk"``) or by the peak of the model's attention weights (``"model"``). The chat template's
+    prefix at the state's start is not re-read under ``needs.prefix`` "sink" (it is the sinks) or "evict"."""
     plan = reread_for(model, tokenizer) if needs.prompt is None else Reread(needs.prompt, needs.prompt, (), "given")
+    skip = template_prefix(state, plan) if needs.prefix != "reread" and needs.prompt is None else 0
+    kept = sink_bound(state, skip) if needs.prefix == "sink" else 0
     listener: Any
-    for piece in feeds(state, plan, needs.chunk, overlap=_OVERLAP, legacy=needs.prompt is not None):
+    for piece in feeds(state, plan, needs.chunk, overlap=_OVERLAP, legacy=needs.prompt is not None, skip=skip):
         if needs.softmax == "model":
             listener = _Listener(seen, keep_rows=False, keep_queries=False)
         else:
-            listener = ChunkScores(state, seen, piece, needs.sinks)
+            listener = ChunkScores(state, seen, piece, max(needs.sinks, kept), kept)
         observer.observe(state, piece.ids, listener, chunk_size=piece.ids.shape[1],
                          weights=needs.softmax == "model", norms=needs.normalize)
 

@@ -36,7 +36,8 @@ class Needs:
     positions after the state; ``reconstruct``: feed the context again after an
     instruction (``prompt``; None: the model's own, ``kvstate.compress.template``) and score
     each slot as KVzip does (``softmax="chunk"``) or by the peak attention the model paid it
-    (``"model"``); ``weights``: the watched forwards run eager attention to hand out weights.
+    (``"model"``); ``weights``: the watched forwards run eager attention to hand out weights;
+    ``prefix``: what the re-read does with the chat template's prefix (``KVzip.prefix``).
     """
 
     rerun: int = 0
@@ -49,6 +50,7 @@ class Needs:
     softmax: str = "model"
     sinks: int = 4
     normalize: bool = False
+    prefix: str = "reread"
 
     @property
     def watches(self) -> bool:

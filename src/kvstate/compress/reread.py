@@ -36,28 +36,48 @@ class Piece:
     hi: int
 
 
-def feeds(state: State, plan: Reread, chunk: int, overlap: int, legacy: bool) -> list[Piece]:
-    """The re-read forwards of the state's tokens, ``chunk`` at a time (``legacy``: the given instruction, then
-    the previous chunk's last ``overlap`` tokens, then the chunk, with no suffix: kvstate's earlier re-read)."""
+def feeds(state: State, plan: Reread, chunk: int, overlap: int, legacy: bool, skip: int = 0) -> list[Piece]:
+    """The re-read forwards of the state's tokens after the first ``skip``, ``chunk`` at a time (``legacy``: the
+    given instruction, then the previous chunk's last ``overlap`` tokens, then the chunk, with no suffix:
+    kvstate's earlier re-read)."""
     tokens, T = state.tokens, state.tokens_seen
     text = torch.ones(T, dtype=torch.bool, device=tokens.device)
     for item in state.media:
         text[item.start:item.end] = False
-    flat = state.positions if state.positions.dim() == 2 else state.positions.amax(-1)
+    flat = _flat(state)
     out: list[Piece] = []
-    for start in range(0, T, chunk):
+    for start in range(skip, T, chunk):
         end = min(start + chunk, T)
         body = tokens[:, start:end][:, text[start:end]]
-        before = tokens[:, :start][:, text[:start]][:, -overlap:] if start else tokens[:, :0]
+        before = tokens[:, skip:start][:, text[skip:start]][:, -overlap:] if start > skip else tokens[:, :0]
         if legacy:
             parts = [_ids(plan.first, tokens), before, body]
-        elif start == 0:
+        elif start == skip:
             parts = [_ids(plan.first, tokens), _ids(plan.suffix, tokens), body]
         else:
             parts = [_ids(plan.later, tokens), before, _ids(plan.suffix, tokens), body]
         span = flat[:, start:end]
         out.append(Piece(torch.cat(parts, dim=1), int(span.min()), int(span.max())))
     return out
+
+
+def template_prefix(state: State, plan: Reread) -> int:
+    """How many of the state's first tokens are the chat template's prefix (``plan.prefix``; 0 when some row
+    does not start with it, or it would leave nothing to re-read)."""
+    P = len(plan.prefix)
+    if not P or state.tokens_seen <= P or any(item.start < P for item in state.media):
+        return 0
+    head = torch.tensor(plan.prefix, dtype=state.tokens.dtype, device=state.tokens.device)
+    return P if bool((state.tokens[:, :P] == head).all()) else 0
+
+
+def sink_bound(state: State, tokens: int) -> int:
+    """The first position after the state's first ``tokens`` tokens (positions below it are sinks)."""
+    return int(_flat(state)[:, :tokens].max()) + 1 if tokens else 0
+
+
+def _flat(state: State) -> torch.Tensor:
+    return state.positions if state.positions.dim() == 2 else state.positions.amax(-1)
 
 
 def _ids(ids: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -67,10 +87,12 @@ def _ids(ids: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
 class ChunkScores:
     """The listener of one re-read forward: folds each layer's KVzip score ``[B, H, S]`` into ``seen.reread``."""
 
-    def __init__(self, state: State, seen: dict[int, object], piece: Piece, sinks: int) -> None:
+    def __init__(self, state: State, seen: dict[int, object], piece: Piece, sinks: int, kept: int = 0) -> None:
+        """``sinks``: slots at positions below it are in every softmax; below ``kept`` they score ``inf``
+        (always kept: the chat template's prefix as the reference's sinks)."""
         parts = {i: attention_of(layer) for i, layer in enumerate(state.layers)}
         self.layers = {i: part for i, part in parts.items() if part is not None and i in seen and part.keys is not None}
-        self.seen, self.piece, self.sinks = seen, piece, sinks
+        self.seen, self.piece, self.sinks, self.kept = seen, piece, sinks, kept
 
     def __call__(self, first_key: int, watched: Watched) -> None:
         layer = self.layers.get(watched.layer)
@@ -122,6 +144,11 @@ class ChunkScores:
         full = torch.zeros(inside.shape, dtype=torch.float32, device=inside.device)
         full[:, :, cols] = score
         full = full.masked_fill(~inside, 0.0)
+        if self.kept:
+            positions = self.layers[index].head_positions()
+            assert positions is not None
+            time = positions if positions.dim() == 3 else positions.amax(-1)
+            full = full.masked_fill((time >= 0) & (time < self.kept), float("inf"))
         seen = self.seen[index]
         previous = getattr(seen, "reread", None)
         seen.reread = full if previous is None else torch.maximum(previous, full)  # type: ignore[attr-defined]

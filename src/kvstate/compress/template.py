@@ -6,7 +6,9 @@ exactly." (later chunks: "Repeat the part of the previous context exactly, start
 and the previous chunk's last 8 tokens), and ``suffix`` is what the tokenizer's chat
 template writes between a user message and the assistant's answer. A tokenizer without a
 template gets ``"\\n"`` as the suffix; a model without any tokenizer re-reads its context
-with no instruction. The tokenizer is the session's, else the one in the model's folder
+with no instruction. ``prefix`` is what the template writes before the user's content (a
+system prompt, the user header): the reference keeps those tokens as its sinks and re-reads
+only the context after them (``KVzip(prefix=...)``). The tokenizer is the session's, else the one in the model's folder
 (``model.name_or_path``, tokenizer files or a GGUF as ``kvstate.models`` loads them), so
 ``KVzip(0.5)`` needs no tokenizer argument.
 """
@@ -27,12 +29,14 @@ _DUMMY = "dummy context"
 @dataclass(frozen=True)
 class Reread:
     """Token ids around each re-read chunk: ``first`` (or ``later`` + the previous chunk's last tokens), then
-    ``suffix``, then the chunk. ``how``: ``"chat template"``, ``"raw text"`` or ``"none"``."""
+    ``suffix``, then the chunk. ``prefix``: the template's tokens before the user's content (``()`` without a
+    template). ``how``: ``"chat template"``, ``"raw text"`` or ``"none"``."""
 
     first: tuple[int, ...] = ()
     later: tuple[int, ...] = ()
     suffix: tuple[int, ...] = ()
     how: str = "none"
+    prefix: tuple[int, ...] = ()
 
 
 def reread_for(model: Any, tokenizer: Any = None) -> Reread:
@@ -65,7 +69,7 @@ def _from_tokenizer(tokenizer: Any) -> Reread:
     def ids(text: str) -> tuple[int, ...]:
         return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
 
-    suffix, how = "\n", "raw text"
+    suffix, prefix, how = "\n", "", "raw text"
     if getattr(tokenizer, "chat_template", None):
         separator = "\n" + "#" * len(_DUMMY)
         try:
@@ -75,5 +79,6 @@ def _from_tokenizer(tokenizer: Any) -> Reread:
         except Exception:  # a template that needs more than one user message: the raw-text re-read
             rendered = None
         if isinstance(rendered, str) and separator in rendered:
-            suffix, how = rendered.split(separator)[1], "chat template"
-    return Reread(ids(FIRST), ids(LATER), ids(suffix), how)
+            head, suffix = rendered.split(separator)
+            prefix, how = head.split(_DUMMY)[0], "chat template"
+    return Reread(ids(FIRST), ids(LATER), ids(suffix), how, ids(prefix) if prefix else ())
