@@ -87,6 +87,7 @@ def agnostic(tokenizer: Any) -> dict[str, Callable[[float], Any]]:
     table["ExpectedAttentionBytes"] = lambda r: c.ExpectedAttention(r, count="bytes")
     # hybrid models (Gemma 3): every attention layer in one ranking even when the sliding layers could stay whole
     table["KVzipRanked"] = lambda r: c.KVzip(r, sliding="ranked")
+    table["KVzipRecent"] = lambda r: c.KVzip(r, sliding="recent")
     if hasattr(c, "ChunkKV"):  # the span wrapper, once the library has it
         table["ChunkKV"] = lambda r: c.ChunkKV(policy=c.KVzip(r))
     return table

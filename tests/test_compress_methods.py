@@ -20,6 +20,7 @@ from kvstate._compat.core import cache_kwarg  # 5.24 renamed the forward's cache
 from kvstate.compress import ChunkKV, ExpectedAttention, KNorm, KVzip, ScoreInput
 from kvstate.compress.budget import global_keep, layer_keep
 from kvstate.compress.observe import watch
+from kvstate.errors import UnsupportedError
 from kvstate.compress.template import FIRST, LATER, reread_for
 from kvstate.models.tiny_tokenizer import tiny_tokenizer
 from tiny import WINDOW, prompt, tiny_model
@@ -77,15 +78,19 @@ def _queries_of(model, ids, cache):
     return out
 
 
-def kvpress_kvzip(model, ids, chunk, sinks=4, plus=False):
+def kvpress_kvzip(model, ids, chunk, sinks=4, plus=False, start=0, head=()):
     """``[L][B, H, T]`` KVzip scores as kvpress computes them (re-read with no instruction, as a model without
     a tokenizer gets; chunks after the previous chunk's last 8 tokens); ``plus``: with KVzip+'s normalisation
-    (``kvzip_plus_normalization``: rows over the norm of the attention's input, columns times ``||W_o v||``)."""
+    (``kvzip_plus_normalization``: rows over the norm of the attention's input, columns times ``||W_o v||``).
+    ``start``: the re-read begins after the first ``start`` tokens (kvpress's ``prefix_length``), each chunk
+    fed after ``head`` (the instruction and the chat suffix; one chunk only)."""
     T_ = ids.shape[1]
+    assert not head or chunk >= T_ - start
     scores = [torch.zeros(1, model.config.num_key_value_heads, T_) for _ in model.model.layers]
-    for start in range(0, T_, chunk):
+    for start in range(start, T_, chunk):
         end = min(start + chunk, T_)
-        feed = torch.cat([ids[:, max(start - 8, 0):start] if start else ids[:, :0], ids[:, start:end]], 1)
+        before = ids[:, max(start - 8, 0):start] if start and not head else ids[:, :0]
+        feed = torch.cat([torch.tensor([list(head)], dtype=ids.dtype), before, ids[:, start:end]], 1)
         cache = _plain_context(model, ids)
         queries = _queries_of(model, feed, cache)
         for i, q in queries.items():
@@ -181,6 +186,47 @@ def test_kvzip_rereads_inside_the_chat_template_without_being_told(tmp_path):
     body = s.state.tokens[0].tolist()
     assert fed[0][0].tolist() == [*plan.first, *plan.suffix, *body[:16]]
     assert fed[1][0].tolist() == [*plan.later, *body[8:16], *plan.suffix, *body[16:]]
+
+
+@pytest.mark.parametrize("mode", ["sink", "evict", "reread"])
+def test_kvzip_treats_the_template_prefix_as_its_reference_does(tmp_path, mode):
+    """A state that starts with the chat template's prefix (a system prompt, the user header): Kim et al.'s
+    code keeps those tokens as its sinks, in every softmax and always kept, and re-reads only the context after
+    them (``prefix="sink"``, the default); kvpress's KVzipPress re-reads the same but keeps 4 sinks, and the rest
+    of the prefix scores 0 (``"evict"``); ``"reread"`` re-reads it as context (kvstate's earlier re-read)."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}<bos>System: answer briefly and exactly.|User:"
+                               "{{ m['content'] }}|E{% endfor %}{% if add_generation_prompt %} A:{% endif %}")
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    plan = reread_for(model)
+    P = len(plan.prefix)
+    assert P > 4 and plan.prefix == tuple(tokenizer.encode("<bos>System: answer briefly and exactly.|User:",
+                                                           add_special_tokens=False))
+    ids = torch.cat([torch.tensor([plan.prefix]), prompt(T)], 1)
+    s = Session(model)
+    s.extend(ids)
+    seen, _ = watch(s._engine, model, s.state, KVzip(0.5, prefix=mode).needs(), None)
+    start = 0 if mode == "reread" else P
+    expected = kvpress_kvzip(model, ids, P + T, sinks=P if mode == "sink" else 4, start=start,
+                             head=(*plan.first, *plan.suffix))
+    for i, layer_seen in seen.items():
+        got = layer_seen.reread
+        torch.testing.assert_close(got[..., start:], expected[i][..., start:], atol=1e-5, rtol=1e-4)
+        if mode == "sink":
+            assert torch.isinf(got[..., :P]).all()
+        elif mode == "evict":
+            assert (got[..., :P] == 0).all()
+    kept = Session(model)
+    kept.extend(ids)
+    kept.compress(KVzip(0.5, prefix=mode))
+    for layer in kept.state.layers:
+        heads = layer.head_positions()[0]  # [H, S]: each head's kept positions (negative: padding)
+        for h in range(heads.shape[0]):
+            assert set(range(P if mode == "sink" else 4)) <= set(heads[h].tolist())
 
 
 # ----- Expected Attention ------------------------------------------------------------------------------------
@@ -345,3 +391,27 @@ def test_kvzip_on_a_hybrid_model_keeps_sliding_layers_whole_when_it_can():
     report = heavy.compress(KVzip(0.5))
     assert report.entries_after + report.padding <= report.window_entries - int(report.window_entries * 0.5)
     assert any(after.entries < 2 * (WINDOW - 1) for after in heavy.state.layers if after.window is not None)
+
+
+def test_recent_sliding_layers_keep_their_newest_slots_when_they_must_give():
+    """``sliding="recent"``: the full layers stay whole and each sliding layer that must give keeps its newest
+    slots, the ones the next queries' windows still reach; a ratio the full layers cannot stay
+    whole under is refused."""
+    s = Session(tiny_model("gemma3_text"))
+    n = 2 * WINDOW  # the sliding layers (3 x 11 slots x 2 heads) outweigh the full one (24 x 2)
+    s.extend(prompt(n))
+    recent = s.fork()
+    recent.compress(KVzip(0.5, sliding="recent"))
+    gave = 0
+    for before, after in zip(s.state.layers, recent.state.layers, strict=True):
+        heads = after.head_positions()[0]
+        if before.window is None:
+            assert after.entries == before.entries
+            continue
+        gave += after.entries < before.entries
+        for h in range(heads.shape[0]):  # (the sinks lie before the window: a compressed sliding layer drops them)
+            newest = sorted(p for p in heads[h].tolist() if p >= 0)
+            assert newest == list(range(n - len(newest), n))
+    assert gave
+    with pytest.raises(UnsupportedError, match="full-attention layers whole"):
+        s.fork().compress(KVzip(0.7, sliding="recent"))

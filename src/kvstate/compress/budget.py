@@ -15,7 +15,8 @@ function of the scores alone.
   Each head first keeps ``int(floor * (1 - ratio) * n)`` of its ``n`` candidates (Ada-KV's safeguard). With
   ``sliding="whole"`` the sliding-window layers stay whole while the full-attention layers can give the
   whole ratio above their floors; when they cannot, the full layers stay whole while the sliding layers can
-  give it (ranked among themselves); only then is every layer ranked together, as ``sliding="ranked"``
+  give it (ranked among themselves; with ``sliding="recent"`` each keeps its newest slots, the ones the next
+  queries' windows still reach); only then is every layer ranked together, as ``sliding="ranked"``
   always does. Gemma 3 retrieves through its few full layers: emptying them first loses every answer, and
   on RULER ranking them with the sliding layers loses more than keeping them whole (a single pass key
   favours the one ranking: docs/benchmarks.md).
@@ -26,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from ..errors import UnsupportedError
 
 INF = float("inf")
 
@@ -53,12 +56,20 @@ def global_keep(scores: Sequence[torch.Tensor], valid: Sequence[torch.Tensor], s
     budget (``_padded_row``)."""
     ranked = [_with_floor(s.float().masked_fill(~v, -INF), v, ratio, floor) for s, v in zip(scores, valid,
                                                                                              strict=True)]
+    if mode == "recent":  # a sliding layer's slots by age: the newest of every layer alike, kept slots first
+        ranked = [_newest(r) if s else r for r, s in zip(ranked, sliding, strict=True)]
     B = ranked[0].shape[0] if ranked else 0
     keeps = [torch.zeros_like(v) for v in valid]
     for b in range(B):
         candidates = sum(int(v[b].sum()) for v in valid)
         rows, flags, budget = [r[b].flatten() for r in ranked], [bool(s) for s in sliding], \
             candidates - int(candidates * ratio)
+        if mode == "recent":
+            held = sum(int((row > -INF).sum()) for row, s in zip(rows, flags, strict=True) if not s)
+            if budget < held and any(flags):
+                raise UnsupportedError("sliding='recent' keeps the full-attention layers whole, and this budget "
+                                       "cannot hold them", expected=f"at least {held} entries kept",
+                                       found=f"{budget} (ratio {ratio})", fix="a smaller ratio, or sliding='whole'")
         chosen = _padded_row(rows, flags, budget, mode, [r.shape[1] for r in ranked]) if count in ("padded", "filled") \
             else _row(rows, flags, budget, mode)
         for i, kept in enumerate(chosen):
@@ -123,6 +134,13 @@ def fill_heads(keeps: Sequence[torch.Tensor], scores: Sequence[torch.Tensor],
     return out
 
 
+def _newest(scores: torch.Tensor) -> torch.Tensor:
+    """``[..., S]``: minus each slot's distance from the layer's newest (slots are in time order), ``+inf``
+    and ``-inf`` kept: a score that ranks every sliding layer's newest slots first, alike."""
+    age = torch.arange(scores.shape[-1], device=scores.device, dtype=scores.dtype) - scores.shape[-1]
+    return torch.where(scores.isinf(), scores, age.expand_as(scores))
+
+
 def _with_floor(scores: torch.Tensor, valid: torch.Tensor, ratio: float, floor: float) -> torch.Tensor:
     """``scores`` with each head's ``int(floor * int((1 - ratio) * n))`` best candidates (at least one when the
     floor is above 0) made ``+inf``: Ada-KV's ``alpha_safeguard``, per head of ``n`` candidates."""
@@ -149,9 +167,9 @@ def _row(rows: list[torch.Tensor], sliding: list[bool], budget: int, mode: str) 
         give, rest = full, budget - window
     else:  # the full layers stay whole and the sliding ones give, else one ranking decides
         held = sum(int((rows[i] > -INF).sum()) for i in full)
-        if budget < held + sum(int((rows[i] == INF).sum()) for i in slide):
+        if budget < held + sum(int((rows[i] == INF).sum()) for i in slide) and mode != "recent":
             return _top(rows, budget)
-        give, rest = slide, budget - held
+        give, rest = slide, max(budget - held, 0)
     for i, kept in zip(give, _top([rows[i] for i in give], rest), strict=True):
         out[i] = kept
     return out
