@@ -5,7 +5,8 @@ contexts asked for, those that every run of a model has covered count (a partial
 the contexts done); shares are accuracies over
 the same side's uncompressed accuracy. The paired bootstrap resamples questions (10,000 times,
 seeded) and gives the 95% interval of the mean per-question difference kvstate-best minus
-kvpress-best. The cross-check names every question where kvstate, keeping kvpress's very slots,
+kvpress-best, at kvpress's share (of the entries kept; kvpress masks and holds every byte) and at that
+share of the bytes for kvstate. The cross-check names every question where kvstate, keeping kvpress's very slots,
 answers otherwise than kvpress (a resume difference, since the choice was the same).
 """
 
@@ -119,15 +120,16 @@ def timings(contexts: list[dict], rows: dict[tuple[str, str], dict], complete: l
 BYTES_SLACK = 0.01  # a run "at 50%" may hold up to 51% of the bytes (rounding to whole slots per head)
 
 
-def best(result: dict, side: str, share: str) -> str | None:
+def best(result: dict, side: str, share: str, entries: bool = False) -> str | None:
     """The run of ``side`` with the highest accuracy at ``share`` kept (None if there is none). kvstate's
     share is of the bytes: a run that keeps ``share`` of the entries but pads to more bytes is not at
     ``share``, and one that keeps more of the entries within ``share`` of the bytes is (on Gemma 3 the
     sliding layers' reserve beyond their window goes first: 58% of the entries is 50% of the bytes).
-    kvpress's is its ``compression_ratio``'s (AdaKV and KVzip mask evicted keys and hold them)."""
+    kvpress's is its ``compression_ratio``'s (AdaKV and KVzip mask evicted keys and hold them), and so is
+    kvstate's with ``entries``: kept entries, whatever bytes their padding holds."""
     def at(run: str) -> bool:
         named = run.endswith(f"/{share}")
-        if side != "kvstate":
+        if side != "kvstate" or entries:
             return named
         held = result["facts"].get(run, {}).get("bytes_held")
         if held is None:
@@ -138,9 +140,11 @@ def best(result: dict, side: str, share: str) -> str | None:
     return max(runs, key=lambda r: (result["accuracy"][r], r)) if runs else None
 
 
-def versus(result: dict, share: str) -> dict | None:
-    """kvstate's best against kvpress's best at one share: accuracies and the paired bootstrap interval."""
-    ours, theirs = best(result, "kvstate", share), best(result, "kvpress", share)
+def versus(result: dict, share: str, entries: bool = True) -> dict | None:
+    """kvstate's best against kvpress's best at one share: accuracies and the paired bootstrap interval. The
+    share is kvpress's (of the entries kept) on both sides; ``entries=False``: kvstate's at that share of the
+    bytes, against kvpress's holding every byte."""
+    ours, theirs = best(result, "kvstate", share, entries), best(result, "kvpress", share)
     if ours is None or theirs is None:
         return None
     s = result["per_question"]["scores"]
@@ -193,7 +197,7 @@ def summary(results: dict[str, dict]) -> dict:
     for model, r in results.items():
         top = best(r, "kvstate", "0.5")
         press = best(r, "kvpress", "0.5")
-        vs = versus(r, "0.5")
+        vs, vs_bytes = versus(r, "0.5"), versus(r, "0.5", entries=False)
         out[model] = {
             "questions": r["questions"], "uncompressed": r["accuracy"].get("kvstate/none/1"),
             "best_agnostic_at_50": None if top is None else {
@@ -202,6 +206,12 @@ def summary(results: dict[str, dict]) -> dict:
             "kvpress_best_at_50": None if press is None else {
                 "press": press.split("/")[1], "share_of_uncompressed": r["share_of_uncompressed"][press]},
             "paired_ci_low_vs_kvpress": None if vs is None else vs["ci95"][0],
+            "vs_kvpress_at_50": None if vs is None else {
+                "kvstate": vs["kvstate"], "bytes_held": r["facts"][vs["kvstate"]]["bytes_held"],
+                "mean_difference": vs["mean_difference"], "ci95": vs["ci95"]},
+            "vs_kvpress_at_50_of_the_bytes": None if vs_bytes is None else {
+                "kvstate": vs_bytes["kvstate"], "mean_difference": vs_bytes["mean_difference"],
+                "ci95": vs_bytes["ci95"]},
             **_aware(r),
         }
     costs = [r["seconds"]["kvzip_cost_vs_prefill"] for r in results.values() if r["seconds"]["kvzip_cost_vs_prefill"]]
@@ -251,6 +261,7 @@ def _scored(model: str, contexts: list[dict], rows: dict[tuple[str, str], dict])
     result = model_result(model, contexts, rows)
     shares = sorted({r.rsplit("/", 1)[1] for r in result["accuracy"] if "/none/" not in r})
     result["vs_kvpress_by_share"] = {s: versus(result, s) for s in shares}
+    result["vs_kvpress_by_share_of_the_bytes"] = {s: versus(result, s, entries=False) for s in shares}
     return result
 
 
