@@ -20,8 +20,8 @@ from kvstate._compat.core import cache_kwarg  # 5.24 renamed the forward's cache
 from kvstate.compress import ChunkKV, ExpectedAttention, KNorm, KVzip, ScoreInput
 from kvstate.compress.budget import global_keep, layer_keep
 from kvstate.compress.observe import watch
-from kvstate.errors import UnsupportedError
 from kvstate.compress.template import FIRST, LATER, reread_for
+from kvstate.errors import UnsupportedError
 from kvstate.models.tiny_tokenizer import tiny_tokenizer
 from tiny import WINDOW, prompt, tiny_model
 
@@ -78,16 +78,16 @@ def _queries_of(model, ids, cache):
     return out
 
 
-def kvpress_kvzip(model, ids, chunk, sinks=4, plus=False, start=0, head=()):
+def kvpress_kvzip(model, ids, chunk, sinks=4, plus=False, skip=0, head=()):
     """``[L][B, H, T]`` KVzip scores as kvpress computes them (re-read with no instruction, as a model without
     a tokenizer gets; chunks after the previous chunk's last 8 tokens); ``plus``: with KVzip+'s normalisation
     (``kvzip_plus_normalization``: rows over the norm of the attention's input, columns times ``||W_o v||``).
-    ``start``: the re-read begins after the first ``start`` tokens (kvpress's ``prefix_length``), each chunk
+    ``skip``: the re-read begins after the first ``skip`` tokens (kvpress's ``prefix_length``), each chunk
     fed after ``head`` (the instruction and the chat suffix; one chunk only)."""
     T_ = ids.shape[1]
-    assert not head or chunk >= T_ - start
+    assert not head or chunk >= T_ - skip
     scores = [torch.zeros(1, model.config.num_key_value_heads, T_) for _ in model.model.layers]
-    for start in range(start, T_, chunk):
+    for start in range(skip, T_, chunk):
         end = min(start + chunk, T_)
         before = ids[:, max(start - 8, 0):start] if start and not head else ids[:, :0]
         feed = torch.cat([torch.tensor([list(head)], dtype=ids.dtype), before, ids[:, start:end]], 1)
@@ -211,7 +211,7 @@ def test_kvzip_treats_the_template_prefix_as_its_reference_does(tmp_path, mode):
     s.extend(ids)
     seen, _ = watch(s._engine, model, s.state, KVzip(0.5, prefix=mode).needs(), None)
     start = 0 if mode == "reread" else P
-    expected = kvpress_kvzip(model, ids, P + T, sinks=P if mode == "sink" else 4, start=start,
+    expected = kvpress_kvzip(model, ids, P + T, sinks=P if mode == "sink" else 4, skip=start,
                              head=(*plan.first, *plan.suffix))
     for i, layer_seen in seen.items():
         got = layer_seen.reread

@@ -79,10 +79,11 @@ class Ranking:
     ``floor``: each head keeps at least ``floor`` of its share of the budget (Ada-KV's safeguard);
     ``sliding``: ``"whole"`` keeps sliding-window layers whole unless the full-attention layers cannot
     give the whole ratio above their floors (then the full layers stay whole and the sliding ones give it,
-    and where neither kind can, every layer is ranked together); ``"ranked"`` always
-    ranks them with the others; ``"recent"`` is ``"whole"`` with a sliding layer that must give keeping its
-    most recent slots: the ones the next queries' windows still reach. ``count``: what the ratio is of. ``"filled"`` (the default): the bytes held;
-    the ranking, cut short so that the layers, each padded to its fullest head, hold ``1 - ratio`` of the
+    and where neither kind can, every layer is ranked together); ``"ranked"`` always ranks them with the
+    others; ``"recent"`` is ``"whole"`` with a sliding layer that must give keeping its newest slots, the
+    ones the next queries' windows still reach (a ratio the full layers cannot stay whole under is refused).
+    ``count``: what the ratio is of. ``"filled"`` (the default): the bytes held; the ranking, cut short so
+    that the layers, each padded to its fullest head, hold ``1 - ratio`` of the
     bytes, then every head fills its layer's row with its own next-best slots (those bytes are held anyway).
     ``"padded"``: the same cut, unfilled (heads keep unequal counts). ``"entries"``: the entries; the ranking
     alone, whose padding then holds more bytes. ``"bytes"``: the bytes, every head of a layer keeping the
