@@ -76,6 +76,14 @@ def sink_bound(state: State, tokens: int) -> int:
     return int(_flat(state)[:, :tokens].max()) + 1 if tokens else 0
 
 
+def _time(layer: AttentionLayerState) -> torch.Tensor:
+    """``[B, H, S]``: each slot's 1-D position per head (the largest component of an M-RoPE one; negative on
+    padding)."""
+    positions = layer.head_positions()
+    assert positions is not None  # a scored layer holds slots
+    return positions if positions.dim() == 3 else positions.amax(-1)
+
+
 def _flat(state: State) -> torch.Tensor:
     return state.positions if state.positions.dim() == 2 else state.positions.amax(-1)
 
@@ -133,9 +141,7 @@ class ChunkScores:
 
     def _domain(self, layer: AttentionLayerState) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, H, S]`` bool each: the slots of this chunk, and those in its softmax (the chunk's and the sinks)."""
-        positions = layer.head_positions()
-        assert positions is not None
-        time = positions if positions.dim() == 3 else positions.amax(-1)  # [B, H, S]
+        time = _time(layer)
         valid = time >= 0
         inside = valid & (time >= self.piece.lo) & (time <= self.piece.hi)
         return inside, inside | (valid & (time < self.sinks))
@@ -145,9 +151,7 @@ class ChunkScores:
         full[:, :, cols] = score
         full = full.masked_fill(~inside, 0.0)
         if self.kept:
-            positions = self.layers[index].head_positions()
-            assert positions is not None
-            time = positions if positions.dim() == 3 else positions.amax(-1)
+            time = _time(self.layers[index])
             full = full.masked_fill((time >= 0) & (time < self.kept), float("inf"))
         seen = self.seen[index]
         previous = getattr(seen, "reread", None)

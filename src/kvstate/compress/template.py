@@ -8,9 +8,9 @@ template writes between a user message and the assistant's answer. A tokenizer w
 template gets ``"\\n"`` as the suffix; a model without any tokenizer re-reads its context
 with no instruction. ``prefix`` is what the template writes before the user's content (a
 system prompt, the user header): the reference keeps those tokens as its sinks and re-reads
-only the context after them (``KVzip(prefix=...)``). The tokenizer is the session's, else the one in the model's folder
-(``model.name_or_path``, tokenizer files or a GGUF as ``kvstate.models`` loads them), so
-``KVzip(0.5)`` needs no tokenizer argument.
+only the context after them (``KVzip(prefix=...)``). The tokenizer is the session's, else
+the one in the model's folder (``model.name_or_path``, tokenizer files or a GGUF as
+``kvstate.models`` loads them), so ``KVzip(0.5)`` needs no tokenizer argument.
 """
 
 from __future__ import annotations
