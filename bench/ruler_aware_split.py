@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--keep-full", type=float, nargs="+", default=[0.25, 0.5, 0.75, 0.9])
     parser.add_argument("--contexts", default="", help="context ids (default: every 1k context)")
     parser.add_argument("--share", type=float, default=0.25, help="share of the entries kept in all")
+    parser.add_argument("--name", default="ruler_aware_split", help="results file bench/results/<name>.json")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     torch.set_num_threads(1)
@@ -79,7 +80,7 @@ def main() -> None:
         out[f"{keep:g}"] = {"accuracy": sum(r["score"] for r in rows) / len(rows),
                             "bytes_held": sum(r["bytes_held"] for r in rows) / len(rows), "questions": rows}
         print(f"keep_full {keep:g}: accuracy {out[f'{keep:g}']['accuracy']:.4f}", flush=True)
-    write_results("ruler_aware_split", {"model": "gemma3-270m (fp32)", "policy": "SnapKV(kernel=21, window=16)",
+    write_results(args.name, {"model": "gemma3-270m (fp32)", "policy": "SnapKV(kernel=21, window=16)",
                                         "share": args.share, "full_layers": sorted(full), "runs": out})
 
 

@@ -102,7 +102,10 @@ def aware() -> dict[str, Callable[[float], Any]]:
 
     return {"SnapKV": lambda r: SnapKV(r, window=16, kernel=5),
             "SnapKVHeads": lambda r: SnapKV(r, window=16, kernel=5, heads=True),
-            "SnapKV21": lambda r: SnapKV(r, window=16, kernel=21)}
+            "SnapKV21": lambda r: SnapKV(r, window=16, kernel=21),
+            # one ranking over every layer; on a hybrid model the full layers take the budget first, the sliding
+            # layers keeping their floors (Ada-KV's 20%) where both kinds cannot give it alone
+            "SnapKV21Hybrid": lambda r: SnapKV(r, window=16, kernel=21, scope="global", sliding="recent", floor=0.2)}
 
 
 def keep_policy(slots: list[torch.Tensor]) -> Any:

@@ -212,11 +212,35 @@ def summary(results: dict[str, dict]) -> dict:
             "vs_kvpress_at_50_of_the_bytes": None if vs_bytes is None else {
                 "kvstate": vs_bytes["kvstate"], "mean_difference": vs_bytes["mean_difference"],
                 "ci95": vs_bytes["ci95"]},
+            "vs_kvpress_every_share": _every_share(r),
             **_aware(r),
         }
     costs = [r["seconds"]["kvzip_cost_vs_prefill"] for r in results.values() if r["seconds"]["kvzip_cost_vs_prefill"]]
     out["kvzip_cost_vs_prefill"] = max(costs) if costs else None  # the worse model's median
     return out
+
+
+SAME_CHOICE = "kvstate/KVzipEvictEntries"  # kvpress's KVzipPress's very entries (bench/kvzip_overlap.py)
+
+
+def _every_share(r: dict) -> dict[str, dict]:
+    """kvstate's best against kvpress's best at each share both sides ran (of the entries kept, kvpress's
+    meaning), on the most questions that cover both: the summary's figures, else ``every_run``'s; beside it,
+    kvstate keeping kvpress's KVzip choice (``same_choice``) against that press."""
+    out = {}
+    for scored in (r, r.get("every_run") or {}):
+        for share, vs in (scored.get("vs_kvpress_by_share") or {}).items():
+            if vs is None or share in out:
+                continue
+            out[share] = {**vs, "questions": scored["questions"],
+                          "kvstate_bytes_held": scored["facts"][vs["kvstate"]]["bytes_held"]}
+            same, press, s = f"{SAME_CHOICE}/{share}", f"kvpress/KVzip/{share}", scored["per_question"]["scores"]
+            if same in s and press in s:
+                diff = [a - b for a, b in zip(s[same], s[press], strict=True)]
+                out[share]["same_choice"] = {"kvstate": same, "against": press, "ci95": list(bootstrap(diff)),
+                                             "mean_difference": sum(diff) / len(diff),
+                                             "bytes_held": scored["facts"][same]["bytes_held"]}
+    return dict(sorted(out.items(), key=lambda item: float(item[0])))
 
 
 def _aware(r: dict) -> dict[str, object]:

@@ -41,6 +41,8 @@ POLICIES = {
     "tova": lambda: TOVA(0.5),
     "snapkv": lambda: SnapKV(0.5, window=4, kernel=3),
     "snapkv-heads": lambda: SnapKV(0.5, window=4, kernel=3, heads=True),
+    # one ranking; on the hybrid the sliding layers keep their floors alone and the full layers the rest
+    "snapkv-hybrid": lambda: SnapKV(0.75, window=4, kernel=3, scope="global", sliding="recent", floor=0.2),
     "pyramid": lambda: PerLayerBudget(0.5, policy=KNorm()),
     "kvzip": lambda: KVzip(0.5, chunk=16),  # the reference method: per head, one ranking; two re-read chunks
     "kvzip_plus": lambda: KVzip(0.5, normalize=True),

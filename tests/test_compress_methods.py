@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 
 from kvstate import Session
 from kvstate._compat.core import cache_kwarg  # 5.24 renamed the forward's cache keyword
-from kvstate.compress import ChunkKV, ExpectedAttention, KNorm, KVzip, ScoreInput
+from kvstate.compress import ChunkKV, ExpectedAttention, KNorm, KVzip, ScoreInput, SnapKV
 from kvstate.compress.budget import global_keep, layer_keep
 from kvstate.compress.observe import watch
 from kvstate.compress.template import FIRST, LATER, reread_for
@@ -415,3 +415,64 @@ def test_recent_sliding_layers_keep_their_newest_slots_when_they_must_give():
     assert gave
     with pytest.raises(UnsupportedError, match="full-attention layers whole"):
         s.fork().compress(KVzip(0.7, sliding="recent"))
+
+
+def test_a_budget_just_big_enough_for_one_kind_does_not_empty_the_other():
+    """The kind that, giving the ratio alone, keeps the larger share of its own entries gives it. The earlier
+    rule kept the sliding layers whole whenever they fit, and a budget just big enough for them left the full
+    layer almost nothing (Gemma-3-270M scored 0 on its 2k RULER questions at 58% kept, 74% of uncompressed at
+    50%). ``"recent"`` gives the full layers the budget first at every ratio, keeping the sliding layers'
+    newest slots."""
+    full, window = torch.arange(10.0).view(1, 1, 10), torch.arange(20.0).flip(-1).view(1, 1, 20)
+    valid = [torch.ones(1, 1, 10, dtype=torch.bool), torch.ones(1, 1, 20, dtype=torch.bool)]
+
+    def held(scores, mode, ratios=(0.6, 0.5, 0.3, 0.1)):
+        return [[int(k.sum()) for k in global_keep(scores, [torch.ones_like(x, dtype=torch.bool) for x in scores],
+                                                   [False, True], ratio=r, mode=mode, count="entries")]
+                for r in ratios]
+
+    # the sliding layer holds more: it gives at every ratio (before, at 0.3 the full layer kept 1 of its 10)
+    assert held([full, window], "whole") == held([full, window], "recent") == [[10, 2], [10, 5], [10, 11], [10, 17]]
+    whole = global_keep([full, window], valid, [False, True], ratio=0.3, count="entries")
+    recent = global_keep([full, window], valid, [False, True], ratio=0.3, mode="recent", count="entries")
+    assert whole[1][0, 0].nonzero().flatten().tolist() == list(range(11))  # its best-scored (the oldest here)
+    assert recent[1][0, 0].nonzero().flatten().tolist() == list(range(9, 20))  # its newest
+    # the full layer holds more: under "whole" it gives, the sliding layer staying whole; "recent" keeps it whole
+    wide, narrow = torch.arange(20.0).view(1, 1, 20), torch.arange(10.0).view(1, 1, 10)
+    assert held([wide, narrow], "whole") == [[2, 10], [5, 10], [11, 10], [17, 10]]
+    assert held([wide, narrow], "recent", (0.3, 0.1)) == [[20, 1], [20, 7]]  # (0.5 would empty it: refused)
+    with pytest.raises(UnsupportedError, match="a floor above 0"):
+        held([wide, narrow], "recent", (0.5,))
+
+
+def test_recent_with_a_floor_gives_the_full_layers_what_the_sliding_floors_leave():
+    """Neither kind can give the ratio alone: with ``sliding="recent"`` and a floor, each sliding head keeps its
+    floor alone (its best slots) and the full layers share the rest in one ranking; without a floor, refused."""
+    full = torch.arange(10.0).view(1, 1, 10)  # one full layer, 10 slots
+    window = torch.arange(20.0).flip(-1).view(1, 1, 20)  # one sliding layer, 20 slots, its oldest scored best
+    valid = [torch.ones(1, 1, 10, dtype=torch.bool), torch.ones(1, 1, 20, dtype=torch.bool)]
+    # 6 of 30 stay: the full layer (10) cannot stay whole, nor the sliding one (20); the sliding head's floor is
+    # int(0.25 * int(0.2 * 20)) = 1 slot, its best; the full layer keeps its 5 best
+    kept = global_keep([full, window], valid, [False, True], ratio=0.8, floor=0.25, mode="recent", count="entries")
+    assert kept[1][0, 0].nonzero().flatten().tolist() == [0]
+    assert kept[0][0, 0].nonzero().flatten().tolist() == [5, 6, 7, 8, 9]
+    together = global_keep([full, window], valid, [False, True], ratio=0.8, floor=0.25, count="entries")
+    assert int(together[1].sum()) == 5  # sliding="whole" ranks both kinds together there: 5 of the 6
+    with pytest.raises(UnsupportedError, match="a floor above 0"):
+        global_keep([full, window], valid, [False, True], ratio=0.8, mode="recent")
+    s = Session(tiny_model("gemma3_text"))
+    s.extend(prompt(3 * WINDOW))
+    question = prompt(4, seed=9)
+    policy = SnapKV(0.75, window=4, kernel=3, scope="global", sliding="recent", floor=0.2)
+    squeezed = s.fork()
+    report = squeezed.compress(policy, query_ids=question)
+    floor, in_full = max(1, int(0.2 * int(0.25 * (WINDOW - 1)))), 0  # 20% of each head's quarter of the window
+    for before, after in zip(s.state.layers, squeezed.state.layers, strict=True):
+        kept = after.head_positions()[0].ge(0).sum(-1).tolist()
+        if before.window is not None:
+            assert kept == [floor] * 2
+        else:
+            in_full += sum(kept)
+    sliding = sum(layer.window is not None for layer in s.state.layers)
+    assert in_full == report.entries_after - 2 * floor * sliding > 2 * floor  # the rest went to the full layers
+    assert report.entries_after <= report.window_entries - int(report.window_entries * 0.75)

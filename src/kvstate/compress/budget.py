@@ -13,13 +13,17 @@ function of the scores alone.
   in bytes held anyway); ``"padded"`` is the cut alone; ``"entries"`` counts the kept entries alone (their
   padding holds more); ``"bytes"`` gives every head of a layer the same number (``even_heads``).
   Each head first keeps ``int(floor * (1 - ratio) * n)`` of its ``n`` candidates (Ada-KV's safeguard). With
-  ``sliding="whole"`` the sliding-window layers stay whole while the full-attention layers can give the
-  whole ratio above their floors; when they cannot, the full layers stay whole while the sliding layers can
-  give it (ranked among themselves; with ``sliding="recent"`` each keeps its newest slots, the ones the next
-  queries' windows still reach); only then is every layer ranked together, as ``sliding="ranked"``
-  always does. Gemma 3 retrieves through its few full layers: emptying them first loses every answer, and
-  on RULER ranking them with the sliding layers loses more than keeping them whole (a single pass key
-  favours the one ranking: docs/benchmarks.md).
+  ``sliding="whole"`` one kind of layer stays whole and the other gives the ratio (ranked among its own):
+  the kind that, giving it alone, keeps the larger share of its own entries (the sliding layers on Gemma 3
+  below about 2.5k tokens, where they hold most entries; the full layers beyond, as the reference keeps
+  sliding layers whole), so no budget just big enough for one kind leaves the other almost nothing; only
+  when neither kind can give it is every layer ranked together, as ``sliding="ranked"`` always does.
+  ``sliding="recent"`` gives the full layers the budget first at every ratio: the sliding layers give
+  first, each keeping its newest slots (the ones the next queries' windows still reach), down to their
+  floors, then the full layers give the rest in one ranking (without a floor, refused). Gemma 3 retrieves
+  through its few full layers: emptying them first loses every answer, and on RULER ranking them with the
+  sliding layers loses more than keeping them whole (a single pass key favours the one ranking:
+  docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -64,12 +68,14 @@ def global_keep(scores: Sequence[torch.Tensor], valid: Sequence[torch.Tensor], s
         candidates = sum(int(v[b].sum()) for v in valid)
         rows, flags, budget = [r[b].flatten() for r in ranked], [bool(s) for s in sliding], \
             candidates - int(candidates * ratio)
-        if mode == "recent":
+        if mode == "recent" and floor <= 0:
             held = sum(int((row > -INF).sum()) for row, s in zip(rows, flags, strict=True) if not s)
             if budget < held and any(flags):
                 raise UnsupportedError("sliding='recent' keeps the full-attention layers whole, and this budget "
                                        "cannot hold them", expected=f"at least {held} entries kept",
-                                       found=f"{budget} (ratio {ratio})", fix="a smaller ratio, or sliding='whole'")
+                                       found=f"{budget} (ratio {ratio})", fix="a smaller ratio, a floor above 0 "
+                                       "(the sliding layers keep their floors, the full layers give the rest), "
+                                       "or sliding='whole'")
         chosen = _padded_row(rows, flags, budget, mode, [r.shape[1] for r in ranked]) if count in ("padded", "filled") \
             else _row(rows, flags, budget, mode)
         for i, kept in enumerate(chosen):
@@ -161,15 +167,23 @@ def _row(rows: list[torch.Tensor], sliding: list[bool], budget: int, mode: str) 
     full = [i for i, s in enumerate(sliding) if not s]
     slide = [i for i, s in enumerate(sliding) if s]
     window = sum(int((rows[i] > -INF).sum()) for i in slide)
+    held = sum(int((rows[i] > -INF).sum()) for i in full)
     forced = sum(int((rows[i] == INF).sum()) for i in full)
     out: list[torch.Tensor] = [rows[i] > -INF for i in range(len(rows))]
-    if budget >= window + forced:  # the sliding layers stay whole, the full layers give the ratio
+    # the kind left the larger share of its own entries gives, the other stays whole: (B - W) / F >= (B - F) / W
+    # (equal shares where both kinds hold as many, so the choice never jumps as a context grows)
+    if budget >= window + forced and mode != "recent" and (budget - window) * window >= (budget - held) * held:
         give, rest = full, budget - window
     else:  # the full layers stay whole and the sliding ones give, else one ranking decides
-        held = sum(int((rows[i] > -INF).sum()) for i in full)
-        if budget < held + sum(int((rows[i] == INF).sum()) for i in slide) and mode != "recent":
+        floors = sum(int((rows[i] == INF).sum()) for i in slide)
+        if budget >= held + floors:
+            give, rest = slide, budget - held
+        elif mode == "recent":  # the sliding layers keep their floors alone, the full layers give the rest
+            for i in slide:
+                out[i] = rows[i] == INF
+            give, rest = full, max(budget - floors, 0)
+        else:
             return _top(rows, budget)
-        give, rest = slide, max(budget - held, 0)
     for i, kept in zip(give, _top([rows[i] for i in give], rest), strict=True):
         out[i] = kept
     return out

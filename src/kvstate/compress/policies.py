@@ -80,8 +80,9 @@ class Ranking:
     ``sliding``: ``"whole"`` keeps sliding-window layers whole unless the full-attention layers cannot
     give the whole ratio above their floors (then the full layers stay whole and the sliding ones give it,
     and where neither kind can, every layer is ranked together); ``"ranked"`` always ranks them with the
-    others; ``"recent"`` is ``"whole"`` with a sliding layer that must give keeping its newest slots, the
-    ones the next queries' windows still reach (a ratio the full layers cannot stay whole under is refused).
+    others; ``"recent"`` gives the full layers the budget first at every ratio: the sliding layers give
+    first, each keeping its newest slots (the ones the next queries' windows still reach), down to their
+    floors, then the full layers give the rest in one ranking (without a floor, such a ratio is refused).
     ``count``: what the ratio is of. ``"filled"`` (the default): the bytes held; the ranking, cut short so
     that the layers, each padded to its fullest head, hold ``1 - ratio`` of the
     bytes, then every head fills its layer's row with its own next-best slots (those bytes are held anyway).
@@ -288,16 +289,21 @@ class TOVA(Policy):
 
 
 @dataclass(frozen=True)
-class SnapKV(Policy):
+class SnapKV(Ranked):
     """Observation-window attention, pooled; the window itself is kept (Li et al. 2024, arXiv:2404.14469).
 
     ``heads=True`` scores each KV head by its own query heads' attention (the paper's and kvpress's per-head
-    selection, ``[B, H, S]``); the default, one slot set per layer, averages every head.
+    selection, ``[B, H, S]``); the default, one slot set per layer, averages every head. Each layer evicts
+    ``ratio`` of its slots alone (the paper's budget); ``scope="global"`` ranks every layer together under
+    ``Ranking``'s rules instead (``floor``, ``sliding``, ``count``): on a hybrid model with
+    ``sliding="recent"`` and a ``floor`` the budget goes to the full-attention layers first
+    (docs/compression.md, question-aware).
     """
 
+    heads: bool = False
+    scope: str = "layer"
     window: int = 16
     kernel: int = 5
-    heads: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
