@@ -316,10 +316,16 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(result["models"])
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.6), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        acc = result["models"][model]["accuracy"]
+    # each model's widest runs, then (where narrower runs exist) every run on the questions they all covered
+    panels = [(model, scored) for model, r in result["models"].items()
+              for scored in (r, r.get("every_run")) if scored and scored.get("accuracy")]
+    cols = min(len(panels), 2)
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, 5.2 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (model, scored) in zip(axes.flat, panels, strict=False):  # the spare panels stay hidden
+        acc = scored["accuracy"]
         methods = sorted({tuple(r.split("/")[:2]) for r in acc if "/none/" not in r and not r.startswith("aware")})
         color = {name: f"C{i % 10}" for i, name in enumerate(sorted({name for _, name in methods}))}
         for side, name in methods:
@@ -334,7 +340,7 @@ def plot(result: dict, path: Path) -> None:
             ax.plot([float(run.split("/")[2]) * 100], [acc[run]], "*", color=("k", "r", "g", "m")[i % 4],
                     markersize=12, label=f"{run.split('/')[1]}, question-aware")
         ax.set(xlabel="share of the context's K/V kept (%)", ylabel="RULER string-match accuracy",
-               title=f"{model}: {result['models'][model]['questions']} questions", ylim=(0, 1.02))
+               title=f"{model}: {scored['questions']} questions", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

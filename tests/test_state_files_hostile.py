@@ -286,7 +286,8 @@ def test_sigkill_during_save_never_leaves_a_torn_file(tmp_path):
     outcomes = {"old": 0, "new": 0}
     left = 0
     mine = f".state.kvs.{os.getpid()}."  # this process's own, being freed on its I/O thread right now
-    for _ in range(50):
+    kills = 30
+    for _ in range(kills):
         pid = os.fork()
         if pid == 0:  # child: overwrite the file with the new state, over and over
             try:
@@ -312,6 +313,6 @@ def test_sigkill_during_save_never_leaves_a_torn_file(tmp_path):
         save_state(old, path)  # reset, so the next kill races the old -> new replacement again
         # ... and that save deletes what the killed writer left: its pid is dead, the names are its own
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".state.kvs.{pid}.")]
-    assert outcomes["old"] + outcomes["new"] == 50
-    assert left >= 10, "too few kills landed mid-write for the test to mean anything"
+    assert outcomes["old"] + outcomes["new"] == kills
+    assert left >= kills // 5, "too few kills landed mid-write for the test to mean anything"
     assert outcomes["new"] >= 1
