@@ -32,7 +32,7 @@ from kvstate.testing.tiny import CONFIGS, IMAGE_TOKEN, RECURRENT, image_span, ti
 from tiny import prompt, tiny_model
 
 # examples per case: the suite's share of its 5 minutes; KVSTATE_BATCH_EXAMPLES=50 is the recorded stress run
-EXAMPLES = int(os.environ.get("KVSTATE_BATCH_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("KVSTATE_BATCH_EXAMPLES", "4"))
 ROWS = 4  # the packed forward's tile: small, so batches of 1-16 cross several tiles (and keep a spare row)
 
 

@@ -139,7 +139,7 @@ class Program:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_random_programs_equal_a_fresh_run(arch):
     # the suite's share of its 5 minutes; KVSTATE_PROGRAM_EXAMPLES=200 for a longer sweep
-    @settings(max_examples=int(os.environ.get("KVSTATE_PROGRAM_EXAMPLES", "50")), deadline=None, derandomize=True,
+    @settings(max_examples=int(os.environ.get("KVSTATE_PROGRAM_EXAMPLES", "30")), deadline=None, derandomize=True,
               database=None, suppress_health_check=[HealthCheck.too_slow])
     @given(program=st.lists(ops, min_size=4, max_size=12))
     def check(program):
