@@ -170,8 +170,8 @@ def _row(rows: list[torch.Tensor], sliding: list[bool], budget: int, mode: str) 
     held = sum(int((rows[i] > -INF).sum()) for i in full)
     forced = sum(int((rows[i] == INF).sum()) for i in full)
     out: list[torch.Tensor] = [rows[i] > -INF for i in range(len(rows))]
-    # the kind left the larger share of its own entries gives, the other stays whole: (B - W) / F >= (B - F) / W
-    # (equal shares where both kinds hold as many, so the choice never jumps as a context grows)
+    # the kind that, giving the ratio alone, keeps the larger share of its own entries gives and the other stays
+    # whole: (B - W) / F >= (B - F) / W (equal shares where both kinds hold as many: no jump as a context grows)
     if budget >= window + forced and mode != "recent" and (budget - window) * window >= (budget - held) * held:
         give, rest = full, budget - window
     else:  # the full layers stay whole and the sliding ones give, else one ranking decides

@@ -8,8 +8,8 @@ being re-read and the re-read tokens themselves, scaled by ``1/sqrt(d)``, causal
 re-read tokens (``kvstate.compress.reread``). KVzip+ (``normalize=True``) divides each row
 by the norm of the query's hidden state and multiplies each column by the norm of the
 value's contribution through the output projection. By default one ranking across every
-attention layer and head decides, with no floor (the reference needs none); sliding
-layers stay whole unless the ratio asks for them (``Ranking``). The re-read costs about
+attention layer and head decides, with no floor (the reference needs none); on a hybrid
+model one kind of layer stays whole and the other gives the ratio (``Ranking``). The re-read costs about
 one more prefill of the context; its state is discarded.
 """
 

@@ -77,9 +77,9 @@ class Ranking:
     """One ranking across every attention layer and head (KVzip's global budget).
 
     ``floor``: each head keeps at least ``floor`` of its share of the budget (Ada-KV's safeguard);
-    ``sliding``: ``"whole"`` keeps sliding-window layers whole unless the full-attention layers cannot
-    give the whole ratio above their floors (then the full layers stay whole and the sliding ones give it,
-    and where neither kind can, every layer is ranked together); ``"ranked"`` always ranks them with the
+    ``sliding``: ``"whole"`` keeps one kind of layer (sliding-window or full-attention) whole and lets the
+    other give the ratio above its floors: the kind that, giving it alone, keeps the larger share of its own
+    entries (where neither kind can, every layer is ranked together); ``"ranked"`` always ranks them with the
     others; ``"recent"`` gives the full layers the budget first at every ratio: the sliding layers give
     first, each keeping its newest slots (the ones the next queries' windows still reach), down to their
     floors, then the full layers give the rest in one ranking (without a floor, such a ratio is refused).
