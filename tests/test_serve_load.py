@@ -14,7 +14,7 @@ from tests.serving import client, live, make_server, metric, reference
 from kvstate.serve.chat import Renderer
 from kvstate.serve.cli import load
 
-CLIENTS, TURNS, MAX_TOKENS = 8, 12, 4
+CLIENTS, TURNS, MAX_TOKENS = 8, 8, 4
 NO_END = {"0": -100, "1": -100, "2": -100}  # pad, bos, eos: keeps a random tiny model talking
 
 
@@ -49,7 +49,7 @@ def _chat(api: openai.OpenAI, script: str, log: list, errors: list) -> None:
 
 
 @pytest.mark.parametrize("max_batch", [1, 8])  # one at a time, and batched
-def test_eight_clients_twelve_turns_two_keys(tiny, max_batch):
+def test_eight_clients_eight_turns_two_keys(tiny, max_batch):
     model, tokenizer = tiny
     server = make_server(model, tokenizer, api_keys=("alpha", "beta"), max_batch=max_batch)
     # clients 0 and 4 send the same conversation under different keys: neither may reuse the other's turns
