@@ -145,8 +145,12 @@ def versus(result: dict, share: str, entries: bool = True) -> dict | None:
     share is kvpress's (of the entries kept) on both sides; ``entries=False``: kvstate's at that share of the
     bytes, against kvpress's holding every byte."""
     ours, theirs = best(result, "kvstate", share, entries), best(result, "kvpress", share)
-    if ours is None or theirs is None:
-        return None
+    return None if ours is None or theirs is None else paired(result, ours, theirs)
+
+
+def paired(result: dict, ours: str, theirs: str) -> dict:
+    """Run ``ours`` against run ``theirs`` on the same questions: accuracies, the mean per-question
+    difference and its paired bootstrap 95% interval."""
     s = result["per_question"]["scores"]
     diff = [a - b for a, b in zip(s[ours], s[theirs], strict=True)]
     low, high = bootstrap(diff)
@@ -234,11 +238,9 @@ def _every_share(r: dict) -> dict[str, dict]:
                 continue
             out[share] = {**vs, "questions": scored["questions"],
                           "kvstate_bytes_held": scored["facts"][vs["kvstate"]]["bytes_held"]}
-            same, press, s = f"{SAME_CHOICE}/{share}", f"kvpress/KVzip/{share}", scored["per_question"]["scores"]
-            if same in s and press in s:
-                diff = [a - b for a, b in zip(s[same], s[press], strict=True)]
-                out[share]["same_choice"] = {"kvstate": same, "against": press, "ci95": list(bootstrap(diff)),
-                                             "mean_difference": sum(diff) / len(diff),
+            same, press = f"{SAME_CHOICE}/{share}", f"kvpress/KVzip/{share}"
+            if same in scored["accuracy"] and press in scored["accuracy"]:
+                out[share]["same_choice"] = {**paired(scored, same, press),
                                              "bytes_held": scored["facts"][same]["bytes_held"]}
     return dict(sorted(out.items(), key=lambda item: float(item[0])))
 
