@@ -89,9 +89,10 @@ def agnostic(tokenizer: Any) -> dict[str, Callable[[float], Any]]:
     table["KVzipRanked"] = lambda r: c.KVzip(r, sliding="ranked")
     table["KVzipRecent"] = lambda r: c.KVzip(r, sliding="recent")
     # the question-aware winner's hybrid rule (SnapKV21Hybrid: Ada-KV's floor 0.2, each sliding head's floor its
-    # best-scored slots, the rest its newest), and KVzip+'s normalised score; both chosen before they ran
+    # best-scored slots, the rest its newest; KVzipRecent's choice ignores the scores wherever the full layers stay
+    # whole), and KVzip+'s normalised score; both chosen before they ran
     table["KVzipHybrid"] = lambda r: c.KVzip(r, sliding="recent", floor=0.2)
-    table["KVzipPlusRecent"] = lambda r: c.KVzip(r, sliding="recent", normalize=True)
+    table["KVzipPlus"] = lambda r: c.KVzip(r, normalize=True)
     if hasattr(c, "ChunkKV"):  # the span wrapper, once the library has it
         table["ChunkKV"] = lambda r: c.ChunkKV(policy=c.KVzip(r))
     return table
