@@ -122,19 +122,18 @@ BYTES_SLACK = 0.01  # a run "at 50%" may hold up to 51% of the bytes (rounding t
 
 def best(result: dict, side: str, share: str, entries: bool = False) -> str | None:
     """The run of ``side`` with the highest accuracy at ``share`` kept (None if there is none). kvstate's
-    share is of the bytes: a run that keeps ``share`` of the entries but pads to more bytes is not at
-    ``share``, and one that keeps more of the entries within ``share`` of the bytes is (on Gemma 3 the
-    sliding layers' reserve beyond their window goes first: 58% of the entries is 50% of the bytes).
-    kvpress's is its ``compression_ratio``'s (AdaKV and KVzip mask evicted keys and hold them), and so is
-    kvstate's with ``entries``: kept entries, whatever bytes their padding holds."""
+    share is of the entries the layers read and of the bytes: a run that keeps ``share`` of the entries but
+    pads to more bytes is not at ``share``. One that keeps more of the entries is not either, even where its
+    bytes fit: on Gemma 3 the uncompressed state holds each sliding layer's rollback reserve beyond its
+    window (58% of the entries is 50% of those bytes), which a plain transformers cache does not hold, so
+    the entries are what ``share`` of a plain cache's bytes holds. kvpress's share is its
+    ``compression_ratio``'s (AdaKV and KVzip mask evicted keys and hold them), and so is kvstate's with
+    ``entries``: kept entries, whatever bytes their padding holds."""
     def at(run: str) -> bool:
-        named = run.endswith(f"/{share}")
-        if side != "kvstate" or entries:
-            return named
+        if not run.endswith(f"/{share}"):
+            return False
         held = result["facts"].get(run, {}).get("bytes_held")
-        if held is None:
-            return named
-        return held <= float(share) + BYTES_SLACK and (named or float(run.rsplit("/", 1)[1]) > float(share))
+        return side != "kvstate" or entries or held is None or held <= float(share) + BYTES_SLACK
 
     runs = [r for r in result["accuracy"] if r.startswith(f"{side}/") and "/none/" not in r and at(r)]
     return max(runs, key=lambda r: (result["accuracy"][r], r)) if runs else None

@@ -46,6 +46,8 @@ POLICIES = {
     "pyramid": lambda: PerLayerBudget(0.5, policy=KNorm()),
     "kvzip": lambda: KVzip(0.5, chunk=16),  # the reference method: per head, one ranking; two re-read chunks
     "kvzip_plus": lambda: KVzip(0.5, normalize=True),
+    # the question-agnostic hybrid rule: each sliding head's floor its best-scored slots, the rest its newest
+    "kvzip-hybrid": lambda: KVzip(0.5, chunk=16, sliding="recent", floor=0.2),
     "kvzip_earlier": lambda: KVzip(0.5, prompt=(5, 6), softmax="model", heads=False, scope="layer"),
     "expected": lambda: ExpectedAttention(0.5, future=16),
     "expected_window": lambda: ExpectedAttention(0.5, window=4, future=16, heads=False, scope="layer"),

@@ -272,3 +272,20 @@ def test_smollm2_loads_and_answers_as_plain_generate():
     assert torch.equal(ours, plain), (ours, plain)
     assert "Paris" in tokenizer.decode(ours[0])
 
+
+
+# ---- the summary's choice of the best run at a share -----------------------------------------------------------------
+
+def test_a_kvstate_run_is_at_a_share_only_when_its_entries_and_its_bytes_are(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    best = bench_module("ruler_summary").best
+    result = {"accuracy": {"kvstate/none/1": 0.6, "kvstate/Reserve/0.58": 0.5, "kvstate/Padded/0.5": 0.45,
+                           "kvstate/Plain/0.5": 0.3, "kvpress/Masked/0.5": 0.35},
+              "facts": {"kvstate/Reserve/0.58": {"bytes_held": 0.5}, "kvstate/Padded/0.5": {"bytes_held": 0.69},
+                        "kvstate/Plain/0.5": {"bytes_held": 0.43}}}
+    # 58% of the entries fits 50% of bytes that include a rollback reserve, but not 50% of a plain cache's;
+    # padding to a head's fullest count holds more bytes than the entries kept
+    assert best(result, "kvstate", "0.5") == "kvstate/Plain/0.5"
+    assert best(result, "kvstate", "0.5", entries=True) == "kvstate/Padded/0.5"
+    assert best(result, "kvpress", "0.5") == "kvpress/Masked/0.5"  # kvpress masks and holds every byte
+    assert best(result, "kvstate", "0.25") is None
