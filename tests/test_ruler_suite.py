@@ -273,7 +273,6 @@ def test_smollm2_loads_and_answers_as_plain_generate():
     assert "Paris" in tokenizer.decode(ours[0])
 
 
-
 # ---- the summary's choice of the best run at a share -----------------------------------------------------------------
 
 def test_a_kvstate_run_is_at_a_share_only_when_its_entries_and_its_bytes_are(monkeypatch):
