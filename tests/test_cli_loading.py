@@ -94,6 +94,7 @@ def test_an_impossible_request_is_refused_before_any_weights_load(case, tmp_path
     assert shown in str(info.value) and "fix:" in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("requested", "runs_in"), [("auto", "bfloat16"), ("float32", "float32")])
 def test_verify_runs_a_bf16_folder_in_the_dtype_asked(requested, runs_in, bf16, capsys):
     code = main(["verify", "--model", str(bf16), "--dtype", requested, "--device", "cpu", "--new-tokens", "2",

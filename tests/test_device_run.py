@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 import children
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -25,6 +27,7 @@ def device_run(tmp_path: Path, *args: str) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_the_cpu_trial_of_the_device_run_passes_with_reuse_on_every_warm_row(tmp_path):
     code, output = device_run(tmp_path, "--budget", "400")
     assert code == 0, output
@@ -47,6 +50,7 @@ def test_the_cpu_trial_of_the_device_run_passes_with_reuse_on_every_warm_row(tmp
     assert speed["summary"]["alone_equals_batched"] and speed["summary"]["static_shapes_bitwise"]
 
 
+@pytest.mark.slow
 def test_a_step_past_its_timeout_is_killed_and_the_next_step_runs(tmp_path):
     code, output = device_run(tmp_path, "--budget", "120", "--only", "speed", "--skip", "streams 4",
                               "--stall", "one stream", "--timeout-scale", "0.1")
